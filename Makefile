@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make demo` (the main job on CPU) and `make test` (the whole suite).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall only when the package metadata changes. torch==2.13.0 resolves to the CPU wheel on
+# these machines; constraints.txt pins the versions the suite was verified with.
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,plot]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/l3plugin demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) results .pytest_cache

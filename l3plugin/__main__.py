@@ -1,0 +1,5 @@
+import sys
+
+from l3plugin.cli import main
+
+sys.exit(main())

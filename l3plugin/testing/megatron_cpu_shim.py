@@ -1,0 +1,69 @@
+"""TEST-ONLY: run Megatron-Core 0.16.1's *stock* pipeline schedules on CPU, so tests can compare with them.
+
+The stock schedules hard-code CUDA in a few places (measured in ../shared/notes/upstream-facts.md):
+  schedules.py:596/983/2138      torch.zeros([], dtype=torch.int, device="cuda")   (token counter)
+  p2p_communication.py:313/321   torch.empty(..., device=torch.cuda.current_device())  (receive buffers)
+  p2p_communication.py:398/242   torch.cuda.synchronize()
+Inside ``stock_schedules_on_cpu()`` those two modules see a ``torch`` whose "cuda" device means CPU.
+Nothing else changes. l3plugin's own code never needs this; product code must not import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class _CpuCuda:
+    """Stands in for ``torch.cuda`` inside the patched modules: the current device is the CPU."""
+
+    @staticmethod
+    def current_device():
+        return "cpu"
+
+    @staticmethod
+    def synchronize(*_args, **_kwargs):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch:
+    """Stands in for the ``torch`` module inside the patched modules; maps device="cuda" to CPU."""
+
+    cuda = _CpuCuda()
+
+    @staticmethod
+    def _cpu(kwargs):
+        device = kwargs.get("device")
+        if device is not None and str(device).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return kwargs
+
+    def zeros(self, *args, **kwargs):
+        return torch.zeros(*args, **self._cpu(kwargs))
+
+    def empty(self, *args, **kwargs):
+        return torch.empty(*args, **self._cpu(kwargs))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def stock_schedules_on_cpu():
+    """Within this block Megatron-Core's stock schedules and P2P communication run on CPU tensors."""
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    modules = (schedules, p2p_communication)
+    saved = [m.torch for m in modules]
+    fake = _CpuTorch()
+    try:
+        for m in modules:
+            m.torch = fake
+        yield
+    finally:
+        for m, original in zip(modules, saved):
+            m.torch = original

@@ -1,0 +1,291 @@
+"""Run a function on N CPU ranks (gloo) and get each rank's result back, in rank order.
+
+Worker processes are spawned once per world size and reused for many calls, because importing
+megatron.core and deepspeed costs seconds per process. Every call has a timeout. When a rank raises,
+hangs or dies, the call fails with a message that names the rank, its exception and traceback (or, for
+a hung rank, the Python stack where it hangs), and the pool is rebuilt so the next call starts clean.
+
+    pool = RankPool(world_size=4)
+    results = pool.run(my_module.check_something, arg, timeout=60)   # [rank0_result, rank1_result, ...]
+
+``fn`` must be importable by the workers (a module-level function); its arguments and result must
+pickle. Workers run with OMP_NUM_THREADS=1 and torch.set_num_threads(1): there are only 2 cores.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+
+DEFAULT_TIMEOUT = 120.0
+_POLL = 0.2  # how often the parent checks for dead workers while it waits
+
+
+class DistributedTestError(AssertionError):
+    """A distributed call failed: some rank raised, hung past the timeout, or died."""
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    kind: str  # "raised", "hung" or "died"
+    detail: str
+
+    def __str__(self):
+        return f"--- rank {self.rank} {self.kind} ---\n{self.detail.rstrip()}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reset_framework_state():
+    """Leave no model-parallel state behind for the next call on this worker."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
+
+def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, collective_timeout):
+    # Environment first: torch reads OMP_NUM_THREADS when it is imported.
+    os.environ.update({
+        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    })
+    import faulthandler
+    from datetime import timedelta
+
+    # On SIGUSR1 the parent gets this rank's Python stack: that is how a hang says where it is.
+    stack_fh = open(stack_file, "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_fh, all_threads=True)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=collective_timeout))
+        for module in preload:
+            __import__(module)
+        result_q.put(("ready", rank, True, None))
+    except BaseException:
+        result_q.put(("ready", rank, False, traceback.format_exc()))
+        return
+
+    while True:
+        msg = task_q.get()
+        if msg is None:
+            break
+        task_id, sys_path, payload = msg
+        # The parent's sys.path lets us import test modules that pytest put on it after we started.
+        for entry in sys_path:
+            if entry not in sys.path:
+                sys.path.append(entry)
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+            result = fn(*args, **kwargs)
+            out = (task_id, rank, True, pickle.dumps(result))
+        except BaseException as exc:  # report everything, including SystemExit from user code
+            out = (task_id, rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        finally:
+            try:
+                _reset_framework_state()
+            except Exception:
+                pass
+        result_q.put(out)
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` spawned worker processes joined in one gloo process group."""
+
+    def __init__(self, world_size: int, *, preload: tuple[str, ...] = (), start_timeout: float = 180.0,
+                 grace: float = 5.0):
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} is invalid: must be >= 1")
+        self.world_size = world_size
+        self.preload = tuple(preload)
+        self.start_timeout = start_timeout
+        self.grace = grace  # after one rank fails, how long the others get to report before we give up
+        self._ids = itertools.count()
+        self._procs: list = []
+        self._start()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        self._tmpdir = tempfile.mkdtemp(prefix="l3plugin-ranks-")
+        self._result_q = ctx.Queue()
+        self._task_qs = [ctx.Queue() for _ in range(self.world_size)]
+        port = _free_port()
+        self._procs = []
+        for rank in range(self.world_size):
+            p = ctx.Process(
+                target=_worker_main, name=f"l3plugin-rank{rank}", daemon=True,
+                args=(rank, self.world_size, port, self._task_qs[rank], self._result_q, self.preload,
+                      self._stack_file(rank), max(300.0, self.start_timeout)),
+            )
+            p.start()
+            self._procs.append(p)
+        outcomes = self._collect("ready", self.start_timeout)
+        failures = [f for f in outcomes.values() if isinstance(f, RankFailure)]
+        if failures or len(outcomes) < self.world_size:
+            missing = [r for r in range(self.world_size) if r not in outcomes]
+            failures += self._hang_failures(missing, "start-up", self._why_missing(failures, self.start_timeout))
+            self._kill()
+            raise DistributedTestError(f"could not start {self.world_size} gloo ranks:\n"
+                                       + "\n".join(map(str, failures)))
+
+    def _stack_file(self, rank):
+        return os.path.join(self._tmpdir, f"stack-rank{rank}.txt")
+
+    def _kill(self):
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        for q in [self._result_q, *self._task_qs]:
+            q.cancel_join_thread()
+            q.close()
+        self._procs = []
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def restart(self):
+        self._kill()
+        self._start()
+
+    def close(self):
+        """Stop the workers politely, then for sure."""
+        if not self._procs:
+            return
+        for q in self._task_qs:
+            q.put(None)
+        deadline = time.monotonic() + 10
+        for p in self._procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+        self._kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- calls -----------------------------------------------------------------------------------
+    def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
+        """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        if not self._procs:
+            self._start()
+        task_id = next(self._ids)
+        try:
+            payload = pickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            raise TypeError(f"cannot send {getattr(fn, '__qualname__', fn)!r} to the ranks: {exc}. "
+                            "Use a module-level function and picklable arguments.") from exc
+        for q in self._task_qs:
+            q.put((task_id, list(sys.path), payload))
+        outcomes = self._collect(task_id, timeout)
+        failures = [f for f in outcomes.values() if isinstance(f, RankFailure)]
+        missing = [r for r in range(self.world_size) if r not in outcomes]
+        if failures or missing:
+            failures += self._hang_failures(missing, getattr(fn, "__qualname__", str(fn)),
+                                            self._why_missing(failures, timeout))
+            failures.sort(key=lambda f: (f.kind != "raised", f.rank))
+            self.restart()  # collectives may be half done: never reuse that process group
+            summary = ", ".join(f"rank {f.rank} {f.kind}" for f in failures)
+            raise DistributedTestError(
+                f"{getattr(fn, '__qualname__', fn)} failed on {self.world_size} ranks ({summary}):\n"
+                + "\n".join(map(str, failures)))
+        return [pickle.loads(outcomes[r]) for r in range(self.world_size)]
+
+    def _collect(self, task_id, timeout):
+        """Results by rank: pickled bytes on success, RankFailure on error or death."""
+        outcomes: dict = {}
+        deadline = time.monotonic() + timeout
+        while len(outcomes) < self.world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            try:
+                tid, rank, ok, data = self._result_q.get(timeout=min(_POLL, deadline - now))
+            except queue.Empty:
+                for rank, p in enumerate(self._procs):
+                    if rank not in outcomes and not p.is_alive():
+                        outcomes[rank] = RankFailure(rank, "died", f"process exited with code {p.exitcode}")
+                if any(isinstance(o, RankFailure) for o in outcomes.values()):
+                    deadline = min(deadline, time.monotonic() + self.grace)
+                continue
+            if tid != task_id:
+                continue  # a late answer to an earlier call that we already gave up on
+            outcomes[rank] = data if ok else RankFailure(rank, "raised", data)
+            if not ok:
+                # The others are probably blocked in a collective with this rank; give them a moment.
+                deadline = min(deadline, time.monotonic() + self.grace)
+        return outcomes
+
+    def _why_missing(self, failures, timeout):
+        if failures:
+            return (f"no answer {self.grace:g} s after rank {failures[0].rank} {failures[0].kind}; "
+                    f"probably blocked in a collective with it")
+        return f"no answer within the timeout of {timeout:g} s"
+
+    def _hang_failures(self, ranks, what, why):
+        failures = []
+        for rank in ranks:
+            p = self._procs[rank] if rank < len(self._procs) else None
+            stack = ""
+            if p is not None and p.is_alive():
+                try:
+                    os.kill(p.pid, signal.SIGUSR1)
+                    time.sleep(0.3)
+                    with open(self._stack_file(rank)) as fh:
+                        stack = fh.read()
+                except OSError:
+                    pass
+            failures.append(RankFailure(
+                rank, "hung",
+                f"did not finish {what}: {why}. Where it is:\n{_task_stack(stack) or '(no stack)'}"))
+        return failures
+
+
+def _task_stack(stack: str) -> str:
+    """From a faulthandler dump of all threads, the stack of the thread running the task."""
+    blocks = stack.strip().split("\n\n")
+    task = [b for b in blocks if "_worker_main" in b]
+    return (task[0] if task else stack).strip()
+
+
+class RankPools:
+    """One RankPool per world size, created on first use and kept for the whole test session."""
+
+    def __init__(self, preload: tuple[str, ...] = ()):
+        self.preload = preload
+        self._pools: dict[int, RankPool] = {}
+
+    def pool(self, world_size: int) -> RankPool:
+        if world_size not in self._pools:
+            self._pools[world_size] = RankPool(world_size, preload=self.preload)
+        return self._pools[world_size]
+
+    def run(self, world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
+        return self.pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
+
+    def close(self):
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
