@@ -67,7 +67,11 @@ def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, 
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
     import faulthandler
+    import warnings
     from datetime import timedelta
+
+    # Said once per process by megatron.core on a machine without TE/apex; noise in every test log.
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
     # On SIGUSR1 the parent gets this rank's Python stack: that is how a hang says where it is.
     stack_fh = open(stack_file, "w")
