@@ -1,0 +1,98 @@
+"""All-gather context-parallel attention with document masking (paper §4).
+
+Each CP rank holds two chunks of the packed sequence (see sharding.py). Forward: all-gather K and V over
+the CP group (one collective for both; exposed by design: K/V are small under GQA and the gather is
+O(S) while attention is O(S^2)), then attend this rank's queries to the gathered K/V with the document
+and causal mask. Backward: dq locally; dK and dV of the full sequence are reduce-scattered so every rank
+gets the summed gradient of the tokens it holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from l3plugin.cp.kernels import select_kernel
+from l3plugin.cp.sharding import check_cu_seqlens, document_metadata, shard_indices
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gathered_order(seq_len: int, cp_size: int) -> torch.Tensor:
+    """Global positions of the rank-major concatenation of every rank's local tokens."""
+    return torch.cat([shard_indices(seq_len, cp_size, r) for r in range(cp_size)])
+
+
+class GatherKV(torch.autograd.Function):
+    """k, v [s_local, h, d] in local order -> k, v [S, h, d] in sequence order; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, k, v, group):
+        cp = dist.get_world_size(group)
+        s_local = k.size(0)
+        local = torch.stack([k, v]).contiguous()  # [2, s_local, h, d]: one collective for both
+        # Collectives concatenate along dim 0: [cp * 2, s_local, h, d], viewed as [cp, 2, ...].
+        gathered = torch.empty((cp * 2,) + local.shape[1:], dtype=local.dtype, device=local.device)
+        _all_gather(gathered, local, group=group)
+        gathered = gathered.view((cp,) + local.shape)
+        order = _gathered_order(s_local * cp, cp).to(k.device)
+        # gathered[r] holds rank r's tokens; place every token at its sequence position.
+        flat = gathered.transpose(0, 1).reshape(2, cp * s_local, *k.shape[1:])
+        full = torch.empty_like(flat)
+        full[:, order] = flat
+        ctx.group, ctx.order, ctx.cp = group, order, cp
+        return full[0], full[1]
+
+    @staticmethod
+    def backward(ctx, dk_full, dv_full):
+        grads = torch.stack([dk_full, dv_full])[:, ctx.order]  # rank-major order
+        s_local = grads.size(1) // ctx.cp
+        grads = grads.reshape(2, ctx.cp, s_local, *grads.shape[2:]).transpose(0, 1).contiguous()
+        mine = torch.empty(grads.shape[1:], dtype=grads.dtype, device=grads.device)
+        grads = grads.view(ctx.cp * 2, *grads.shape[2:])
+        _reduce_scatter(mine, grads, group=ctx.group)  # sum over ranks of dK/dV for my tokens
+        return mine[0], mine[1], None
+
+
+def _check_inputs(q, k, v):
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [s_local, heads, head_dim] (THD, one packed sequence); got "
+                         f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.size(0) != k.size(0) or q.size(2) != k.size(2):
+        raise ValueError(f"mismatched shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
+                         f"k and v must be equal and share s_local and head_dim with q")
+    if q.size(1) % k.size(1):
+        raise ValueError(f"heads_kv={k.size(1)} does not divide heads_q={q.size(1)} (GQA needs "
+                         f"heads_q to be a multiple of heads_kv)")
+
+
+def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softmax_scale=None,
+                         kernel="auto"):
+    """Attention of this rank's queries over the whole packed sequence, with document masking.
+
+    q: [s_local, heads_q, head_dim]; k, v: [s_local, heads_kv, head_dim], this rank's tokens in local
+    order (chunk i, then chunk 2*cp-1-i); cu_seqlens: document boundaries over the FULL sequence
+    ([0, ..., S]; [0, S] is one document); group: the CP process group (None or size 1: no CP).
+    Returns [s_local, heads_q, head_dim], differentiable in q, k and v.
+    """
+    _check_inputs(q, k, v)
+    cp = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    seq_len = q.size(0) * cp
+    if q.size(0) % 2:
+        raise ValueError(f"s_local={q.size(0)} must be even: each rank holds two equal chunks "
+                         f"(S must be divisible by 2*cp = {2 * cp})")
+    cu = check_cu_seqlens(cu_seqlens, seq_len)
+    if cp > 1:
+        k_full, v_full = GatherKV.apply(k, v, group)
+    else:
+        # Without CP the local order is still (chunk 0, chunk 1) = sequence order.
+        k_full, v_full = k, v
+    fn = select_kernel(kernel, q)
+    chunk = q.size(0) // 2
+    outs = []
+    for i, meta in enumerate(document_metadata(cu, seq_len, cp, rank, causal=causal)):
+        outs.append(fn(q[i * chunk:(i + 1) * chunk], k_full[:meta.kv_len], v_full[:meta.kv_len], meta,
+                       causal=causal, softmax_scale=softmax_scale))
+    return torch.cat(outs)

@@ -1,0 +1,112 @@
+"""Local attention kernels for one chunk of queries against the gathered K/V prefix.
+
+Every kernel has the same signature:
+    kernel(q, k, v, meta: ChunkDocuments, *, causal, softmax_scale) -> out
+    q: [end - start, heads_q, dim] (the chunk's queries), k/v: [meta.kv_len, heads_kv, dim]
+and is differentiable through autograd. heads_kv must divide heads_q (GQA).
+
+- ``reference``: SDPA with the document (+ causal) mask, in blocks of queries that are recomputed in
+  the backward (checkpointed), so memory stays O(block * kv_len) instead of O(chunk * kv_len). Runs
+  anywhere torch runs; the default on CPU and the ground truth in tests.
+- ``varlen-reference``: loops over the varlen metadata exactly as a GPU varlen kernel reads it (per
+  document, bottom-right causal alignment). Slow; it exists to prove the metadata on CPU.
+- ``flash``: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16), when importable. NOT verified
+  on this project's CPU-only CI.
+``select_kernel("auto", q)`` picks flash for CUDA fp16/bf16 tensors when flash-attn is installed, else
+the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from l3plugin.cp.sharding import ChunkDocuments
+
+DEFAULT_BLOCK = 512
+
+
+def _sdpa(q, k, v, mask, scale):
+    """[s, h, d] layout in and out; boolean mask [sq, sk] (True = attend); GQA by head groups."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, scale=scale, enable_gqa=k.size(1) != q.size(1))
+    return out.transpose(0, 1)
+
+
+def _document_ids(meta: ChunkDocuments, device) -> torch.Tensor:
+    cu = meta.cu_seqlens_kv.to(torch.int64)
+    return torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1]).to(device)
+
+
+def reference_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=None, block_size=None):
+    block_size = block_size or DEFAULT_BLOCK
+    doc_k = _document_ids(meta, q.device)
+    pos_k = torch.arange(meta.kv_len, device=q.device)
+
+    def block(q_blk, k_, v_, first):
+        pos_q = torch.arange(first, first + q_blk.size(0), device=q.device)
+        mask = doc_k[pos_q][:, None] == doc_k[None, :]
+        if causal:
+            mask &= pos_k[None, :] <= pos_q[:, None]
+        return _sdpa(q_blk, k_, v_, mask, softmax_scale)
+
+    outs = []
+    for first in range(0, q.size(0), block_size):
+        q_blk = q[first:first + block_size]
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            outs.append(checkpoint(block, q_blk, k, v, meta.start + first, use_reentrant=False))
+        else:
+            outs.append(block(q_blk, k, v, meta.start + first))
+    return torch.cat(outs)
+
+
+def varlen_reference_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=None):
+    cu_q, cu_k = meta.cu_seqlens_q.tolist(), meta.cu_seqlens_kv.tolist()
+    outs = []
+    for j in range(len(cu_q) - 1):
+        len_q, len_k = cu_q[j + 1] - cu_q[j], cu_k[j + 1] - cu_k[j]
+        if len_q == 0:
+            continue  # a document outside this chunk: the "leading zero" Q length
+        mask = None
+        if causal:  # bottom-right alignment: the last query sees the last key
+            mask = (torch.arange(len_k, device=q.device)[None, :]
+                    <= torch.arange(len_q, device=q.device)[:, None] + (len_k - len_q))
+        outs.append(_sdpa(q[cu_q[j]:cu_q[j + 1]], k[cu_k[j]:cu_k[j + 1]], v[cu_k[j]:cu_k[j + 1]],
+                          mask, softmax_scale))
+    return torch.cat(outs)
+
+
+@functools.lru_cache(maxsize=1)
+def _flash_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # ImportError, or a broken CUDA build raising something else
+        return None
+    return flash_attn_varlen_func
+
+
+def flash_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=None):
+    fn = _flash_varlen()
+    if fn is None:
+        raise RuntimeError("kernel 'flash' needs flash-attn (pip install flash-attn) on a CUDA machine")
+    dev = q.device
+    return fn(q, k, v, meta.cu_seqlens_q.to(dev), meta.cu_seqlens_kv.to(dev), meta.max_seqlen_q,
+              meta.max_seqlen_kv, softmax_scale=softmax_scale, causal=causal)
+
+
+KERNELS = {"reference": reference_kernel, "varlen-reference": varlen_reference_kernel,
+           "flash": flash_kernel}
+
+
+def select_kernel(name: str | None, q: torch.Tensor):
+    """The kernel called ``name``; "auto"/None picks flash where it can run, else the reference."""
+    if name in (None, "auto"):
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None:
+            return flash_kernel
+        return reference_kernel
+    if name not in KERNELS:
+        raise ValueError(f"kernel={name!r} is unknown: choose 'auto' or one of {sorted(KERNELS)}")
+    return KERNELS[name]

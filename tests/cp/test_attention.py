@@ -1,0 +1,136 @@
+"""All-gather CP attention on real gloo ranks against single-process attention with a document mask."""
+
+import pytest
+import torch
+
+from l3plugin.cp.attention import all_gather_attention
+from l3plugin.cp.sharding import shard_indices
+
+S = 48  # divisible by 2*cp for cp in 1..4
+
+
+def layouts(seq_len, seed=0):
+    """Document layouts as cu_seqlens over the full sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    tiny, pos = [0], 0
+    while pos < seq_len:
+        pos = min(seq_len, pos + int(torch.randint(1, 4, (1,), generator=gen)))
+        tiny.append(pos)
+    return {
+        "one-document": [0, seq_len],
+        "many-tiny": tiny,
+        "crossing-every-border": [0] + list(range(5, seq_len, 6)) + [seq_len],  # chunk is 6 at cp=4
+        "longer-than-a-chunk": [0, 3, 30, 41, seq_len],
+    }
+
+
+def reference(q, k, v, cu, causal, scale=None):
+    """Single-process attention over the whole sequence with an explicit block-diagonal (causal) mask."""
+    doc = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.diff(torch.tensor(cu)))
+    mask = doc[:, None] == doc[None, :]
+    if causal:
+        mask &= torch.arange(q.size(0))[None, :] <= torch.arange(q.size(0))[:, None]
+    rep = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * (scale or q.size(-1) ** -0.5)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def make_inputs(dtype, heads_q, heads_kv, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(S, h, 8, generator=gen, dtype=torch.float64) for h in (heads_q, heads_kv, heads_kv))
+    grad_out = torch.randn(S, heads_q, 8, generator=gen, dtype=torch.float64)
+    return [t.to(dtype) for t in (q, k, v, grad_out)]
+
+
+CASES = [(dtype, causal, heads, kernel)
+         for dtype in (torch.float64, torch.float32) for causal in (True, False)
+         for heads, kernel in (((4, 4), "reference"), ((4, 2), "reference"), ((4, 2), "varlen-reference"))]
+
+
+def cp_attention_errors(block_size):
+    """On every rank: max abs error of out, dq, dk, dv vs the reference, for every case and layout."""
+    import torch.distributed as dist
+
+    from l3plugin.cp import kernels
+
+    kernels.DEFAULT_BLOCK = block_size
+    group = dist.group.WORLD
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    idx = shard_indices(S, cp, rank)
+    errors = {}
+    for dtype, causal, (hq, hkv), kernel in CASES:
+        q, k, v, g = make_inputs(dtype, hq, hkv)
+        for name, cu in layouts(S).items():
+            ref_in = [t.detach().clone().to(torch.float64).requires_grad_() for t in (q, k, v)]
+            ref_out = reference(*ref_in, cu, causal)
+            ref_out.backward(g.to(torch.float64))
+            local = [t[idx].detach().clone().requires_grad_() for t in (q, k, v)]
+            out = all_gather_attention(*local, torch.tensor(cu), group=group, causal=causal, kernel=kernel)
+            out.backward(g[idx])
+            pairs = [(out, ref_out[idx])] + [(a.grad, b.grad[idx]) for a, b in zip(local, ref_in)]
+            errors[(str(dtype), causal, hq, hkv, kernel, name)] = max(
+                float((x.to(torch.float64) - y).abs().max()) for x, y in pairs)
+    return errors
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_matches_single_process_attention(ranks, cp):
+    results = ranks.run(cp, cp_attention_errors, 5, timeout=240)  # block 5: several blocks per chunk
+    for rank, errors in enumerate(results):
+        assert len(errors) == len(CASES) * 4
+        for (dtype, causal, hq, hkv, kernel, layout), err in errors.items():
+            tol = 1e-12 if dtype == "torch.float64" else 1e-5
+            assert err < tol, f"cp={cp} rank={rank} {dtype} causal={causal} heads={hq}/{hkv} {kernel} {layout}: {err}"
+
+
+def bad_input_messages():
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    q = torch.randn(8, 4, 8)
+    calls = {
+        "s-not-divisible": lambda: all_gather_attention(torch.randn(7, 4, 8), torch.randn(7, 2, 8),
+                                                        torch.randn(7, 2, 8), [0, 14], group=group),
+        "cu-start": lambda: all_gather_attention(q, q, q, [2, 16], group=group),
+        "cu-end": lambda: all_gather_attention(q, q, q, [0, 15], group=group),
+        "cu-increasing": lambda: all_gather_attention(q, q, q, [0, 9, 5, 16], group=group),
+        "gqa": lambda: all_gather_attention(q, torch.randn(8, 3, 8), torch.randn(8, 3, 8), [0, 16], group=group),
+        "shapes": lambda: all_gather_attention(q, torch.randn(6, 4, 8), torch.randn(6, 4, 8), [0, 16], group=group),
+        "rank-2": lambda: all_gather_attention(q[0], q[0], q[0], [0, 16], group=group),
+        "kernel": lambda: all_gather_attention(q, q, q, [0, 16], group=group, kernel="fast"),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_bad_input_names_the_problem(ranks):
+    messages = ranks.run(2, bad_input_messages, timeout=60)[0]
+    assert "must be even" in messages["s-not-divisible"]
+    assert "must start at 0" in messages["cu-start"]
+    assert "must end at the full sequence length S=16" in messages["cu-end"]
+    assert "strictly increasing" in messages["cu-increasing"]
+    assert "heads_kv=3 does not divide heads_q=4" in messages["gqa"]
+    assert "mismatched shapes" in messages["shapes"]
+    assert "must be [s_local, heads, head_dim]" in messages["rank-2"]
+    assert "kernel='fast' is unknown" in messages["kernel"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn kernel needs a CUDA GPU (none here)")
+def test_flash_kernel_matches_reference_on_gpu():
+    from l3plugin.cp.kernels import _flash_varlen
+
+    if _flash_varlen() is None:
+        pytest.skip("flash-attn is not installed")
+    q, k, v, _ = (t.cuda().to(torch.bfloat16) for t in make_inputs(torch.float32, 4, 2))
+    cu = torch.tensor(layouts(S)["crossing-every-border"])
+    ours = all_gather_attention(q, k, v, cu, kernel="flash").float()
+    ref = reference(q.double(), k.double(), v.double(), cu.tolist(), True).float()
+    assert (ours - ref).abs().max() < 2e-2

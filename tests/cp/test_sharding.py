@@ -1,0 +1,64 @@
+"""CP sharding and varlen metadata, pure (no processes)."""
+
+import pytest
+import torch
+
+from l3plugin.cp.sharding import (document_metadata, local_chunks, position_ids_per_document,
+                                  shard_batch, shard_indices)
+
+
+def test_shard_indices_load_balanced_layout():
+    assert shard_indices(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert shard_indices(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    for cp in (1, 2, 3, 4):
+        allpos = torch.cat([shard_indices(48, cp, r) for r in range(cp)])
+        assert sorted(allpos.tolist()) == list(range(48))
+        # Causal work (number of (q, k<=q) pairs) is equal on every rank.
+        work = [int((shard_indices(48, cp, r) + 1).sum()) for r in range(cp)]
+        assert len(set(work)) == 1
+
+
+def test_paper_example_documents_3_3_8_2_cp2():
+    cu = torch.tensor([0, 3, 6, 14, 16])
+    r0c0, r0c3 = document_metadata(cu, 16, 2, 0)
+    r1c1, r1c2 = document_metadata(cu, 16, 2, 1)
+    # Rank 1, chunk 1 = tokens 4..7: K/V [0, 8); document 0 has no query here (leading zero),
+    # tokens 4 and 5 belong to document 1 and attend to all three of its tokens.
+    assert (r1c1.start, r1c1.end, r1c1.kv_len) == (4, 8, 8)
+    assert r1c1.cu_seqlens_kv.tolist() == [0, 3, 6, 8]
+    assert r1c1.cu_seqlens_q.tolist() == [0, 0, 2, 4]
+    assert (r1c1.max_seqlen_q, r1c1.max_seqlen_kv) == (2, 3)
+    # Rank 1, chunk 2 = tokens 8..11, all inside document 2 = [6, 14), cut at 12 for K/V.
+    assert r1c2.cu_seqlens_kv.tolist() == [0, 3, 6, 12] and r1c2.cu_seqlens_q.tolist() == [0, 0, 0, 4]
+    # Rank 0: chunk 0 = tokens 0..3, chunk 3 = tokens 12..15.
+    assert r0c0.cu_seqlens_kv.tolist() == [0, 3, 4] and r0c0.cu_seqlens_q.tolist() == [0, 3, 4]
+    assert r0c3.cu_seqlens_kv.tolist() == [0, 3, 6, 14, 16]
+    assert r0c3.cu_seqlens_q.tolist() == [0, 0, 0, 2, 4]
+    assert r0c3.cu_seqlens_q.dtype == torch.int32
+    # Non-causal: K/V are the whole sequence, Q lengths have trailing zeros too.
+    nc = document_metadata(cu, 16, 2, 1, causal=False)[0]
+    assert nc.kv_len == 16 and nc.cu_seqlens_q.tolist() == [0, 0, 2, 4, 4]
+
+
+def test_shard_batch_and_position_ids():
+    cu = torch.tensor([0, 3, 6, 14, 16])
+    pos = position_ids_per_document(cu, 16)
+    assert pos.tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    batch = {"tokens": torch.arange(32).view(2, 16), "position_ids": pos.expand(2, 16), "cu_seqlens": cu}
+    local = shard_batch(batch, 2, 1)
+    assert local["tokens"][1].tolist() == [20, 21, 22, 23, 24, 25, 26, 27]
+    assert local["position_ids"][0].tolist() == [1, 2, 0, 1, 2, 3, 4, 5]
+    assert local["cu_seqlens"] is cu
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: shard_indices(18, 2, 0), "seq_len=18 is not divisible by 2\\*cp_size = 4"),
+    (lambda: shard_indices(16, 2, 2), "cp_rank=2 is out of range: must be in 0..1"),
+    (lambda: local_chunks(16, 0, 0), "cp_size=0 is out of range"),
+    (lambda: document_metadata([1, 16], 16, 2, 0), "must start at 0"),
+    (lambda: document_metadata([0, 15], 16, 2, 0), "must end at the full sequence length S=16"),
+    (lambda: document_metadata([0, 8, 8, 16], 16, 2, 0), "strictly increasing"),
+])
+def test_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
