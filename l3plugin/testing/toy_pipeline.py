@@ -31,18 +31,14 @@ def make_microbatches(num_microbatches: int, seq_length: int, micro_batch_size: 
 
 def split_layers(num_layers: int, num_stages: int, layers_per_stage: list[int] | None = None):
     """Layer ids of each virtual stage; even split unless ``layers_per_stage`` is given."""
+    from l3plugin.schedule.layers import layer_ranges, layers_per_virtual_stage
+
     if layers_per_stage is None:
-        if num_layers % num_stages:
-            raise ValueError(f"num_layers={num_layers} is not divisible by the {num_stages} virtual "
-                             f"stages; pass layers_per_stage for an uneven split")
-        layers_per_stage = [num_layers // num_stages] * num_stages
+        layers_per_stage = layers_per_virtual_stage(num_layers, num_stages)
     if len(layers_per_stage) != num_stages or sum(layers_per_stage) != num_layers:
         raise ValueError(f"layers_per_stage={layers_per_stage} must have {num_stages} entries "
                          f"summing to num_layers={num_layers}")
-    bounds = [0]
-    for n in layers_per_stage:
-        bounds.append(bounds[-1] + n)
-    return [list(range(bounds[s], bounds[s + 1])) for s in range(num_stages)]
+    return [list(r) for r in layer_ranges(layers_per_stage)]
 
 
 class ToyChunk(nn.Module):
@@ -106,11 +102,14 @@ def build_chunks(config, *, num_layers, hidden, pp_rank, pp_size, vpp_size=1, la
     return chunks
 
 
-def serial_reference(microbatches, *, num_layers, hidden, seed=0, dtype=torch.float32):
-    """Losses and per-layer gradients of the whole model run microbatch by microbatch in one process."""
+def serial_reference(microbatches, *, num_layers, hidden, seed=0, dtype=torch.float32, loss_divisor=None):
+    """Losses and per-layer gradients of the whole model run microbatch by microbatch in one process.
+
+    ``loss_divisor`` (default: the number of microbatches) lets a prefix of a step be reproduced.
+    """
     chunk = ToyChunk(None, range(num_layers), hidden, is_first=True, is_last=True, seed=seed, dtype=dtype)
     losses = []
-    m = len(microbatches)
+    m = loss_divisor or len(microbatches)
     for batch in microbatches:
         loss, _ = mse_loss_func(batch["y"], chunk(batch["x"]))
         losses.append(loss.detach().clone())

@@ -1,0 +1,89 @@
+"""Switching Megatron training scripts to the flexible schedule: the flag and the patch of
+``get_forward_backward_func``.
+
+``add_arguments(parser)`` adds ``--pipeline-schedule {default,flexible}``; it is a valid
+``extra_args_provider`` and ``chain_extra_args(existing)`` combines it with one a script already passes.
+``install()`` (idempotent) makes every ``get_forward_backward_func`` name Megatron's training loop reads
+return ``forward_backward_pipelining_flexible`` when the flexible schedule is selected and pp > 1:
+``megatron.core.pipeline_parallel.get_forward_backward_func``, ``...schedules.get_forward_backward_func``
+and ``megatron.training.training.get_forward_backward_func`` (imported there as a module global).
+"""
+
+from __future__ import annotations
+
+import sys
+
+SCHEDULES = ("default", "flexible")
+_state = {"stock": None, "schedule": None}
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("l3plugin")
+    group.add_argument(
+        "--pipeline-schedule", choices=SCHEDULES, default="default",
+        help="'flexible': l3plugin's interleaved 1F1B for any number of microbatches and any "
+             "--microbatch-group-size-per-virtual-pipeline-stage in 1..M (k < PP runs "
+             "all-forward-all-backward). 'default': Megatron's stock schedules.")
+    return parser
+
+
+def chain_extra_args(existing=None):
+    """An extra_args_provider that runs ``existing`` (if any) and then adds l3plugin's flags."""
+    def provider(parser):
+        if existing is not None:
+            parser = existing(parser)
+        return add_arguments(parser)
+    return provider
+
+
+def selected_schedule() -> str:
+    """The schedule chosen by install(schedule=...) or, failing that, by Megatron-LM's parsed args."""
+    if _state["schedule"] is not None:
+        return _state["schedule"]
+    training_globals = sys.modules.get("megatron.training.global_vars")
+    args = getattr(training_globals, "_GLOBAL_ARGS", None)
+    return getattr(args, "pipeline_schedule", "default") or "default"
+
+
+def get_forward_backward_func(pp_size=None, vp_size=None, *args, **kwargs):
+    """Megatron's selector, answering the flexible schedule when it is selected and pp > 1."""
+    if selected_schedule() == "flexible":
+        if pp_size is None:
+            from megatron.core import parallel_state
+
+            pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        if pp_size > 1:
+            from l3plugin.megatron.pipeline import forward_backward_pipelining_flexible
+
+            return forward_backward_pipelining_flexible
+    return _state["stock"](pp_size, vp_size, *args, **kwargs)
+
+
+def install(schedule: str | None = None):
+    """Patch Megatron's get_forward_backward_func names. ``schedule`` fixes the choice; None reads
+    ``--pipeline-schedule`` from Megatron-LM's args at call time. Safe to call more than once."""
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is invalid: choose one of {SCHEDULES}")
+    import megatron.core.pipeline_parallel as pipeline_parallel
+    from megatron.core.pipeline_parallel import schedules
+
+    if _state["stock"] is None:
+        _state["stock"] = schedules.get_forward_backward_func
+    _state["schedule"] = schedule
+    targets = [pipeline_parallel, schedules, sys.modules.get("megatron.training.training")]
+    for module in targets:
+        if module is not None and hasattr(module, "get_forward_backward_func"):
+            module.get_forward_backward_func = get_forward_backward_func
+
+
+def uninstall():
+    """Restore Megatron's own selector everywhere install() patched it."""
+    if _state["stock"] is None:
+        return
+    import megatron.core.pipeline_parallel as pipeline_parallel
+    from megatron.core.pipeline_parallel import schedules
+
+    for module in (pipeline_parallel, schedules, sys.modules.get("megatron.training.training")):
+        if module is not None and getattr(module, "get_forward_backward_func", None) is get_forward_backward_func:
+            module.get_forward_backward_func = _state["stock"]
+    _state["stock"], _state["schedule"] = None, None

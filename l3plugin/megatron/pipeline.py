@@ -1,0 +1,220 @@
+"""The flexible interleaved 1F1B schedule as a Megatron-Core ``forward_backward_func``.
+
+``forward_backward_pipelining_flexible`` takes exactly the keyword arguments of Megatron-Core's
+forward_backward functions (and ignores unknown future ones). It runs the per-rank order of
+``l3plugin.schedule.build_schedule`` with Megatron's own building blocks: ``forward_step`` and
+``backward_step``, ``deallocate_output_tensor``, ``config.no_sync_func`` / ``grad_sync_func`` /
+``finalize_model_grads_func``, forward-only evaluation and ``collect_non_loss_data``.
+
+Differences from the stock interleaved schedule, all deliberate:
+- any m >= 1 and any k in 1..m (k from ``config.microbatch_group_size_per_vp_stage``, default p);
+  k < p runs all-forward-all-backward, a last group smaller than p is fine;
+- P2P goes through ``l3plugin.schedule.comm`` (device taken from the model, receives posted in the
+  sender's order), not Megatron's P2PCommunicator, whose receive buffers hard-code CUDA and whose batched
+  pp=2 path can silently swap activations and gradients;
+- grad-sync hooks run right after the chunk's last backward (stock delays them by the pipeline rank),
+  and a new per-round hook ``config.round_grad_sync_func(chunk_id, params, round_id, is_last_round)``
+  runs after the last backward of every (chunk, round of k microbatches): ZeRO-2 reduce-scatters there.
+Chunks are opaque: uneven layers per stage need nothing here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from l3plugin.schedule.comm import PipelineChannels
+from l3plugin.schedule.plan import BACKWARD, FORWARD, RankPlan, Schedule, build_schedule
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_schedule(pp, vpp, m, k) -> Schedule:
+    return build_schedule(pp, vpp, m, k)
+
+
+def forward_only_schedule(schedule: Schedule) -> Schedule:
+    """The same forward order with every backward removed (evaluation)."""
+    import dataclasses
+
+    ranks = []
+    for plan in schedule.ranks:
+        forwards = tuple(a for a in plan.actions if a.op == FORWARD)
+        ranks.append(RankPlan(plan.rank, len(forwards), forwards))
+    return dataclasses.replace(schedule, ranks=tuple(ranks))
+
+
+def _process_groups(p2p_communicator, pg_collection):
+    """(pp, tp, cp, pg_collection) from the caller's objects, else from parallel_state (as stock does)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if pg_collection is not None:
+        return pg_collection.pp, pg_collection.tp, pg_collection.cp, pg_collection
+    pg = ProcessGroupCollection()
+    pg.pp = p2p_communicator.pp_group if p2p_communicator is not None else ps.get_pipeline_model_parallel_group()
+    pg.tp = ps.get_tensor_model_parallel_group()
+    pg.cp = ps.get_context_parallel_group()
+    pg.embd = ps.get_embedding_group(check_initialized=False)
+    pg.pos_embd = ps.get_position_embedding_group(check_initialized=False)
+    pg.dp_cp = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+    return pg.pp, pg.tp, pg.cp, pg
+
+
+def _model_device(model) -> torch.device:
+    for chunk in model:
+        for param in chunk.parameters():
+            return param.device
+    return torch.device("cpu")
+
+
+def forward_backward_pipelining_flexible(
+    *, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
+    decoder_seq_length=None, forward_only=False, collect_non_loss_data=False, first_val_step=None,
+    adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None, force_all_reduce=False,
+    **_future_kwargs,
+):
+    """Run one training (or evaluation) step with the flexible interleaved 1F1B schedule.
+
+    Returns the forward data store (losses on the last stage, empty elsewhere), like Megatron.
+    """
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel.schedules import (
+        backward_step, check_first_val_step, deallocate_output_tensor, forward_step)
+    from megatron.core.utils import get_model_config, get_model_type
+
+    model = model if isinstance(model, list) else [model]
+    data_iterator = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(model)
+    if len(data_iterator) != len(model):
+        raise ValueError(f"data_iterator has {len(data_iterator)} entries but model has {len(model)} "
+                         f"chunks: pass one iterator per model chunk")
+    config = get_model_config(model[0])
+    if adjust_tensor_shapes_fn is not None or getattr(config, "variable_seq_lengths", False):
+        raise NotImplementedError("the flexible schedule sends fixed [seq, batch, hidden] tensors: "
+                                  "adjust_tensor_shapes_fn and variable_seq_lengths are not supported")
+    pp_group, tp_group, cp_group, pg_collection = _process_groups(p2p_communicator, pg_collection)
+    p, r, v = pp_group.size(), pp_group.rank(), len(model)
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches!r} is out of range: must be an integer >= 1")
+    k = config.microbatch_group_size_per_vp_stage
+    k = p if k is None else k
+    if k == p and num_microbatches < p:
+        k = num_microbatches  # Megatron's default k = p: fewer microbatches than that make one group
+    try:
+        schedule = _cached_schedule(p, v, num_microbatches, k)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (group_size is config.microbatch_group_size_per_vp_stage, set by "
+                         f"--microbatch-group-size-per-virtual-pipeline-stage)") from None
+    if forward_only:
+        schedule = forward_only_schedule(schedule)
+    plan = schedule.ranks[r]
+    grad_sync_points = plan.grad_sync_points()
+    round_ends = schedule.round_end_points(r)
+
+    seq = (decoder_seq_length or seq_length) // cp_group.size()
+    if config.sequence_parallel:
+        seq //= tp_group.size()
+    channels = PipelineChannels(
+        schedule, r, dist.get_process_group_ranks(pp_group), pp_group,
+        shape=(seq, micro_batch_size, config.hidden_size), dtype=config.pipeline_dtype,
+        device=_model_device(model))
+    model_type = get_model_type(model[0])
+    free_output = functools.partial(deallocate_output_tensor,
+                                    deallocate_pipeline_outputs=config.deallocate_pipeline_outputs)
+
+    # Gradient synchronisation: off except during each chunk's last backward (Megatron's DDP contract).
+    no_sync_func = config.no_sync_func
+    if isinstance(no_sync_func, list):
+        funcs = no_sync_func
+
+        def no_sync_func():
+            stack = contextlib.ExitStack()
+            for f in funcs:
+                stack.enter_context(f())
+            return stack
+    no_sync_func = no_sync_func or contextlib.nullcontext
+    grad_sync_func = config.grad_sync_func
+    if grad_sync_func is not None and not isinstance(grad_sync_func, list):
+        grad_sync_func = [grad_sync_func] * v
+    round_sync_func = getattr(config, "round_grad_sync_func", None)
+    no_sync_context = None
+
+    def disable_grad_sync():
+        nonlocal no_sync_context
+        if no_sync_context is None and not forward_only:
+            no_sync_context = no_sync_func()
+            no_sync_context.__enter__()
+
+    def enable_grad_sync():
+        nonlocal no_sync_context
+        if no_sync_context is not None:
+            no_sync_context.__exit__(None, None, None)
+            no_sync_context = None
+
+    if config.finalize_model_grads_func is not None and not forward_only:
+        from megatron.core.pipeline_parallel.schedules import clear_embedding_activation_buffer
+        embedding_module = clear_embedding_activation_buffer(config, model, r == p - 1)
+    if config.timers is not None:
+        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+
+    disable_grad_sync()
+    forward_data_store = []
+    total_num_tokens = None
+    saved = {}  # (microbatch, chunk) -> (input tensor, output tensor) kept for the backward
+    first_forward_seen = set()
+    for index, action in enumerate(plan.actions):
+        recv_msg, send_msg = schedule.action_messages(r, action)
+        mb, c = action.microbatch, action.chunk
+        if action.op == FORWARD:
+            stage = schedule.stage_of(r, c)
+            input_tensor = None if recv_msg is None else channels.recv(
+                recv_msg, schedule.owner_of(recv_msg.src_stage)[0])
+            output_tensor, num_tokens = forward_step(
+                forward_step_func, data_iterator[c], model[c], num_microbatches, input_tensor,
+                forward_data_store, config, cp_group_size=cp_group.size(),
+                collect_non_loss_data=collect_non_loss_data,
+                is_first_microbatch=check_first_val_step(first_val_step, forward_only,
+                                                         c not in first_forward_seen),
+                current_microbatch=mb, vp_stage=c if v > 1 else None,
+                is_last_stage=stage == schedule.num_stages - 1)
+            first_forward_seen.add(c)
+            total_num_tokens = (num_tokens.clone() if total_num_tokens is None
+                                else total_num_tokens + num_tokens.to(total_num_tokens.device))
+            if send_msg is not None:
+                channels.send(send_msg, output_tensor, schedule.owner_of(send_msg.dst_stage)[0],
+                              on_complete=free_output if not forward_only else None)
+            if not forward_only:
+                saved[(mb, c)] = (input_tensor, output_tensor, send_msg)
+        else:
+            input_tensor, output_tensor, sent = saved.pop((mb, c))
+            if sent is not None:
+                channels.wait_sent(sent)  # the output must be sent (and freed) before its backward
+            output_grad = None if recv_msg is None else channels.recv(
+                recv_msg, schedule.owner_of(recv_msg.src_stage)[0])
+            last_for_chunk = index in grad_sync_points
+            if last_for_chunk and grad_sync_func is None:
+                enable_grad_sync()  # DDP hooks reduce during this backward
+            input_grad = backward_step(input_tensor, output_tensor, output_grad, model_type, config)
+            if round_sync_func is not None and index in round_ends:
+                enable_grad_sync()
+                round_sync_func(c, model[c].parameters(), schedule.round_of(mb), last_for_chunk)
+            if last_for_chunk:
+                if grad_sync_func is not None:
+                    enable_grad_sync()
+                    grad_sync_func[c](model[c].parameters())
+            disable_grad_sync()
+            if send_msg is not None:
+                channels.send(send_msg, input_grad, schedule.owner_of(send_msg.dst_stage)[0])
+    channels.finish()
+    enable_grad_sync()
+
+    if not forward_only and config.finalize_model_grads_func is not None:
+        from megatron.core.pipeline_parallel.schedules import finish_embedding_wgrad_compute
+        finish_embedding_wgrad_compute(config, embedding_module, r == p - 1, tp_group)
+        config.finalize_model_grads_func(
+            model, total_num_tokens if config.calculate_per_token_loss else None,
+            pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    if config.timers is not None:
+        config.timers("forward-backward").stop()
+    return forward_data_store

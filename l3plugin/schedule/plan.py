@@ -1,0 +1,346 @@
+"""Planning layer of the flexible interleaved 1F1B pipeline schedule (Llama 3 paper, 3.1.1).
+
+Pure Python: no torch, no processes.  A :class:`Schedule` lists, for every pipeline rank,
+the exact order of forward ("F") and backward ("B") steps over (microbatch, model chunk).
+
+Terms (the paper's notation):
+    p = pp_size, v = vpp_size (model chunks per rank), m = num_microbatches,
+    k = group_size (consecutive microbatches a virtual stage processes per round).
+Virtual stage ``s = chunk * p + rank``; stage s lives on rank ``s % p``, chunk ``s // p``.
+
+Order of steps (same as Megatron-Core's interleaved schedule where Megatron accepts the config):
+    * the "virtual microbatch" table: groups of k microbatches; inside a group, for each chunk
+      0..v-1, every microbatch of the group (the last group may be smaller);
+    * the i-th forward uses ``table[i]``; the i-th backward uses ``table[i]`` with the chunk
+      mirrored (v-1-c), because backward walks the stages in reverse;
+    * ``warmup`` forwards, then pairs (one forward, one backward), then the remaining backwards.
+
+Warm-up count per rank r:
+    * k >= p, v > 1 : ``2*(p-r-1) + (v-1)*k`` (Megatron's formula; for k > p this is the paper's
+      ``(k-p)*(v-1)`` extra in-flight microbatches compared to k = p);
+    * k >= p, v = 1 : ``p-r-1`` (Megatron's non-interleaved 1F1B);
+    * k < p         : all ``m*v`` forwards (the paper's all-forward-all-backward fallback);
+    always capped at ``m*v``.
+One deviation, only where stock Megatron rejects the config: with a final group of s < p
+microbatches the ``2*(p-r-1)`` term is capped at ``s + k``, since the uncapped formula deadlocks
+for some such configs (see :func:`warmup_count`).  :func:`validate` replays every plan; the tests
+run it exhaustively on small grids and by property tests on larger ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORWARD = "F"
+BACKWARD = "B"
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute step on a rank. ``chunk`` is the local model chunk index (0..v-1)."""
+
+    op: str  # "F" or "B"
+    microbatch: int
+    chunk: int
+
+    def to_dict(self) -> dict:
+        return {"op": self.op, "microbatch": self.microbatch, "chunk": self.chunk}
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    warmup: int  # forwards run before the first backward (steady-state pairs start after)
+    actions: tuple[Action, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank,
+            "warmup": self.warmup,
+            "actions": [a.to_dict() for a in self.actions],
+        }
+
+    def grad_sync_points(self) -> frozenset[int]:
+        """Indices (into ``actions``) of the last backward of each chunk on this rank.
+
+        After that backward the chunk's gradients are final, so the executor may start the
+        data-parallel gradient all-reduce / reduce-scatter of that chunk there.
+        """
+        last: dict[int, int] = {}
+        for index, action in enumerate(self.actions):
+            if action.op == BACKWARD:
+                last[action.chunk] = index
+        return frozenset(last.values())
+
+    def peak_inflight(self) -> int:
+        """Max over time of (forwards done - backwards done): activation memory in chunks."""
+        inflight = peak = 0
+        for action in self.actions:
+            inflight += 1 if action.op == FORWARD else -1
+            peak = max(peak, inflight)
+        return peak
+
+
+@dataclass(frozen=True)
+class Message:
+    """A point-to-point tensor: an activation (sent by F) or an input gradient (sent by B)."""
+
+    kind: str  # "activation" or "grad"
+    microbatch: int
+    src_stage: int
+    dst_stage: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    pp: int
+    vpp: int
+    microbatches: int
+    group_size: int
+    ranks: tuple[RankPlan, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "pp": self.pp,
+            "vpp": self.vpp,
+            "microbatches": self.microbatches,
+            "group_size": self.group_size,
+            "ranks": [r.to_dict() for r in self.ranks],
+        }
+
+    # ---- stage geometry -------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vpp
+
+    def stage_of(self, rank: int, chunk: int) -> int:
+        return chunk * self.pp + rank
+
+    def owner_of(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) that runs virtual stage ``stage``."""
+        return stage % self.pp, stage // self.pp
+
+    # ---- executor helpers -----------------------------------------------------------------
+    def round_of(self, microbatch: int) -> int:
+        """Index of the group (round) of k consecutive microbatches ``microbatch`` belongs to."""
+        return microbatch // self.group_size
+
+    def round_end_points(self, rank: int) -> frozenset[int]:
+        """Indices of the last backward of each (chunk, round) on ``rank``.
+
+        A round is the k consecutive microbatches one chunk processes in one group; its last
+        backward is where a ZeRO-2 executor reduce-scatters that chunk's accumulated gradients.
+        The final round of a chunk coincides with its grad-sync point.
+        """
+        last: dict[tuple[int, int], int] = {}
+        for index, action in enumerate(self.ranks[rank].actions):
+            if action.op == BACKWARD:
+                last[(action.chunk, self.round_of(action.microbatch))] = index
+        return frozenset(last.values())
+
+    def action_messages(self, rank: int, action: Action) -> tuple[Message | None, Message | None]:
+        """(message the action must receive first, message it sends when done); None if none."""
+        stage = self.stage_of(rank, action.chunk)
+        first, last = stage == 0, stage == self.num_stages - 1
+        mb = action.microbatch
+        if action.op == FORWARD:
+            recv = None if first else Message("activation", mb, stage - 1, stage)
+            send = None if last else Message("activation", mb, stage, stage + 1)
+        else:
+            recv = None if last else Message("grad", mb, stage + 1, stage)
+            send = None if first else Message("grad", mb, stage, stage - 1)
+        return recv, send
+
+    def channel_messages(self) -> dict[tuple[int, int], tuple[Message, ...]]:
+        """For each directed rank pair (src, dst): the messages src sends, in src's action order.
+
+        The executor posts its receives from src in exactly this order, which keeps sends and
+        receives matched even when one peer gets both activations and grads (e.g. pp=2).
+        With pp=1 and vpp>1 the only channel is (0, 0): a rank handing tensors to itself.
+        """
+        channels: dict[tuple[int, int], list[Message]] = {}
+        for plan in self.ranks:
+            for action in plan.actions:
+                _, send = self.action_messages(plan.rank, action)
+                if send is not None:
+                    dst = self.owner_of(send.dst_stage)[0]
+                    channels.setdefault((plan.rank, dst), []).append(send)
+        return {pair: tuple(msgs) for pair, msgs in channels.items()}
+
+
+# ---- construction -------------------------------------------------------------------------
+def _check_int(name: str, value, low: int, high: int | None = None, high_name: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} is not an integer")
+    if high is None and value < low:
+        raise ValueError(f"{name}={value} is out of range: must be >= {low}")
+    if high is not None and not low <= value <= high:
+        raise ValueError(
+            f"{name}={value} is out of range: must be in {low}..{high_name} (={high})"
+        )
+
+
+def virtual_microbatch_table(num_microbatches: int, vpp: int, group_size: int):
+    """[(microbatch, chunk)] in the order the forwards run (Megatron's ``get_schedule_table``)."""
+    table = []
+    for group_start in range(0, num_microbatches, group_size):
+        group = range(group_start, min(group_start + group_size, num_microbatches))
+        table.extend((mb, chunk) for chunk in range(vpp) for mb in group)
+    return table
+
+
+def warmup_count(pp: int, vpp: int, num_microbatches: int, group_size: int, rank: int) -> int:
+    """Forwards a rank runs before its first backward (see module docstring)."""
+    total = num_microbatches * vpp
+    if group_size < pp:
+        return total  # all-forward-all-backward (paper: k < p degrades to AFAB)
+    if vpp == 1:
+        return min(pp - rank - 1, total)
+    # Megatron's extra term is 2*(p-r-1).  With a final group of s < p microbatches (which
+    # Megatron rejects) it can deadlock: rank 0's forward of the final group's chunk c+1
+    # needs rank p-1's forward of chunk c, which rank p-1 only runs after a backward that
+    # itself waits for a backward rank 0 runs after that forward.  That cycle closes exactly
+    # when W_0 - W_{p-1} > s + k (e.g. p=4, v=3, m=5, k=4).  Capping the extra term at s + k
+    # keeps every rank's warm-up <= Megatron's, is a no-op whenever the final group is full or
+    # has s >= p (then s + k >= 2p > 2(p-1)), and was faster and used less memory than raising
+    # the later ranks' warm-up instead in simulation.
+    final_group = num_microbatches % group_size or group_size
+    extra = min(2 * (pp - rank - 1), final_group + group_size)
+    return min(extra + (vpp - 1) * group_size, total)
+
+
+def build_schedule(pp_size: int, vpp_size: int, num_microbatches: int, group_size=None) -> Schedule:
+    """Build and validate the flexible interleaved 1F1B schedule.
+
+    ``group_size`` (k) defaults to ``min(pp_size, num_microbatches)``: Megatron's default k=p,
+    clipped so that m < p still works (k must be in 1..m).
+    """
+    _check_int("pp_size", pp_size, 1)
+    _check_int("vpp_size", vpp_size, 1)
+    _check_int("num_microbatches", num_microbatches, 1)
+    if group_size is None:
+        group_size = min(pp_size, num_microbatches)
+    _check_int("group_size", group_size, 1, num_microbatches, "num_microbatches")
+
+    table = virtual_microbatch_table(num_microbatches, vpp_size, group_size)
+    total = len(table)
+    forwards = [Action(FORWARD, mb, chunk) for mb, chunk in table]
+    backwards = [Action(BACKWARD, mb, vpp_size - 1 - chunk) for mb, chunk in table]
+    ranks = []
+    for rank in range(pp_size):
+        warmup = warmup_count(pp_size, vpp_size, num_microbatches, group_size, rank)
+        actions = list(forwards[:warmup])
+        for i in range(total - warmup):  # steady state: one forward, then one backward
+            actions += [forwards[warmup + i], backwards[i]]
+        actions += backwards[total - warmup:]  # cool-down
+        ranks.append(RankPlan(rank, warmup, tuple(actions)))
+    schedule = Schedule(pp_size, vpp_size, num_microbatches, group_size, tuple(ranks))
+    validate(schedule)
+    return schedule
+
+
+# ---- validation ---------------------------------------------------------------------------
+class ScheduleError(ValueError):
+    """The plan is malformed or deadlocks under the executor's protocol."""
+
+
+def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
+    """Replay all ranks under the executor protocol; return [(rank, action index)] in a
+    dependency-respecting global order.
+
+    Protocol: each rank runs its actions in order; sends never block (unbounded buffering);
+    an action waits until its input message has been sent; a backward also needs its own
+    forward (same rank) to have run.  Raises :class:`ScheduleError` on deadlock.
+    """
+    sent: set[Message] = set()
+    done_forwards: list[set[tuple[int, int]]] = [set() for _ in schedule.ranks]
+    cursor = [0] * schedule.pp
+    order: list[tuple[int, int]] = []
+    waiting_for: dict[Message, int] = {}  # message -> rank blocked on it
+    ready = list(range(schedule.pp))  # ranks that may be able to advance
+
+    def blocker(rank: int) -> str | None:
+        action = schedule.ranks[rank].actions[cursor[rank]]
+        recv, _ = schedule.action_messages(rank, action)
+        if recv is not None and recv not in sent:
+            return f"waits for {recv.kind} of microbatch {recv.microbatch} from stage {recv.src_stage}"
+        if action.op == BACKWARD and (action.microbatch, action.chunk) not in done_forwards[rank]:
+            return "its own forward has not run"
+        return None
+
+    # Run each rank until it blocks; a blocked rank is woken when its message is sent, so the
+    # replay costs O(actions) instead of sweeping all ranks repeatedly.
+    while ready:
+        rank = ready.pop()
+        actions = schedule.ranks[rank].actions
+        while cursor[rank] < len(actions):
+            action = actions[cursor[rank]]
+            recv, send = schedule.action_messages(rank, action)
+            if recv is not None and recv not in sent:
+                waiting_for[recv] = rank
+                break
+            if action.op == BACKWARD and (action.microbatch, action.chunk) not in done_forwards[rank]:
+                break  # can never be satisfied: the forward comes later on this very rank
+            if send is not None:
+                sent.add(send)
+                if send in waiting_for:
+                    ready.append(waiting_for.pop(send))
+            if action.op == FORWARD:
+                done_forwards[rank].add((action.microbatch, action.chunk))
+            order.append((rank, cursor[rank]))
+            cursor[rank] += 1
+    stuck = [r for r in range(schedule.pp) if cursor[r] < len(schedule.ranks[r].actions)]
+    if stuck:
+        lines = [
+            f"rank {r} stuck at action #{cursor[r]} {schedule.ranks[r].actions[cursor[r]]}: "
+            f"{blocker(r)}"
+            for r in stuck
+        ]
+        raise ScheduleError(
+            f"deadlock in schedule pp={schedule.pp} vpp={schedule.vpp} "
+            f"microbatches={schedule.microbatches} group_size={schedule.group_size}:\n  "
+            + "\n  ".join(lines)
+        )
+    return order
+
+
+def validate(schedule: Schedule) -> None:
+    """Check a schedule: completeness, message matching and deadlock freedom.
+
+    * every rank runs each (F, mb, chunk) and (B, mb, chunk) exactly once;
+    * every message sent is received by exactly one action and every received message is sent
+      (F(mb,s) after F(mb,s-1), B(mb,s) after B(mb,s+1) hold because the message carries them);
+    * B(mb, s) runs after F(mb, s) on the same rank;
+    * the replay terminates (no deadlock).
+    Raises :class:`ScheduleError` (a ValueError) describing the first problem found.
+    """
+    expected = {
+        Action(op, mb, chunk)
+        for op in (FORWARD, BACKWARD)
+        for mb in range(schedule.microbatches)
+        for chunk in range(schedule.vpp)
+    }
+    if len(schedule.ranks) != schedule.pp:
+        raise ScheduleError(f"expected {schedule.pp} rank plans, got {len(schedule.ranks)}")
+    received: dict[Message, int] = {}
+    sent: set[Message] = set()
+    for rank, plan in enumerate(schedule.ranks):
+        if plan.rank != rank:
+            raise ScheduleError(f"rank plan #{rank} says rank={plan.rank}")
+        if len(plan.actions) != len(expected) or set(plan.actions) != expected:
+            missing = sorted(map(str, expected - set(plan.actions)))[:5]
+            raise ScheduleError(
+                f"rank {rank} does not run every F and B exactly once "
+                f"({len(plan.actions)} actions, expected {len(expected)}; missing e.g. {missing})"
+            )
+        for action in plan.actions:
+            recv, send = schedule.action_messages(rank, action)
+            if recv is not None:
+                received[recv] = received.get(recv, 0) + 1
+            if send is not None:
+                sent.add(send)
+    twice = [m for m, n in received.items() if n != 1]
+    if twice or set(received) != sent:
+        problem = twice[:3] or sorted(map(str, set(received) ^ sent))[:3]
+        raise ScheduleError(f"messages not matched one-to-one, e.g. {problem}")
+    execution_order(schedule)

@@ -1,0 +1,78 @@
+"""A tiny Megatron-Core GPTModel on CPU (local layer spec + l3plugin's CP attention) with weights that
+depend only on each parameter's global name, so any TP/CP/PP split holds the same numbers as one piece.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import torch
+
+VOCAB = 64
+
+
+def gpt_config(num_layers=4, hidden=32, heads=4, kv_heads=2, pp=1, vpp=None, cp=1, k=None, **kwargs):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=kv_heads,
+        use_cpu_initialization=True, pipeline_dtype=torch.float32, attention_dropout=0.0,
+        hidden_dropout=0.0, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp, microbatch_group_size_per_vp_stage=k, batch_p2p_comm=False,
+        deallocate_pipeline_outputs=True, **kwargs)
+
+
+def global_name(chunk, name: str) -> str:
+    """Parameter name in the whole model: local decoder layer index -> global layer number."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(chunk.decoder.layers[int(parts[2])].layer_number - 1)
+    return ".".join(parts)
+
+
+def deterministic_init(chunk):
+    with torch.no_grad():
+        for name, param in chunk.named_parameters():
+            gen = torch.Generator().manual_seed(zlib.crc32(global_name(chunk, name).encode()))
+            values = torch.randn(param.shape, generator=gen, dtype=torch.float64) * 0.05
+            param.copy_(values + (1.0 if "layernorm.weight" in name else 0.0))
+
+
+def build_gpt(config, *, pre_process=True, post_process=True, vp_stage=None, seq_len=16, **model_kwargs):
+    from megatron.core.models.gpt import GPTModel
+
+    from l3plugin.megatron.attention import gpt_layer_spec_with_cp_attention
+
+    model = GPTModel(config, gpt_layer_spec_with_cp_attention(), vocab_size=VOCAB,
+                     max_sequence_length=seq_len, pre_process=pre_process, post_process=post_process,
+                     share_embeddings_and_output_weights=False, vp_stage=vp_stage, **model_kwargs)
+    deterministic_init(model)
+    return model
+
+
+def named_grads(chunks) -> dict[str, torch.Tensor]:
+    return {global_name(ch, n): p.grad.clone() for ch in chunks for n, p in ch.named_parameters()}
+
+
+def microbatches(m, micro_batch_size, seq_len, seed=11):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(m):
+        tokens = torch.randint(0, VOCAB, (micro_batch_size, seq_len + 1), generator=gen)
+        mask = (torch.rand(micro_batch_size, seq_len, generator=gen) > 0.2).float()
+        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask,
+                    "position_ids": torch.arange(seq_len).expand(micro_batch_size, seq_len)})
+    return out
+
+
+def loss_func(loss_mask, per_token_loss):
+    loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    """Megatron forward_step_func for the batches of ``microbatches``."""
+    batch = next(data_iterator)
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return out, functools.partial(loss_func, batch["loss_mask"])

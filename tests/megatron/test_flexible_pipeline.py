@@ -1,0 +1,209 @@
+"""The flexible schedule on real gloo ranks: bit-identical to a serial run and to stock Megatron."""
+
+import pytest
+import torch
+
+from l3plugin.testing import toy_pipeline as toy
+
+HIDDEN, SEQ, MBS = 8, 4, 2
+
+
+def toy_config(pp, vpp, num_layers, group_size):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=1,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        pipeline_dtype=torch.float32, microbatch_group_size_per_vp_stage=group_size,
+        batch_p2p_comm=False, deallocate_pipeline_outputs=True)
+
+
+def run_pipeline(pp, vpp, m, k, num_layers, layers_per_stage=None, stock=False, forward_only=False):
+    """On every rank: one step of the flexible (or stock) schedule; this rank's grads and losses."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from l3plugin.megatron import forward_backward_pipelining_flexible
+    from l3plugin.mesh import init_mesh
+    from l3plugin.testing.megatron_cpu_shim import stock_schedules_on_cpu
+
+    mesh = init_mesh(pp=pp, vpp=vpp if vpp > 1 else None)
+    config = toy_config(pp, vpp, num_layers, k)
+    chunks = toy.build_chunks(config, num_layers=num_layers, hidden=HIDDEN, pp_rank=mesh.coords["pp"],
+                              pp_size=pp, vpp_size=vpp, layers_per_stage=layers_per_stage)
+    batches = toy.make_microbatches(m, SEQ, MBS, HIDDEN)
+    kwargs = dict(forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks],
+                  model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS,
+                  forward_only=forward_only)
+    if stock:
+        with stock_schedules_on_cpu():
+            out = get_forward_backward_func()(**kwargs)
+    else:
+        out = forward_backward_pipelining_flexible(**kwargs)
+    grads = {}
+    if not forward_only:
+        for chunk in chunks:
+            grads.update(chunk.grads())
+    return {"losses": [d["loss"] for d in out], "grads": grads}
+
+
+def assert_matches_serial(results, m, num_layers):
+    ref_losses, ref_grads = toy.serial_reference(toy.make_microbatches(m, SEQ, MBS, HIDDEN),
+                                                 num_layers=num_layers, hidden=HIDDEN)
+    grads = {}
+    for r in results:
+        grads.update(r["grads"])
+    assert sorted(grads) == list(range(num_layers))
+    for lid, (w, b) in ref_grads.items():
+        assert torch.equal(grads[lid][0], w) and torch.equal(grads[lid][1], b), f"layer {lid} differs"
+    losses = results[-1]["losses"]
+    assert len(losses) == m and all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+
+
+GRID = [
+    # (p, v, m, k)         what it covers
+    (2, 1, 5, 2),          # v=1, k=p: Megatron's 1F1B
+    (2, 2, 4, 2),          # k=p interleaved, pp=2 (the same-peer hazard)
+    (2, 2, 3, 1),          # k<p: all-forward-all-backward, pp=2
+    (2, 2, 7, 3),          # k>p, m not a multiple of k (last group of 1 < p)
+    (2, 3, 1, 1),          # m<p with v=3
+    (4, 1, 3, 3),          # m<p, v=1
+    (4, 2, 9, 4),          # k=p, m=9: a last group of 1 (stock refuses)
+    (4, 2, 8, 6),          # k>p: extra warm-up
+    (4, 3, 6, 2),          # k<p, v=3
+    (4, 2, 2, 2),          # m<p with virtual stages
+]
+
+
+@pytest.mark.parametrize("p,v,m,k", GRID, ids=[f"p{p}v{v}m{m}k{k}" for p, v, m, k in GRID])
+def test_flexible_matches_serial_bitwise(ranks, p, v, m, k):
+    layers = 2 * p * v
+    results = ranks.run(p, run_pipeline, p, v, m, k, layers, timeout=120)
+    assert_matches_serial(results, m, layers)
+
+
+def test_uneven_layers_per_stage(ranks):
+    # One fewer layer on the first and the last stage, as the paper does for embedding and output.
+    p, v, m, k = 4, 2, 6, 4
+    split = [1, 2, 2, 2, 2, 2, 2, 1]
+    results = ranks.run(p, run_pipeline, p, v, m, k, sum(split), split, timeout=120)
+    assert_matches_serial(results, m, sum(split))
+
+
+STOCK_GRID = [(2, 1, 4, 2), (2, 2, 4, 2), (2, 2, 6, 3), (4, 2, 8, 4), (4, 2, 10, 5)]
+
+
+@pytest.mark.parametrize("p,v,m,k", STOCK_GRID, ids=[f"p{p}v{v}m{m}k{k}" for p, v, m, k in STOCK_GRID])
+def test_flexible_matches_stock_megatron_bitwise(ranks, p, v, m, k):
+    layers = 2 * p * v
+    ours = ranks.run(p, run_pipeline, p, v, m, k, layers, timeout=120)
+    stock = ranks.run(p, run_pipeline, p, v, m, k, layers, None, True, timeout=120)
+    for a, b in zip(ours, stock):
+        assert a["grads"].keys() == b["grads"].keys()
+        for lid in a["grads"]:
+            assert all(torch.equal(x, y) for x, y in zip(a["grads"][lid], b["grads"][lid]))
+        assert all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"]))
+
+
+def test_forward_only_returns_the_losses(ranks):
+    p, v, m, k = 2, 2, 5, 2
+    results = ranks.run(p, run_pipeline, p, v, m, k, 8, None, False, True, timeout=120)
+    ref_losses, _ = toy.serial_reference(toy.make_microbatches(m, SEQ, MBS, HIDDEN), num_layers=8,
+                                         hidden=HIDDEN)
+    assert results[0]["losses"] == [] and all(torch.equal(a, b) for a, b in zip(results[-1]["losses"], ref_losses))
+
+
+def bad_input_message(num_microbatches, group_size):
+    """Returns the executor's error for bad input (raised before any communication, on every rank)."""
+    try:
+        run_pipeline(2, 2, num_microbatches, group_size, 8)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("m,k,message", [
+    (0, 2, "num_microbatches=0 is out of range: must be an integer >= 1"),
+    (4, 5, "group_size=5 is out of range: must be in 1..num_microbatches (=4)"),
+    (4, 0, "group_size=0 is out of range: must be in 1..num_microbatches (=4)"),
+])
+def test_bad_input_names_parameter_value_and_range(ranks, m, k, message):
+    for text in ranks.run(2, bad_input_message, m, k, timeout=60):
+        assert text is not None and message in text, text
+
+
+def run_with_sync_hooks(p, v, m, k):
+    """Records when the schedule calls grad_sync_func / round_grad_sync_func and enables DDP sync."""
+    import contextlib
+
+    from l3plugin.megatron import forward_backward_pipelining_flexible
+    from l3plugin.mesh import init_mesh
+
+    mesh = init_mesh(pp=p, vpp=v if v > 1 else None)
+    layers = 2 * p * v
+    config = toy_config(p, v, layers, k)
+    chunks = toy.build_chunks(config, num_layers=layers, hidden=HIDDEN, pp_rank=mesh.coords["pp"],
+                              pp_size=p, vpp_size=v)
+    record = {"grad_sync": [], "rounds": [], "accumulations": {c: [] for c in range(v)}}
+    state = {"sync": True}
+
+    @contextlib.contextmanager
+    def no_sync():
+        state["sync"] = False
+        try:
+            yield
+        finally:
+            state["sync"] = True
+
+    def grads_of(c):
+        return {lid: g for lid, g in chunks[c].grads().items()}
+
+    def grad_sync(c):
+        return lambda params: record["grad_sync"].append((c, grads_of(c)))
+
+    def round_sync(c, params, round_id, is_last_round):
+        record["rounds"].append((c, round_id, is_last_round, grads_of(c)))
+
+    for c, chunk in enumerate(chunks):
+        chunk.layers[0].weight.register_post_accumulate_grad_hook(
+            lambda param, c=c: record["accumulations"][c].append(state["sync"]))
+    config.no_sync_func = no_sync
+    config.round_grad_sync_func = round_sync
+    batches = toy.make_microbatches(m, SEQ, MBS, HIDDEN)
+    kwargs = dict(forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks],
+                  model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+    forward_backward_pipelining_flexible(**kwargs)  # DDP-style: no grad_sync_func
+    ddp_accumulations = {c: list(flags) for c, flags in record["accumulations"].items()}
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
+    record["rounds"].clear()
+    config.grad_sync_func = [grad_sync(c) for c in range(v)]
+    kwargs["data_iterator"] = [iter(batches) for _ in chunks]
+    forward_backward_pipelining_flexible(**kwargs)
+    del record["accumulations"]
+    record["ddp_accumulations"] = ddp_accumulations
+    return record
+
+
+@pytest.mark.parametrize("p,v,m,k", [(2, 2, 7, 3), (4, 2, 6, 2)], ids=["k>p", "k<p"])
+def test_grad_sync_hooks_fire_at_chunk_and_round_ends(ranks, p, v, m, k):
+    results = ranks.run(p, run_with_sync_hooks, p, v, m, k, timeout=120)
+    batches = toy.make_microbatches(m, SEQ, MBS, HIDDEN)
+    num_rounds = -(-m // k)
+    for rec in results:
+        # DDP contract: gradient sync is enabled only while the chunk's last microbatch accumulates.
+        for c, flags in rec["ddp_accumulations"].items():
+            assert flags == [False] * (m - 1) + [True], (c, flags)
+        # grad_sync_func: once per chunk, when its gradients are final.
+        assert sorted(c for c, _ in rec["grad_sync"]) == list(range(v))
+        # round hook: every (chunk, round) once; the chunk's gradients then hold exactly the
+        # microbatches of rounds 0..j (bitwise equal to a serial prefix).
+        assert sorted((c, j) for c, j, _, _ in rec["rounds"]) == [(c, j) for c in range(v) for j in range(num_rounds)]
+        for c, j, is_last, grads in rec["rounds"]:
+            assert is_last == (j == num_rounds - 1)
+            _, ref = toy.serial_reference(batches[: min(m, (j + 1) * k)], num_layers=2 * p * v,
+                                          hidden=HIDDEN, loss_divisor=m)
+            for lid, (w, b) in grads.items():
+                assert torch.equal(w, ref[lid][0]) and torch.equal(b, ref[lid][1]), (c, j, lid)
+        for c, grads in rec["grad_sync"]:
+            _, ref = toy.serial_reference(batches, num_layers=2 * p * v, hidden=HIDDEN)
+            assert all(torch.equal(w, ref[lid][0]) for lid, (w, _) in grads.items())

@@ -1,0 +1,56 @@
+"""Switching Megatron to the flexible schedule: the flag, install() and the launcher."""
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from megatron.core import pipeline_parallel
+from megatron.core.pipeline_parallel import schedules
+
+import l3plugin.megatron as l3m
+
+SCRIPT = Path(__file__).parent.parent / "data" / "print_selected_schedule.py"
+
+
+def test_flag_and_chained_provider():
+    def existing(parser):
+        parser.add_argument("--modelopt-thing", type=int, default=3)
+        return parser
+
+    parser = l3m.chain_extra_args(existing)(argparse.ArgumentParser())
+    args = parser.parse_args(["--pipeline-schedule", "flexible", "--modelopt-thing", "5"])
+    assert args.pipeline_schedule == "flexible" and args.modelopt_thing == 5
+    assert parser.parse_args([]).pipeline_schedule == "default"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--pipeline-schedule", "fast"])
+
+
+def test_install_is_idempotent_and_reversible():
+    stock = schedules.get_forward_backward_func
+    try:
+        l3m.install("flexible")
+        l3m.install("flexible")
+        for selector in (pipeline_parallel.get_forward_backward_func, schedules.get_forward_backward_func):
+            assert selector(pp_size=2, vp_size=2) is l3m.forward_backward_pipelining_flexible
+            assert selector(pp_size=4, vp_size=None) is l3m.forward_backward_pipelining_flexible
+            assert selector(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
+        l3m.install("default")
+        assert schedules.get_forward_backward_func(pp_size=2, vp_size=2) is \
+            schedules.forward_backward_pipelining_with_interleaving
+        with pytest.raises(ValueError, match="schedule='fast' is invalid"):
+            l3m.install("fast")
+    finally:
+        l3m.uninstall()
+    assert schedules.get_forward_backward_func is stock and pipeline_parallel.get_forward_backward_func is stock
+
+
+@pytest.mark.parametrize("flag,expected", [(["--pipeline-schedule", "flexible"], "forward_backward_pipelining_flexible"),
+                                           ([], "forward_backward_pipelining_with_interleaving")])
+def test_launcher_runs_a_script_with_the_plugin(flag, expected):
+    out = subprocess.run([sys.executable, "-m", "l3plugin.megatron.launch", str(SCRIPT), "--lr", "0.1", *flag],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert f"selected: {expected}" in out
+    assert "selected-pp1: forward_backward_no_pipelining" in out
+    assert "argv: ['--lr', '0.1']" in out  # our flag is consumed when Megatron-LM is not installed
