@@ -1,0 +1,17 @@
+"""4D parallelism planner (Llama 3 paper, section 5): TP, CP, PP and DP sizes, the pipeline schedule
+(vpp, k) and the ZeRO stage from a model, a cluster and a batch.
+
+    models.py     presets and JSON model files       costs.py    memory / communication / time model
+    schedules.py  cached schedule builds/simulations search.py   enumeration and best-first ranking
+    report.py     table, reasons, JSON, Megatron-LM and DeepSpeed configs
+    cli.py        ``add_plan_parser`` for ``l3plugin plan``
+"""
+
+from .cli import add_plan_parser, run_plan
+from .costs import Hardware, Layout
+from .models import PRESETS, ModelSpec, load_model
+from .schedules import ScheduleCache
+from .search import NoPlanFits, PlanRequest, enumerate_layouts, evaluate, plan
+
+__all__ = ["Hardware", "Layout", "ModelSpec", "NoPlanFits", "PRESETS", "PlanRequest", "ScheduleCache",
+           "add_plan_parser", "enumerate_layouts", "evaluate", "load_model", "plan", "run_plan"]

@@ -1,0 +1,228 @@
+"""Per-GPU memory, communication and time of one layout; the schedule supplies in-flight counts.
+
+Units: memory in GiB (2**30 bytes, as torch reports it; --hbm-gb is read the same way), communication
+volumes in GB (1e9 bytes) sent per GPU per step.
+
+Memory (bytes per GPU, per pipeline rank):
+    P = parameters of the rank's virtual stages / TP (input embedding on stage 0, output layer and
+        final norm on the last stage); g = DP x CP (CP ranks hold the same weights: CP extends DP).
+    weights      2 P            bf16 copy used by forward/backward (ZeRO-1/2 never shard it)
+    gradients    ZeRO-1: 4 P    fp32 accumulation buffer kept across all microbatches, reduce-scattered
+                                in place once per step
+                 ZeRO-2: 4 min(P, 2 C) + 4 P / g
+                                fp32 buffers of at most two chunks (C = largest chunk's params): the one
+                                whose round is accumulating and the previous one being reduce-scattered,
+                                freed after its round; plus the fp32 shard the rounds accumulate into
+    optimizer    12 P / g       fp32 master weights and Adam's two moments, sharded over DP x CP
+    activations  sum over in-flight (microbatch, chunk) forwards of that chunk's activation bytes,
+                 at the schedule's worst moment (see search.py), with per microbatch per GPU:
+                   per layer  2 B n (6h + 2kv + 3f) / TP + 4 B n heads / TP
+                              n = micro_batch * seq / CP tokens; bf16 tensors saved for backward by
+                              Megatron's default layer (no recomputation, flash attention, sequence
+                              parallel): the two norm inputs and outputs (4h), Q, K, V (h + 2kv), the
+                              attention output (h), gate and up (2f), the SwiGLU output (f); fp32
+                              softmax statistics per head
+                   CP > 1     + the all-gathered K and V of the whole sequence for the local heads,
+                              kept for backward: 2 B * 2 * micro_batch * seq * (CP-1)/CP * kv / TP
+                   last stage + final-norm input and output (2 B n 2h / TP) and the logits, bf16 and
+                              fp32 for the loss (6 B n V / TP)
+                   stage 0    nothing: the embedding's backward needs only the token ids
+    Headroom (``Hardware``): 2 GiB for the CUDA context and NCCL buffers plus 5% of HBM for allocator
+    fragmentation and the transient tensors of the layer being computed; the rest is usable.
+
+Time of one step (seconds; only comparisons between layouts are meant to be trusted):
+    A virtual stage's forward = its FLOPs / (TP x CP x peak x efficiency) + its TP collectives (2
+    all-gathers and 2 reduce-scatters per layer with sequence parallelism, fully exposed, paper 5.2)
+    + its CP K/V all-gather (fully exposed); backward = twice the FLOPs + the mirrored collectives.
+    step = max over PP ranks of busy time x (1 + bubble) + exposed DP time, where the bubble ratio
+    comes from simulating the schedule with the mean stage times and P2P latency = message / link
+    bandwidth (so P2P that k > p hides is not counted), and DP traffic (all-gather bf16 weights +
+    reduce-scatter fp32 gradients; ZeRO-2 reduce-scatters once per round) overlaps compute: exposed
+    is what exceeds the compute time plus the last chunk's share, which has nothing left to hide behind.
+Links: a group whose ranks all sit in one node uses NVLink bandwidth, otherwise the network.
+Defaults (``Hardware``) describe an H100 cluster like the paper's: 989 dense BF16 TFLOPs at 50%,
+300 GB/s NVLink and 40 GB/s RoCE achieved per GPU, 20 us per collective or P2P message.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .models import ModelSpec
+
+GIB = float(2**30)
+BF16, FP32 = 2, 4
+
+
+@dataclass(frozen=True)
+class Hardware:
+    peak_tflops: float = 989.0  # H100 SXM dense BF16
+    compute_efficiency: float = 0.5  # fraction of peak GEMMs reach end to end
+    intra_node_gbps: float = 300.0  # GB/s per GPU that NVLink collectives achieve
+    inter_node_gbps: float = 40.0  # GB/s per GPU: the paper's 50 GB/s RoCE at ~80%
+    latency_s: float = 20e-6  # per collective / P2P message
+    reserved_gb: float = 2.0  # CUDA context and NCCL communicator buffers
+    fragmentation_fraction: float = 0.05  # allocator fragmentation and transient tensors
+
+    def usable_bytes(self, hbm_gb: float) -> float:
+        return max(0.0, hbm_gb * (1.0 - self.fragmentation_fraction) - self.reserved_gb) * GIB
+
+    def headroom_text(self) -> str:
+        return f"{self.fragmentation_fraction:.0%} + {self.reserved_gb:g} GiB headroom"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes, schedule knobs and layer split of one candidate (ZeRO stage chosen separately)."""
+
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    vpp: int
+    group_size: int  # k
+    microbatches: int  # m per DP group
+    layers: tuple[int, ...]  # per virtual stage s = chunk * pp + rank
+    split: str  # "even", "fewer-first-last", "fewer-first" or "fewer-last"
+
+    @property
+    def schedule_name(self) -> str:
+        if self.pp == 1:
+            return "no-pipeline"
+        if self.group_size < self.pp:
+            return "all-forward-all-backward"
+        return "interleaved-1f1b" if self.vpp > 1 else "1f1b"
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [chunk * self.pp + rank for chunk in range(self.vpp)]
+
+    def layers_per_rank(self) -> list[int]:
+        return [sum(self.layers[s] for s in self.stages_of(r)) for r in range(self.pp)]
+
+
+def chunk_class(chunk: int, vpp: int) -> int:
+    """0: the rank's first chunk, 2: its last chunk (vpp > 1), 1: any other. Only stage 0 (rank 0,
+    chunk 0) and the last stage (rank pp-1, chunk vpp-1) differ from the rest, so these three
+    classes describe every rank's activation weights."""
+    if chunk == 0:
+        return 0
+    return 2 if chunk == vpp - 1 else 1
+
+
+class LayoutCosts:
+    """Everything about a layout that does not need the schedule."""
+
+    def __init__(self, model: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: int,
+                 gpus_per_node: int, hw: Hardware):
+        self.model, self.layout, self.hw = model, layout, hw
+        L, m, h = layout, model, model.hidden_size
+        self.num_stages = L.pp * L.vpp
+        last = self.num_stages - 1
+        tokens = micro_batch_size * seq_len / L.cp  # per GPU per microbatch
+        # --- activations per microbatch per GPU
+        self.act_layer = (BF16 * tokens * (6 * h + 2 * m.kv_dim + 3 * m.ffn_hidden_size) / L.tp
+                          + FP32 * tokens * m.num_attention_heads / L.tp)
+        if L.cp > 1:
+            self.act_layer += BF16 * 2 * micro_batch_size * seq_len * (L.cp - 1) / L.cp * m.kv_dim / L.tp
+        self.act_head = (BF16 * tokens * 2 * h + (BF16 + FP32) * tokens * m.vocab_size) / L.tp
+        self.stage_act = [L.layers[s] * self.act_layer + (self.act_head if s == last else 0.0)
+                          for s in range(self.num_stages)]
+        # --- parameters per GPU
+        self.stage_params = [(L.layers[s] * m.layer_params + (m.embedding_params if s == 0 else 0)
+                              + (m.output_params if s == last else 0)) / L.tp
+                             for s in range(self.num_stages)]
+        self.rank_params = [sum(self.stage_params[s] for s in L.stages_of(r)) for r in range(L.pp)]
+        self.grad_group = L.dp * L.cp
+        # --- links: TP is always inside a node; the others depend on how far apart their ranks are
+        intra, inter = hw.intra_node_gbps * 1e9, hw.inter_node_gbps * 1e9
+        self.cp_bw = intra if L.tp * L.cp <= gpus_per_node else inter
+        self.pp_bw = intra if L.tp * L.cp * L.pp <= gpus_per_node else inter
+        dp_span = L.tp * L.cp * (L.pp * L.dp if L.dp > 1 else 1)
+        self.dp_bw = intra if dp_span <= gpus_per_node else inter
+        # --- communication per microbatch (bytes per GPU, ring collectives move (g-1)/g)
+        tp_frac = (L.tp - 1) / L.tp
+        self.tp_bytes_per_collective = tp_frac * tokens * h * BF16
+        self.cp_bytes_per_collective = ((L.cp - 1) / L.cp * 2 * micro_batch_size * seq_len
+                                        * m.kv_dim / L.tp * BF16)
+        self.p2p_bytes = tokens * h / L.tp * BF16  # sequence-parallel activation (or its gradient)
+        self.tp_collective_s = (hw.latency_s + self.tp_bytes_per_collective / (intra)) if L.tp > 1 else 0.0
+        self.cp_collective_s = (hw.latency_s + self.cp_bytes_per_collective / self.cp_bw) if L.cp > 1 else 0.0
+        self.p2p_s = (hw.latency_s + self.p2p_bytes / self.pp_bw) if L.pp > 1 else 0.0
+        # --- per-microbatch stage times: forward and backward, compute plus exposed TP/CP collectives
+        rate = hw.peak_tflops * 1e12 * hw.compute_efficiency * L.tp * L.cp
+        layer_fwd = m.layer_forward_flops(seq_len) * micro_batch_size / rate
+        head_fwd = m.output_forward_flops(seq_len) * micro_batch_size / rate
+        layer_comm = 4 * self.tp_collective_s + self.cp_collective_s  # per direction
+        self.stage_fwd, self.stage_bwd = [], []
+        for s in range(self.num_stages):
+            n = L.layers[s]
+            comm = n * layer_comm + (self.tp_collective_s if s == last else 0.0)
+            compute = n * layer_fwd + (head_fwd if s == last else 0.0)
+            self.stage_fwd.append(compute + comm)
+            self.stage_bwd.append(2 * compute + comm)
+        self.rank_busy = [L.microbatches * sum(self.stage_fwd[s] + self.stage_bwd[s] for s in L.stages_of(r))
+                          for r in range(L.pp)]
+        self.mean_fwd = sum(self.stage_fwd) / self.num_stages
+        self.mean_bwd = sum(self.stage_bwd) / self.num_stages
+
+    # ---- memory ---------------------------------------------------------------------------------
+    def class_weights(self, rank: int) -> tuple[float, float, float]:
+        """Activation bytes per in-flight microbatch of the rank's chunk classes (see chunk_class)."""
+        stages = self.layout.stages_of(rank)
+        middle = self.stage_act[stages[1]] if len(stages) > 2 else 0.0
+        return (self.stage_act[stages[0]], middle, self.stage_act[stages[-1]])
+
+    def activation_bytes(self, rank: int, frontier) -> float:
+        """Worst in-flight activations of a rank; ``frontier`` lists (class 0, 1, 2) in-flight counts."""
+        w = self.class_weights(rank)
+        return max(n0 * w[0] + n1 * w[1] + n2 * w[2] for n0, n1, n2 in frontier)
+
+    def static_bytes(self, rank: int, zero_stage: int) -> dict[str, float]:
+        P, g = self.rank_params[rank], self.grad_group
+        if zero_stage == 1:
+            grads = FP32 * P
+        else:
+            largest_chunk = max(self.stage_params[s] for s in self.layout.stages_of(rank))
+            grads = FP32 * min(P, 2 * largest_chunk) + FP32 * P / g
+        return {"weights": BF16 * P, "gradients": grads, "optimizer": 3 * FP32 * P / g}
+
+    # ---- communication --------------------------------------------------------------------------
+    def reduce_scatters(self, zero_stage: int) -> int:
+        """Gradient reduce-scatters per chunk per step: once (ZeRO-1) or once per round (ZeRO-2)."""
+        L = self.layout
+        return 1 if zero_stage == 1 else math.ceil(L.microbatches / L.group_size)
+
+    def comm_bytes(self, rank: int, zero_stage: int) -> dict[str, float]:
+        """Bytes each GPU of PP rank ``rank`` sends per step, per dimension."""
+        L, last = self.layout, self.num_stages - 1
+        layers = sum(L.layers[s] for s in L.stages_of(rank))
+        has_head = last in L.stages_of(rank)
+        tp = L.microbatches * (8 * layers + 2 * has_head) * self.tp_bytes_per_collective
+        cp = L.microbatches * 2 * layers * self.cp_bytes_per_collective
+        sends = sum((s != last) + (s != 0) for s in L.stages_of(rank)) if L.pp > 1 else 0
+        pp = L.microbatches * sends * self.p2p_bytes
+        g = self.grad_group
+        dp = (g - 1) / g * self.rank_params[rank] * (FP32 * self.reduce_scatters(zero_stage) + BF16)
+        return {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
+
+    def dp_seconds(self, rank: int, zero_stage: int) -> tuple[float, float]:
+        """(total DP time per step, the last chunk's share that cannot overlap) for a rank."""
+        g = self.grad_group
+        if g == 1:
+            return 0.0, 0.0
+        P = self.rank_params[rank]
+        gather = self.hw.latency_s + (g - 1) / g * P * BF16 / self.dp_bw
+        scatter = self.hw.latency_s + (g - 1) / g * P * FP32 / self.dp_bw
+        total = gather + self.reduce_scatters(zero_stage) * scatter
+        share = max(self.stage_params[s] for s in self.layout.stages_of(rank)) / P if P else 0.0
+        return total, (gather + scatter) * share
+
+    def step_seconds(self, bubble_ratio: float, zero_stage: int) -> dict[str, float]:
+        pipeline = max(self.rank_busy) * (1.0 + bubble_ratio)
+        dp_exposed = 0.0
+        for rank in range(self.layout.pp):
+            total, tail = self.dp_seconds(rank, zero_stage)
+            dp_exposed = max(dp_exposed, max(0.0, total - pipeline) + tail)
+        return {"step": pipeline + dp_exposed, "pipeline": pipeline, "dp_exposed": dp_exposed,
+                "busiest_rank_busy": max(self.rank_busy)}

@@ -1,0 +1,278 @@
+"""What the planner prints: JSON records, the ranked table, the reasons, Megatron-LM and DeepSpeed configs."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from fractions import Fraction
+
+from .costs import GIB
+from .search import (Evaluation, PlanRequest, ScheduleCache, bubble_lower_bound, enumerate_layouts, evaluate,
+                     memory_lower_bound)
+
+
+def dumps(obj) -> str:
+    """Indented JSON with lists of numbers kept on one line."""
+    text = json.dumps(obj, indent=2)
+    return re.sub(r"\[\s+([-0-9.,\s]+?)\s+\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
+
+
+def to_record(ev: Evaluation, rank: int) -> dict:
+    L, req = ev.layout, ev.request
+    worst = ev.memory_per_rank[ev.worst_rank]
+    comm = ev.comm_bytes()
+    return {
+        "rank": rank,
+        "tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp, "vpp": L.vpp,
+        "group_size": L.group_size,
+        "microbatches_per_dp_group": L.microbatches,
+        "micro_batch_size": req.micro_batch_size,
+        "zero_stage": ev.zero_stage,
+        "schedule": L.schedule_name,
+        "split": L.split,
+        "layers_per_stage": list(L.layers),
+        "layers_per_rank": L.layers_per_rank(),
+        "memory_gb": round(ev.memory_bytes / GIB, 3),
+        "memory_breakdown_gb": {k: round(v / GIB, 3) for k, v in worst.items()},
+        "memory_gb_per_pp_rank": [round(sum(r.values()) / GIB, 3) for r in ev.memory_per_rank],
+        "worst_memory_pp_rank": ev.worst_rank,
+        "usable_memory_gb": round(req.usable_bytes / GIB, 3),
+        "peak_inflight": ev.peak_inflight,
+        "bubble_ratio": round(ev.bubble_ratio, 5),
+        "step_time_s": round(ev.step_seconds, 5),
+        "exposed_dp_time_s": round(ev.times["dp_exposed"], 5),
+        "comm_gb_per_step": {k: round(v / 1e9, 3) for k, v in comm.items()},
+        "cp_policy": req.cp_policy,
+    }
+
+
+def format_table(req: PlanRequest, results: list[Evaluation]) -> str:
+    head = (f"{'#':>2} {'TP':>3} {'CP':>3} {'PP':>4} {'DP':>5} {'VPP':>3} {'k':>4} {'m':>5} "
+            f"{'schedule':<24} {'ZeRO':>4} {'split':<16} {'mem GiB':>7} {'bubble':>6} {'step s':>7} "
+            f"{'TP GB':>7} {'CP GB':>6} {'PP GB':>6} {'DP GB':>6}")
+    lines = [head]
+    for i, ev in enumerate(results, 1):
+        L, c = ev.layout, ev.comm_bytes()
+        lines.append(
+            f"{i:>2} {L.tp:>3} {L.cp:>3} {L.pp:>4} {L.dp:>5} {L.vpp:>3} {L.group_size:>4} {L.microbatches:>5} "
+            f"{L.schedule_name:<24} {ev.zero_stage:>4} {L.split:<16} {ev.memory_bytes / GIB:>7.1f} "
+            f"{ev.bubble_ratio:>6.1%} {ev.step_seconds:>7.2f} {c['tp'] / 1e9:>7.1f} {c['cp'] / 1e9:>6.1f} "
+            f"{c['pp'] / 1e9:>6.1f} {c['dp'] / 1e9:>6.1f}")
+    return "\n".join(lines)
+
+
+def header(req: PlanRequest) -> str:
+    return (f"{req.model.name} ({req.model.total_params / 1e9:.1f}B parameters, {req.model.num_layers} layers) "
+            f"on {req.gpus} GPUs ({req.gpus_per_node} per node, {req.hbm_gb:g} GiB HBM, "
+            f"{req.usable_bytes / GIB:.1f} GiB usable after {req.hardware.headroom_text()}); "
+            f"seq {req.seq_len}, {req.global_batch_tokens} tokens = {req.sequences} sequences per step")
+
+
+def _best_other_split(ev: Evaluation, cache: ScheduleCache, limit: int = 6):
+    """Best fitting layout with the same TP, CP, PP, DP and the other kind of split (even vs uneven)."""
+    L, req = ev.layout, ev.request
+    others = [o for o in enumerate_layouts(req) if (o.tp, o.cp, o.pp, o.dp) == (L.tp, L.cp, L.pp, L.dp)
+              and (o.split == "even") != (L.split == "even")]
+    costs = [(req.costs(o), o) for o in others]
+    hopeful = sorted(((c.step_seconds(bubble_lower_bound(o), 1)["step"], i, o) for i, (c, o) in enumerate(costs)
+                      if memory_lower_bound(c) <= req.usable_bytes), key=lambda t: t[:2])[:limit]
+    fitting = [e for e in (evaluate(req, o, cache=cache) for _, _, o in hopeful) if e.fits]
+    return min(fitting, key=lambda e: e.step_seconds, default=None), bool(others)
+
+
+def reasons(ev: Evaluation, results: list[Evaluation], cache: ScheduleCache,
+            cp_alternative: Evaluation | None = None) -> list[str]:
+    """The top choice explained in plain words, with the numbers behind each decision.
+
+    ``cp_alternative``: the best plan when CP may be used at any sequence length, if it is faster."""
+    out = [_tp_reason(ev), _batch_reason(ev), _cp_reason(ev), *_pipeline_reasons(ev, cache), _zero_reason(ev, cache)]
+    mem = ev.memory_per_rank[ev.worst_rank]
+    out.append(f"Memory: {ev.memory_bytes / GIB:.1f} GiB on PP rank {ev.worst_rank} = weights "
+               f"{mem['weights'] / GIB:.1f} + gradients {mem['gradients'] / GIB:.1f} + optimizer "
+               f"{mem['optimizer'] / GIB:.1f} + activations {mem['activations'] / GIB:.1f}.")
+    out.append(f"Rank order [TP, CP, PP, DP], innermost to outermost: DP (ZeRO) traffic is outermost because it "
+               f"overlaps compute; {ev.times['dp_exposed']:.2f} s of it stays exposed per step.")
+    if cp_alternative is not None:
+        A, mine, theirs = cp_alternative.layout, ev.comm_bytes(), cp_alternative.comm_bytes()
+        out.append(f"Beyond the paper's rule: with CP allowed at this sequence length (--cp-policy any) the model "
+                   f"estimates tp={A.tp} cp={A.cp} pp={A.pp} dp={A.dp} vpp={A.vpp} k={A.group_size} "
+                   f"ZeRO-{cp_alternative.zero_stage} {1 - cp_alternative.step_seconds / ev.step_seconds:.0%} "
+                   f"faster: CP shards activations like TP but, with GQA, moves only K/V "
+                   f"({theirs['cp'] / 1e9:.1f} GB CP + {theirs['tp'] / 1e9:.1f} GB TP per GPU per step vs "
+                   f"{mine['tp'] / 1e9:.1f} GB TP here). The paper kept CP for long context; its costs at short "
+                   f"lengths (attention efficiency, CP-rank imbalance) are not modelled.")
+    if len(results) > 1:
+        nxt = results[1]
+        out.append(f"Runner-up {_short(nxt)}: {nxt.step_seconds / ev.step_seconds - 1:+.1%} step time, "
+                   f"{nxt.memory_bytes / GIB:.1f} GiB.")
+    return out
+
+
+def _short(ev: Evaluation) -> str:
+    L = ev.layout
+    return f"tp={L.tp} cp={L.cp} pp={L.pp} dp={L.dp} vpp={L.vpp} k={L.group_size} ZeRO-{ev.zero_stage}"
+
+
+def _tp_reason(ev: Evaluation) -> str:
+    L, req = ev.layout, ev.request
+    if L.tp == 1:
+        return "TP=1: the model fits without tensor parallelism, so no layer pays its per-layer collectives."
+    tp_s = L.microbatches * max(L.layers_per_rank()) * 8 * ev.costs.tp_collective_s
+    return (f"TP={L.tp} stays inside one {req.gpus_per_node}-GPU node: tensor parallelism's 2 all-gathers and 2 "
+            f"reduce-scatters per layer in each direction sit on the critical path (about {tp_s:.2f} s of the "
+            f"{ev.step_seconds:.2f} s step), so they must use NVLink, never the network.")
+
+
+def _batch_reason(ev: Evaluation) -> str:
+    L, req = ev.layout, ev.request
+    ideal = (L.pp - 1) / (L.microbatches * L.vpp)
+    return (f"Batch: {req.sequences} sequences / DP={L.dp} = {req.sequences // L.dp} per DP group = "
+            f"m={L.microbatches} microbatches of {req.micro_batch_size}; m {'>=' if L.microbatches >= L.pp else '<'} "
+            f"PP={L.pp} (the paper keeps the batch per DP group >= p). Simulated bubble {ev.bubble_ratio:.1%} "
+            f"with P2P latency, ideal (p-1)/(m v) = {ideal:.1%}.")
+
+
+def _cp_reason(ev: Evaluation) -> str:
+    L, req = ev.layout, ev.request
+    if L.cp == 1:
+        if req.long_context:
+            return "CP=1: no layout with CP ranked higher."
+        return ("CP=1: with TP at the node size every DP group already gets at least p sequences, so context "
+                "parallelism (the paper's tool for long context) would only add K/V all-gathers.")
+    if req.long_context:
+        share = Fraction(req.sequences * req.max_tp, req.gpus * req.micro_batch_size)
+        why = (f"even with TP={req.max_tp} and CP=1 each DP group would get only {share} x p microbatches "
+               f"(sequences x TP / GPUs), fewer than the p a pipeline needs (paper 5.1)")
+    elif req.cp_policy == "memory":
+        why = "without CP no layout fits in memory (or splits the batch over all GPUs)"
+    else:
+        why = "the cost model ranks it fastest (--cp-policy any)"
+    return (f"CP={L.cp} replaces DP because {why}: each sequence is cut into {2 * L.cp} chunks (rank i holds "
+            f"chunks i and {2 * L.cp - 1}-i, balancing causal attention), activations per GPU shrink {L.cp}x and "
+            f"the K/V all-gathers move {ev.comm_bytes()['cp'] / 1e9:.1f} GB per GPU per step.")
+
+
+def _pipeline_reasons(ev: Evaluation, cache: ScheduleCache) -> list[str]:
+    L, req = ev.layout, ev.request
+    k, p, stages = L.group_size, L.pp, L.pp * L.vpp
+    if p == 1:
+        return ["PP=1: the model fits on one pipeline stage, so there is no bubble and no P2P."]
+    per = sorted(set(L.layers[1:-1])) or sorted(set(L.layers))
+    out = [f"PP={p} x VPP={L.vpp} = {stages} virtual stages of {'/'.join(map(str, per))} layer(s); rank r holds "
+           f"stages r, r+{p}, ...: more virtual stages shrink the bubble, each adds P2P."]
+    memory = [sum(r.values()) / GIB for r in ev.memory_per_rank]
+    busy = ev.costs.rank_busy
+    balance = (f"per-rank peak memory {min(memory):.1f}-{max(memory):.1f} GiB, least busy rank at "
+               f"{min(busy) / max(busy):.0%} of the busiest")
+    other, exists = _best_other_split(ev, cache)
+    if L.split != "even":
+        text = (f"Uneven split ({L.split}): the first virtual stage holds {L.layers[0]} layer(s) plus the "
+                f"embedding, the last {L.layers[-1]} plus the output layer, since rank 0 keeps the most "
+                f"microbatches in flight and the output layer costs compute; {balance}.")
+    else:
+        text = f"Even split, {L.layers[0]} layer(s) per virtual stage; {balance}."
+    kind = "even" if L.split != "even" else "uneven (one layer fewer on an end stage)"
+    if other is not None:
+        text += (f" Best {kind} split at PP={p}: vpp={other.layout.vpp} k={other.layout.group_size}, "
+                 f"{other.memory_bytes / GIB:.1f} GiB, {other.step_seconds / ev.step_seconds - 1:+.1%} step time.")
+    else:
+        text += f" No {kind} split of {req.model.num_layers} layers at PP={p} " + (
+            "fits in memory." if exists else "exists for any VPP.")
+    out.append(text)
+    if k < p:
+        out.append(f"k={k} < p={p}: all-forward-all-backward, every microbatch of a round is in flight.")
+        return out
+    extra = (k - p) * (L.vpp - 1)
+    text = (f"k={k} >= p={p}: {'interleaved ' if L.vpp > 1 else ''}1F1B"
+            + (f" with (k-p)(v-1) = {extra} extra warm-up microbatches that hide P2P latency" if extra else "")
+            + f"; peak {ev.peak_inflight} chunk-microbatches in flight on the worst rank")
+    if ev.peak_inflight >= L.microbatches * L.vpp:
+        text += (f" = all m x v = {L.microbatches * L.vpp}: the warm-up already covers every forward, so it runs "
+                 f"as all-forward-all-backward")
+    out.append(text + ".")
+    return out
+
+
+def _zero_reason(ev: Evaluation, cache: ScheduleCache) -> str:
+    L, req = ev.layout, ev.request
+    k, p = L.group_size, L.pp
+    other = evaluate(req, L, zero_stage=3 - ev.zero_stage, cache=cache, with_time=False)
+    if ev.zero_stage == 1:
+        rule = ("" if p == 1 else " (paper: ZeRO-1 with 1F1B when k >= 2p"
+                + ("" if k >= 2 * p else "; here it fits, so it is kept") + ")")
+        return (f"ZeRO-1: fp32 gradients stay whole across microbatches and are reduce-scattered once per step"
+                f"{rule}; ZeRO-2 would need {other.memory_bytes / GIB:.1f} GiB and reduce-scatter "
+                f"{ev.costs.reduce_scatters(2)} time(s) per step.")
+    rule = "" if p == 1 else " (paper: ZeRO-2 with all-forward-all-backward when k < 2p)"
+    return (f"ZeRO-2: fp32 gradients live for one round of k microbatches and are reduce-scattered after it"
+            f"{rule}; ZeRO-1 would need {other.memory_bytes / GIB:.1f} GiB of the {req.usable_bytes / GIB:.1f} "
+            f"usable.")
+
+
+def megatron_args(ev: Evaluation) -> str:
+    L, req, model = ev.layout, ev.request, ev.request.model
+    args = [("--num-layers", model.num_layers), ("--hidden-size", model.hidden_size),
+            ("--ffn-hidden-size", model.ffn_hidden_size), ("--num-attention-heads", model.num_attention_heads),
+            ("--group-query-attention", None), ("--num-query-groups", model.num_kv_heads),
+            ("--seq-length", req.seq_len), ("--micro-batch-size", req.micro_batch_size),
+            ("--global-batch-size", req.sequences), ("--tensor-model-parallel-size", L.tp)]
+    if L.tp > 1:
+        args.append(("--sequence-parallel", None))
+    args += [("--context-parallel-size", L.cp), ("--pipeline-model-parallel-size", L.pp)]
+    notes = [f"# l3plugin plan: tp={L.tp} cp={L.cp} pp={L.pp} dp={L.dp} vpp={L.vpp} k={L.group_size} "
+             f"ZeRO-{ev.zero_stage} ({L.schedule_name}, {L.split} split)"]
+    if L.pp > 1:
+        even = L.split == "even"
+        if L.vpp > 1 and even:
+            args.append(("--num-layers-per-virtual-pipeline-stage", L.layers[0]))
+        elif L.vpp > 1:
+            # --decoder-first/last-pipeline-num-layers count a whole PP rank, so per-virtual-stage
+            # splits need Megatron-Core's layout string (virtual stage order, E = embedding, L = loss).
+            args.append(("--pipeline-model-parallel-layout", layout_string(L.layers)))
+            notes.append("# uneven virtual stages: the layout lists stages 0..pp*vpp-1 (t = one layer)")
+        elif not even:
+            args += [("--decoder-first-pipeline-num-layers", L.layers[0]),
+                     ("--decoder-last-pipeline-num-layers", L.layers[-1])]
+        if L.vpp > 1:
+            args.append(("--microbatch-group-size-per-virtual-pipeline-stage", L.group_size))
+        args.append(("--pipeline-schedule", "flexible"))
+    args += [("--bf16", None), ("--use-distributed-optimizer", None),
+             ("--accumulate-allreduce-grads-in-fp32", None)]
+    if ev.zero_stage == 2:
+        notes.append("# ZeRO-2: reduce-scatter fp32 gradients after every round of k microbatches (l3plugin)")
+    parts = [name if value is None else f"{name} {shlex.quote(str(value))}" for name, value in args]
+    return "\n".join(notes + [" \\\n".join(parts)])
+
+
+def layout_string(layers) -> str:
+    """Megatron-Core's --pipeline-model-parallel-layout for per-virtual-stage layer counts: stages in
+    virtual-stage order separated by '|', E = embedding, L = loss, t = one layer; runs of equal middle
+    stages are folded as (stage|)*count, which Megatron unrolls."""
+    def run(n):
+        return "t" * n if n <= 2 else f"t*{n}"
+    middle, folded, i = list(layers[1:-1]), [], 0
+    while i < len(middle):
+        j = i
+        while j < len(middle) and middle[j] == middle[i]:
+            j += 1
+        folded.append(f"({run(middle[i])}|)*{j - i}" if j - i > 1 else run(middle[i]) + "|")
+        i = j
+    return "E" + run(layers[0]) + "|" + "".join(folded) + run(layers[-1]) + "L"
+
+
+def deepspeed_config(ev: Evaluation) -> dict:
+    L, req = ev.layout, ev.request
+    return {
+        "train_batch_size": req.sequences,
+        "train_micro_batch_size_per_gpu": req.micro_batch_size,
+        "gradient_accumulation_steps": L.microbatches,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": ev.zero_stage, "reduce_scatter": True, "overlap_comm": True,
+                              "contiguous_gradients": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "communication_data_type": "fp32",
+        "l3plugin": {"fp32_reduce_zero": True, "tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp,
+                     "vpp": L.vpp, "group_size": L.group_size, "schedule": L.schedule_name,
+                     "layers_per_stage": list(L.layers)},
+    }

@@ -1,0 +1,309 @@
+"""Enumerate 4D layouts, evaluate them with the schedule, and rank them (best first).
+
+Candidates: TP divides the heads, the KV heads and the FFN width and stays within a node; CP = 1 or
+divides the sequence into 2*CP equal chunks (the paper's load-balanced CP split); PP x VPP virtual
+stages take an even split or one layer fewer on the first and/or last stage; m = sequences /
+(DP x micro batch) is a whole number; k (microbatches per virtual stage per round) is p (Megatron's
+default), 2p (the paper's threshold for ZeRO-1), or m when m <= 4p (one round). With one chunk per
+rank k only sets the ZeRO-2 rounds, so k = m. A layout takes ZeRO-1 if it fits, else ZeRO-2.
+
+CP policy (paper 5.1, "CP replaces DP for long context"): by default CP > 1 is considered only when even
+node-wide TP with CP = 1 leaves DP groups fewer than p sequences (sequences x TP < GPUs x micro batch);
+if nothing fits or divides the batch without CP, CP is allowed after all (cp_policy "memory").
+cp_policy="any" lets the cost model weigh CP at every length (with GQA it often prefers it: the model
+has no term for CP's attention efficiency or CP-rank imbalance at short lengths).
+
+Ranking is best-first on a lower bound of the step time: the bubble (p-1)/(m v) of an ideal
+interleaved pipeline (the simulated one is never smaller). Layouts whose memory lower bound (static
+memory plus the activations in flight at the end of the warm-up) exceeds HBM are dropped unbuilt; the
+others are built and simulated only when they reach the head of the queue, so a plan evaluates the
+few layouts that can win. Per rank, the in-flight microbatches are tracked per chunk class (first
+chunk, middle, last chunk) since only stage 0 and the last stage differ in activation size.
+
+Schedules are built and simulated through schedules.ScheduleCache.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+from l3plugin.schedule.layers import layers_per_virtual_stage
+
+from .costs import GIB, Hardware, Layout, LayoutCosts
+from .models import ModelSpec, load_model
+from .schedules import ScheduleCache, warmup_inflight
+
+
+# "memory": set by plan() when no layout without CP fits (or divides the batch over all GPUs)
+CP_POLICIES = ("long-context", "any", "memory")
+
+
+def _check_int(name: str, value, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {low}")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan for. ``cp_policy="long-context"`` follows the paper: CP > 1 only when the batch is
+    too small for 3D parallelism (see long_context); "any" lets the cost model weigh CP everywhere."""
+
+    model: ModelSpec
+    gpus: int
+    seq_len: int
+    global_batch_tokens: int
+    gpus_per_node: int = 8
+    hbm_gb: float = 80.0
+    micro_batch_size: int = 1
+    hardware: Hardware = field(default_factory=Hardware)
+    cp_policy: str = "long-context"  # or "any": see cp_allowed
+
+    def __post_init__(self):
+        object.__setattr__(self, "model", load_model(self.model))
+        for name in ("gpus", "seq_len", "global_batch_tokens", "gpus_per_node", "micro_batch_size"):
+            _check_int(name.replace("_", "-"), getattr(self, name))
+        if isinstance(self.hbm_gb, bool) or not isinstance(self.hbm_gb, (int, float)) or not self.hbm_gb > 0:
+            raise ValueError(f"hbm-gb={self.hbm_gb!r} is invalid: must be a number > 0 (GiB per GPU)")
+        n, node = self.gpus, self.gpus_per_node
+        if n > node and n % node:
+            raise ValueError(f"gpus={n} is not divisible by gpus-per-node={node}: beyond one node use "
+                             f"whole nodes, e.g. {n // node * node} or {(n // node + 1) * node}")
+        T, L = self.global_batch_tokens, self.seq_len
+        if T % L:
+            low, high = T // L * L, (T // L + 1) * L
+            raise ValueError(f"global-batch-tokens={T} is not divisible by seq-len={L}: the batch must be "
+                             f"whole sequences, e.g. {low or high} or {high}")
+        if self.cp_policy not in CP_POLICIES:
+            raise ValueError(f"cp-policy={self.cp_policy!r} is invalid: choose one of {', '.join(CP_POLICIES[:2])}")
+        if (T // L) % self.micro_batch_size:
+            raise ValueError(f"the global batch of {T // L} sequences is not divisible by micro-batch-size="
+                             f"{self.micro_batch_size}: choose a micro batch that divides it")
+
+    @property
+    def sequences(self) -> int:
+        return self.global_batch_tokens // self.seq_len
+
+    @cached_property
+    def max_tp(self) -> int:
+        model = self.model
+        return max(tp for tp in _divisors(self.gpus) if tp <= self.gpus_per_node and not any(
+            x % tp for x in (model.num_attention_heads, model.num_kv_heads, model.ffn_hidden_size)))
+
+    @property
+    def long_context(self) -> bool:
+        """Paper 5.1: even with TP across a whole node and CP = 1, DP groups would get fewer sequences
+        than pipeline stages (b < p for every p: sequences x TP < GPUs x micro batch)."""
+        return self.sequences * self.max_tp < self.gpus * self.micro_batch_size
+
+    @property
+    def cp_allowed(self) -> bool:
+        """CP replaces DP for long context only (paper 5.1), unless cp_policy="any"."""
+        return self.cp_policy != "long-context" or self.long_context
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.hardware.usable_bytes(self.hbm_gb)
+
+    def costs(self, layout: Layout) -> LayoutCosts:
+        return LayoutCosts(self.model, layout, self.seq_len, self.micro_batch_size, self.gpus_per_node,
+                           self.hardware)
+
+
+# ---- enumeration ------------------------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def layer_splits(num_layers: int, pp: int):
+    """(vpp, layers per virtual stage, split name) for every vpp with a valid split."""
+    if pp == 1:
+        yield 1, (num_layers,), "even"
+        return
+    for vpp in range(1, (num_layers + 2) // pp + 1):
+        stages, seen = pp * vpp, set()
+        for name, extra, drop_first, drop_last in (("even", 0, 0, 0), ("fewer-first-last", 2, 1, 1),
+                                                   ("fewer-first", 1, 1, 0), ("fewer-last", 1, 0, 1)):
+            if (num_layers + extra) % stages:
+                continue
+            per = (num_layers + extra) // stages
+            try:  # rejects splits that leave a stage with a negative count or do not add up
+                layers = tuple(layers_per_virtual_stage(
+                    num_layers, pp, vpp, first_stage=per - 1 if drop_first else None,
+                    last_stage=per - 1 if drop_last else None))
+            except ValueError:
+                continue
+            if layers not in seen:
+                seen.add(layers)
+                yield vpp, layers, name
+
+
+def group_sizes(pp: int, vpp: int, m: int) -> list[int]:
+    if pp == 1 or vpp == 1:
+        return [m]
+    sizes = [min(pp, m)] + ([2 * pp] if 2 * pp <= m else []) + ([m] if pp < m <= 4 * pp else [])
+    return sorted(set(sizes))
+
+
+def enumerate_layouts(req: PlanRequest):
+    model, n = req.model, req.gpus
+    for tp in _divisors(n):
+        if tp > req.gpus_per_node or any(x % tp for x in (model.num_attention_heads, model.num_kv_heads,
+                                                          model.ffn_hidden_size)):
+            continue
+        for cp in _divisors(n // tp):
+            if cp > 1 and (not req.cp_allowed or req.seq_len % (2 * cp)):
+                continue
+            for pp in _divisors(n // tp // cp):
+                dp = n // (tp * cp * pp)
+                if pp > model.num_layers + 2 or req.sequences % (dp * req.micro_batch_size):
+                    continue
+                m = req.sequences // (dp * req.micro_batch_size)
+                for vpp, layers, split in layer_splits(model.num_layers, pp):
+                    for k in group_sizes(pp, vpp, m):
+                        yield Layout(tp, cp, pp, dp, vpp, k, m, layers, split)
+
+
+# ---- evaluation -------------------------------------------------------------------------------
+@dataclass
+class Evaluation:
+    request: PlanRequest
+    layout: Layout
+    costs: LayoutCosts
+    zero_stage: int
+    memory_per_rank: list[dict]  # per PP rank: weights, gradients, optimizer, activations (bytes)
+    peak_inflight: int
+    bubble_ratio: float | None = None
+    times: dict | None = None
+
+    @property
+    def memory_bytes(self) -> float:
+        return max(sum(r.values()) for r in self.memory_per_rank)
+
+    @property
+    def worst_rank(self) -> int:
+        totals = [sum(r.values()) for r in self.memory_per_rank]
+        return totals.index(max(totals))
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.request.usable_bytes
+
+    @property
+    def step_seconds(self) -> float:
+        return self.times["step"]
+
+    def comm_bytes(self) -> dict[str, float]:
+        """Bytes per GPU per step, per dimension, on the rank that sends the most of each."""
+        per_rank = [self.costs.comm_bytes(r, self.zero_stage) for r in range(self.layout.pp)]
+        return {dim: max(c[dim] for c in per_rank) for dim in ("tp", "cp", "pp", "dp")}
+
+    def sort_key(self):
+        L = self.layout
+        return (round(self.step_seconds, 9), L.tp * L.cp * L.pp, L.cp, L.vpp, L.group_size, L.split)
+
+
+def evaluate(req: PlanRequest, layout: Layout, zero_stage: int | None = None,
+             cache: ScheduleCache | None = None, with_time: bool = True) -> Evaluation:
+    """Exact memory (and, if it fits or ``zero_stage`` is given, time) of one layout.
+
+    With ``zero_stage=None`` ZeRO-1 is taken when it fits, else ZeRO-2."""
+    cache = cache or ScheduleCache()
+    costs = req.costs(layout)
+    L = layout
+    frontier = cache.frontier(L.pp, L.vpp, L.microbatches, L.group_size)
+    activations = [costs.activation_bytes(r, frontier[r]) for r in range(L.pp)]
+    inflight = max(sum(point) for rank in frontier for point in rank)
+    for stage in ((zero_stage,) if zero_stage else (1, 2)):
+        memory = [dict(costs.static_bytes(r, stage), activations=activations[r]) for r in range(L.pp)]
+        ev = Evaluation(req, layout, costs, stage, memory, inflight)
+        if ev.fits:
+            break
+    if with_time and (ev.fits or zero_stage):
+        ev.bubble_ratio = cache.bubble(L.pp, L.vpp, L.microbatches, L.group_size,
+                                       costs.mean_bwd / costs.mean_fwd, costs.p2p_s / costs.mean_fwd)
+        ev.times = costs.step_seconds(ev.bubble_ratio, ev.zero_stage)
+    return ev
+
+
+def memory_lower_bound(costs: LayoutCosts) -> float:
+    """Worst rank's smaller static memory (ZeRO-1 or ZeRO-2) plus its activations at the end of warm-up."""
+    L, worst = costs.layout, 0.0
+    for r in range(L.pp):
+        static = min(sum(costs.static_bytes(r, stage).values()) for stage in (1, 2))
+        inflight = warmup_inflight(L.pp, L.vpp, L.microbatches, L.group_size, r)
+        worst = max(worst, static + costs.activation_bytes(r, [inflight]))
+    return worst
+
+
+def bubble_lower_bound(layout: Layout) -> float:
+    return (layout.pp - 1) / (layout.microbatches * layout.vpp)
+
+
+class NoPlanFits(ValueError):
+    pass
+
+
+LIST_WITHIN = 1.5  # plans estimated slower than this times the best are not worth listing or simulating
+
+
+def plan(req: PlanRequest, top: int | None = 5, cache: ScheduleCache | None = None,
+         within: float | None = LIST_WITHIN) -> list[Evaluation]:
+    """Up to ``top`` layouts that fit, best first, no slower than ``within`` x the best.
+
+    ``top=None, within=None`` returns every layout that fits (exhaustive: for small cases)."""
+    cache = cache or ScheduleCache()
+    layouts = list(enumerate_layouts(req))
+    if not layouts and not req.cp_allowed:  # CP may be the only way to use every GPU
+        return plan(replace(req, cp_policy="memory"), top, cache, within)
+    if not layouts:
+        raise NoPlanFits(
+            f"no layout of gpus={req.gpus} divides the global batch of {req.sequences} sequences "
+            f"(micro-batch-size={req.micro_batch_size}) into whole microbatches per DP group with a valid "
+            f"layer split of {req.model.num_layers} layers; change --gpus or --global-batch-tokens")
+    queue, counter, candidates = [], itertools.count(), []
+    for layout in layouts:
+        costs = req.costs(layout)
+        lower = memory_lower_bound(costs)
+        candidates.append((lower, next(counter), layout))
+        if lower <= req.usable_bytes:
+            bound = costs.step_seconds(bubble_lower_bound(layout), 1)["step"]
+            heapq.heappush(queue, (bound, next(counter), layout, None))
+    results = []
+    while queue and (top is None or len(results) < top):
+        bound, _, layout, ev = heapq.heappop(queue)
+        if results and within is not None and bound > within * results[0].step_seconds:
+            break
+        if ev is not None:
+            results.append(ev)
+            continue
+        ev = evaluate(req, layout, cache=cache)
+        if ev.fits:
+            heapq.heappush(queue, (ev.step_seconds, next(counter), layout, ev))
+    if not results:
+        if not req.cp_allowed:  # the paper's CP rule left nothing that fits: let CP cut activations
+            return plan(replace(req, cp_policy="memory"), top, cache, within)
+        raise NoPlanFits(_nothing_fits_message(req, candidates, cache))
+    return sorted(results, key=Evaluation.sort_key)
+
+
+def _nothing_fits_message(req: PlanRequest, candidates, cache: ScheduleCache) -> str:
+    best = None
+    for lower, _, layout in sorted(candidates, key=lambda c: c[:2]):
+        if best is not None and lower >= best.memory_bytes:
+            break
+        for stage in (1, 2):
+            ev = evaluate(req, layout, zero_stage=stage, cache=cache, with_time=False)
+            if best is None or ev.memory_bytes < best.memory_bytes:
+                best = ev
+    L, usable = best.layout, req.usable_bytes / GIB
+    need = best.memory_bytes / GIB
+    return (f"no layout fits in hbm-gb={req.hbm_gb:g} ({usable:.1f} GiB usable after "
+            f"{req.hardware.headroom_text()}); the closest is tp={L.tp} cp={L.cp} pp={L.pp} "
+            f"dp={L.dp} vpp={L.vpp} k={L.group_size} ZeRO-{best.zero_stage} needing {need:.1f} GiB on PP rank "
+            f"{best.worst_rank}, {need - usable:.1f} GiB over: use more GPUs, larger --hbm-gb, or a shorter "
+            f"--seq-len / smaller --micro-batch-size")
