@@ -1,0 +1,30 @@
+"""Debugging at scale (paper section 6): top-down slow-rank trace analysis and bitwise numerics parity.
+
+    from l3plugin.debug import record_collectives      # per-rank collective traces (recorder.py)
+    from l3plugin.debug import analyze_traces          # top-down slow-rank analysis (slow_rank.py)
+    from l3plugin.debug import assert_bitwise_equal    # numerics parity against a same-order reference
+
+Names load on first use, so ``l3plugin analyze-trace`` does not import torch.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "record_collectives": "recorder",
+    "load_traces": "traces",
+    "analyze_traces": "slow_rank",
+    "analyze_trace_dir": "slow_rank",
+    "compare_bitwise": "numerics",
+    "assert_bitwise_equal": "numerics",
+    "grads_snapshot": "numerics",
+    "relative_error_vs_fp64": "numerics",
+    "accumulation_error": "numerics",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
