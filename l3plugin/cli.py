@@ -1,6 +1,6 @@
 """`l3plugin` command line: one entry point, one subcommand per tool.
 
-Subcommands that need no processes (mesh, schedule, simulate) import no framework.
+Subcommands that need no processes (mesh, schedule, simulate, plan, analyze-trace) import no framework.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import sys
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -22,7 +22,7 @@ def _positive_int(text: str) -> int:
 
 def add_mesh_sizes(parser: argparse.ArgumentParser, *, tp=1, cp=1, pp=1, dp=1):
     for dim, default in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp)):
-        parser.add_argument(f"--{dim}", type=_positive_int, default=default,
+        parser.add_argument(f"--{dim}", type=positive_int, default=default,
                             help=f"{dim.upper()} size (default {default})")
 
 
@@ -39,12 +39,6 @@ def _cmd_mesh(args) -> int:
     return 0
 
 
-def _cmd_demo(args) -> int:
-    from l3plugin.demo import run_demo
-
-    return run_demo(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="l3plugin",
@@ -58,27 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     mesh.add_argument("--json", action="store_true", help="print JSON instead of a table")
     mesh.set_defaults(func=_cmd_mesh)
 
-    demo = sub.add_parser("demo", help="the main job: a multi-process CPU run over gloo",
-                          description="Starts tp*cp*pp*dp CPU processes over gloo, builds the 4D mesh "
-                                      "through Megatron-Core's parallel_state and checks every group.")
-    add_mesh_sizes(demo, tp=2, cp=2, pp=2, dp=1)
-    demo.add_argument("--timeout", type=float, default=300.0, help="seconds before a hung run is stopped")
-    demo.set_defaults(func=_cmd_demo)
-
-    for register in _optional_subcommands():
+    for register in _subcommands():
         register(sub)
     return parser
 
 
-def _optional_subcommands():
-    """Subcommands owned by feature packages (each module adds its own parser)."""
-    registrars = []
-    try:
-        from l3plugin.schedule.cli import add_schedule_parser, add_simulate_parser
-        registrars += [add_schedule_parser, add_simulate_parser]
-    except ImportError:
-        pass
-    return registrars
+def _subcommands():
+    """Subcommands owned by feature packages; each module adds its own parser (imports stay light)."""
+    from l3plugin.debug.slow_rank import add_analyze_parser
+    from l3plugin.demo import add_demo_parser
+    from l3plugin.planner import add_plan_parser
+    from l3plugin.schedule.cli import add_schedule_parser, add_simulate_parser
+
+    return [add_schedule_parser, add_simulate_parser, add_plan_parser, add_analyze_parser, add_demo_parser]
 
 
 def main(argv=None) -> int:

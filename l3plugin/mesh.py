@@ -252,8 +252,7 @@ def init_mesh(tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None,
         raise RuntimeError("init_mesh needs torch.distributed to be initialised first "
                            "(torch.distributed.init_process_group or torchrun)")
     shape = MeshShape.for_world(dist.get_world_size(), tp=tp, cp=cp, pp=pp, dp=dp)
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    destroy_mesh()
     # On a gloo world the regular groups already are gloo groups: duplicates would only cost time.
     megatron_kwargs.setdefault("create_gloo_process_groups", dist.get_backend() != "gloo")
     # parallel_state asserts that the expert data-parallel size equals the dense one unless PP is the
@@ -277,6 +276,32 @@ def init_mesh(tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None,
         dp_group=ps.get_data_parallel_group(),
         dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
     )
+
+
+def destroy_mesh() -> None:
+    """Undo init_mesh: reset parallel_state and destroy the process groups it created.
+
+    Megatron's destroy_model_parallel only forgets its groups; their communicators (and, on gloo, their
+    threads) live on. A process that re-initialises many times (tests, notebooks) must free them.
+    """
+    import sys
+
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None or not ps.model_parallel_is_initialized():
+        return
+    import torch.distributed as dist
+
+    groups, world = {}, dist.group.WORLD
+    for value in list(vars(ps).values()):
+        for item in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(item, dist.ProcessGroup) and item is not world:
+                groups[id(item)] = item
+    ps.destroy_model_parallel()
+    for group in groups.values():
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError):
+            pass  # already destroyed, or not a group this rank belongs to
 
 
 def format_table(shape: MeshShape) -> str:

@@ -53,13 +53,15 @@ def _free_port() -> int:
 
 
 def _reset_framework_state():
-    """Leave no model-parallel state behind for the next call on this worker."""
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is not None and ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    """Leave no model-parallel state (nor its process groups and their threads) for the next call."""
+    if "megatron.core.parallel_state" in sys.modules:
+        from l3plugin.mesh import destroy_mesh
+
+        destroy_mesh()
 
 
-def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, collective_timeout):
+def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, collective_timeout,
+                 keep_state):
     # Environment first: torch reads OMP_NUM_THREADS when it is imported.
     os.environ.update({
         "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -70,8 +72,10 @@ def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, 
     import warnings
     from datetime import timedelta
 
-    # Said once per process by megatron.core on a machine without TE/apex; noise in every test log.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    # Said by megatron.core on every process of a CPU machine without TE/apex: noise in every log.
+    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                    "full scope is deprecated", "Mismatch dtype between input and weight"):
+        warnings.filterwarnings("ignore", message=message)
 
     # On SIGUSR1 the parent gets this rank's Python stack: that is how a hang says where it is.
     stack_fh = open(stack_file, "w")
@@ -106,10 +110,11 @@ def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, 
         except BaseException as exc:  # report everything, including SystemExit from user code
             out = (task_id, rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         finally:
-            try:
-                _reset_framework_state()
-            except Exception:
-                pass
+            if not keep_state:
+                try:
+                    _reset_framework_state()
+                except Exception:
+                    pass
         result_q.put(out)
     dist.destroy_process_group()
 
@@ -118,13 +123,16 @@ class RankPool:
     """``world_size`` spawned worker processes joined in one gloo process group."""
 
     def __init__(self, world_size: int, *, preload: tuple[str, ...] = (), start_timeout: float = 180.0,
-                 grace: float = 5.0):
+                 grace: float = 5.0, keep_state: bool = False):
         if world_size < 1:
             raise ValueError(f"world_size={world_size} is invalid: must be >= 1")
         self.world_size = world_size
         self.preload = tuple(preload)
         self.start_timeout = start_timeout
         self.grace = grace  # after one rank fails, how long the others get to report before we give up
+        # False: Megatron's parallel_state is reset after every call (tests); True: calls build on
+        # each other (a training loop driven one step per call).
+        self.keep_state = keep_state
         self._ids = itertools.count()
         self._procs: list = []
         self._start()
@@ -141,7 +149,7 @@ class RankPool:
             p = ctx.Process(
                 target=_worker_main, name=f"l3plugin-rank{rank}", daemon=True,
                 args=(rank, self.world_size, port, self._task_qs[rank], self._result_q, self.preload,
-                      self._stack_file(rank), max(300.0, self.start_timeout)),
+                      self._stack_file(rank), max(300.0, self.start_timeout), self.keep_state),
             )
             p.start()
             self._procs.append(p)
