@@ -6,7 +6,7 @@ import json
 import pytest
 
 from l3plugin.cli import main as cli_main
-from l3plugin.demo import check_reports, mesh_report
+from l3plugin.demo.mesh_check import check_reports, mesh_report
 from l3plugin.mesh import DIMS, MeshShape
 
 

@@ -1,0 +1,166 @@
+"""The main job (`make demo`): a tiny Llama trained with TP, CP, PP (flexible schedule) and DP on CPU.
+
+Steps: start tp*cp*pp*dp gloo ranks; check that Megatron's parallel_state built the [TP, CP, PP, DP]
+mesh as planned; build a tiny Llama-style GPTModel (RMSNorm, SwiGLU, RoPE, GQA) whose layers are split
+unevenly over the virtual pipeline stages, with l3plugin's all-gather CP attention on packed documents;
+train it with the flexible interleaved 1F1B schedule (k != p, a last group smaller than p: a
+configuration stock Megatron-Core refuses) and the FP32-reducing ZeRO optimizer; then run the same
+model, data and optimizer in one process and compare the losses. Results go to ``--results``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from l3plugin.mesh import MeshShape, format_table
+
+MODEL = {"num_layers": 6, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128}
+TOLERANCE = {"bf16": 5e-2, "fp32": 1e-4}  # max |loss - reference loss| over all steps
+
+
+def _progress(step, steps, loss, seconds):
+    width = 30
+    done = int(width * (step + 1) / steps)
+    bar = "#" * done + "." * (width - done)
+    print(f"\r  [{bar}] step {step + 1:>3}/{steps}  loss {loss:7.4f}  {seconds:5.2f} s/step", end="", flush=True)
+
+
+def _layout(pp, vpp, num_layers):
+    """Layer counts per virtual stage, one fewer on the first and last stage (they also hold the
+    embedding and the loss) when the layers allow it, and Megatron's layout string for them."""
+    from l3plugin.schedule.layers import layers_per_virtual_stage
+
+    stages = pp * (vpp or 1)
+    if stages >= 3 and (num_layers + 2) % stages == 0 and num_layers + 2 >= 2 * stages:
+        end = (num_layers + 2) // stages - 1
+        counts = layers_per_virtual_stage(num_layers, pp, vpp or 1, first_stage=end, last_stage=end)
+    else:
+        counts = layers_per_virtual_stage(num_layers, pp, vpp or 1)
+    parts = ["t" * n for n in counts]
+    parts[0], parts[-1] = "E" + parts[0], parts[-1] + "L"
+    return "|".join(parts), counts
+
+
+def options(args) -> dict:
+    vpp = args.vpp if args.vpp and args.vpp > 1 else None
+    num_layers = args.layers
+    layout, counts = _layout(args.pp, vpp, num_layers)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    return {"tp": args.tp, "cp": args.cp, "pp": args.pp, "dp": args.dp, "vpp": vpp,
+            "group_size": args.group_size, "microbatches": args.microbatches, "seq_len": args.seq_len,
+            "vocab": 256, "lr": 3e-3, "clip": 1.0, "zero_stage": args.zero_stage, "layout": layout,
+            "layer_counts": counts, "model": dict(MODEL, num_layers=num_layers, dtype=dtype)}
+
+
+def _pictures(opts, losses, reference, results: Path):
+    from l3plugin.schedule.plan import build_schedule
+    from l3plugin.schedule.simulate import simulate
+    from l3plugin.schedule.timeline import render_png, render_text
+
+    schedule = build_schedule(opts["pp"], opts["vpp"] or 1, opts["microbatches"], opts["group_size"])
+    sim = simulate(schedule)
+    print(render_text(schedule))
+    written = []
+    try:
+        render_png(sim, results / "timeline.png")
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(losses, label=f"4D parallel (tp{opts['tp']} cp{opts['cp']} pp{opts['pp']} dp{opts['dp']})")
+        ax.plot(reference, "--", label="single process")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(results / "loss.png", dpi=120)
+        plt.close(fig)
+        written += ["timeline.png", "loss.png"]
+    except ImportError as exc:
+        print(f"  (no pictures: {exc})")
+    return written
+
+
+def run_demo(args) -> int:
+    from l3plugin.demo import train
+    from l3plugin.demo.mesh_check import check_reports, mesh_report
+    from l3plugin.testing.ranks import RankPool
+
+    opts = options(args)
+    shape = MeshShape(tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp)
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    print(f"[1/5] starting {shape.world_size} CPU ranks over gloo (tp={shape.tp} cp={shape.cp} pp={shape.pp} "
+          f"dp={shape.dp}) ...", flush=True)
+    with RankPool(shape.world_size, preload=("megatron.core",), keep_state=True) as pool:
+        print(f"[2/5] mesh: Megatron parallel_state in the order TP, CP, PP, DP "
+              f"({time.monotonic() - t0:.0f} s)", flush=True)
+        problems = check_reports(shape, pool.run(mesh_report, *shape.sizes, timeout=args.timeout))
+        print(format_table(shape))
+        if problems:
+            print("MISMATCH between parallel_state and the planned table:\n  " + "\n  ".join(problems))
+            return 1
+        setup = pool.run(train.setup, opts, timeout=args.timeout)
+        print(f"\n[3/5] model: {opts['model']['num_layers']} layers over "
+              f"{opts['pp'] * (opts['vpp'] or 1)} virtual stages {opts['layer_counts']} (layout "
+              f"{opts['layout']}), {opts['model']['dtype']}; schedule: flexible m={opts['microbatches']} "
+              f"k={opts['group_size']} vpp={opts['vpp'] or 1}; FP32-reducing ZeRO-{opts['zero_stage']} "
+              f"over DP x CP", flush=True)
+        losses = []
+        for step in range(args.steps):
+            t = time.monotonic()
+            out = pool.run(train.train_step, step, timeout=args.timeout)
+            losses.append(out[0]["loss"])
+            if len({round(o["loss"], 12) for o in out}) != 1:
+                print(f"\nranks disagree on the loss at step {step}: {[o['loss'] for o in out]}")
+                return 1
+            _progress(step, args.steps, losses[-1], time.monotonic() - t)
+        print()
+    print(f"[4/5] single-process reference of the same model, data and optimizer ...", flush=True)
+    with RankPool(1, preload=("megatron.core",)) as pool:
+        reference = pool.run(train.reference_losses, opts, args.steps, timeout=args.timeout * 4)[0]
+    diff = max(abs(a - b) for a, b in zip(losses, reference))
+    tol = TOLERANCE[args.dtype]
+    print(f"[5/5] loss first/last: parallel {losses[0]:.4f} -> {losses[-1]:.4f}, single process "
+          f"{reference[0]:.4f} -> {reference[-1]:.4f}; max |difference| over {args.steps} steps "
+          f"{diff:.2e} (tolerance {tol:g} for {args.dtype})")
+    written = _pictures(opts, losses, reference, results)
+    summary = {"options": {k: v for k, v in opts.items() if k != "model"}, "model": MODEL,
+               "dtype": args.dtype, "losses": losses, "reference_losses": reference,
+               "max_abs_difference": diff, "tolerance": tol, "seconds": time.monotonic() - t0}
+    (results / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(f"wrote {', '.join(written + ['summary.json'])} to {results}/ ({time.monotonic() - t0:.0f} s in all)")
+    if diff > tol or not losses[-1] < losses[0]:
+        print("FAILED: the parallel run does not match the single-process run (or did not learn)")
+        return 1
+    print("OK: the 4D-parallel run matches the single-process run.")
+    return 0
+
+
+def add_demo_parser(sub):
+    from l3plugin.cli import add_mesh_sizes, positive_int
+
+    demo = sub.add_parser("demo", help="the main job: a tiny Llama trained with 4D parallelism on CPU",
+                          description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    add_mesh_sizes(demo, tp=2, cp=2, pp=2, dp=1)
+    demo.add_argument("--vpp", type=positive_int, default=2, help="model chunks per pipeline rank (default 2)")
+    demo.add_argument("--group-size", type=positive_int, default=3,
+                      help="k: consecutive microbatches per virtual stage per round (default 3)")
+    demo.add_argument("--microbatches", type=positive_int, default=5, help="per DP rank and step (default 5)")
+    demo.add_argument("--layers", type=positive_int, default=MODEL["num_layers"])
+    demo.add_argument("--steps", type=positive_int, default=30)
+    demo.add_argument("--seq-len", type=positive_int, default=64)
+    demo.add_argument("--zero-stage", type=int, choices=(1, 2), default=2)
+    demo.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    demo.add_argument("--results", default="results", help="folder for loss.png, timeline.png, summary.json")
+    demo.add_argument("--timeout", type=float, default=300.0, help="seconds before a hung step is stopped")
+    demo.set_defaults(func=run_demo)
+    return demo
