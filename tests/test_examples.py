@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_torchrun(nproc, script, *args, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", "0", str(ROOT / script), *args]
+           "--standalone", str(ROOT / script), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return done.stdout
