@@ -1,14 +1,18 @@
 """Point-to-point communication for executing a Schedule: activations forward, gradients backward.
 
-The rule that keeps it correct: on every directed channel (src rank -> dst rank) the receiver posts its
-receives in exactly the order the sender sends (``Schedule.channel_messages``), no matter in which order
-it needs them. Messages that arrive early wait in a buffer. This is what makes pp=2 safe, where one peer
-gets both activations and gradients and a receiver that posted in its own order would match a gradient
-with an activation buffer (NVIDIA/Megatron-LM#750 is that bug with batched P2P upstream).
+The rule that keeps it correct: both ranks of every pair post their sends AND receives to each other in
+one order they agree on, the order of the messages in a global, dependency-respecting replay of the plan
+(``execution_order`` in plan.py). Messages that arrive before they are needed wait in a buffer.
 
-Sends are non-blocking and their completion is checked lazily, so a rank only ever blocks on a receive
-that its next compute step needs; ``validate`` in plan.py proves such a replay of the plan terminates.
-Devices and dtypes come from the caller (take them from the model), never hard-coded.
+- Matching: a pair of neighbours exchanges activations one way and gradients the other (with pp=2 even
+  both kinds both ways). A receiver that posted in the order it *needs* tensors could match a gradient
+  with an activation buffer (NVIDIA/Megatron-LM#750 is that bug with batched P2P upstream).
+- Progress: NCCL runs a pair's sends and receives in posting order on one stream, so opposite orders on
+  the two sides deadlock; the same order on both sides cannot. It is always possible to post in that
+  order: when a rank needs message j, every message of its own that precedes j in the replay comes from
+  an action that precedes its current one, so it has already been sent.
+Sends are non-blocking and their completion is checked lazily; a rank only ever blocks on a receive its
+next compute step needs. Devices and dtypes come from the caller (the model), never hard-coded.
 """
 
 from __future__ import annotations
@@ -18,7 +22,27 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from l3plugin.schedule.plan import Message, Schedule
+from l3plugin.schedule.plan import Message, Schedule, execution_order
+
+SEND, RECV = "send", "recv"
+
+
+def pair_orders(schedule: Schedule, pp_rank: int) -> dict[int, deque]:
+    """For each peer: this rank's sends to it and receives from it, as (SEND|RECV, message), in the
+    order of the global replay. Both ranks of a pair derive the same sequence (mirrored)."""
+    ops: dict[int, deque] = {}
+    for rank, index in execution_order(schedule):
+        _, send = schedule.action_messages(rank, schedule.ranks[rank].actions[index])
+        if send is None:
+            continue
+        dst = schedule.owner_of(send.dst_stage)[0]
+        if rank == dst:
+            continue  # pp=1 with chunks: handed over locally
+        if rank == pp_rank:
+            ops.setdefault(dst, deque()).append((SEND, send))
+        elif dst == pp_rank:
+            ops.setdefault(rank, deque()).append((RECV, send))
+    return ops
 
 
 class PipelineChannels:
@@ -31,38 +55,46 @@ class PipelineChannels:
         self.group = group
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.prefetch = prefetch
-        channels = schedule.channel_messages()
-        # Incoming messages per source rank, in the sender's order; receives are posted in this order.
-        self._incoming = {src: deque(msgs) for (src, dst), msgs in channels.items()
-                          if dst == pp_rank and src != pp_rank}
-        self._posted: dict[Message, tuple] = {}  # message -> (work, buffer, source rank)
-        self._local: dict[Message, torch.Tensor] = {}  # pp=1 with chunks: a rank hands tensors to itself
+        self._ops = pair_orders(schedule, pp_rank)
+        self._posted: dict[Message, tuple] = {}  # message -> (work, buffer, peer)
+        self._local: dict[Message, torch.Tensor] = {}
         self._sends: dict[Message, tuple] = {}  # message -> (work, tensor, on_complete)
 
-    def _post_next(self, src: int) -> Message | None:
-        queue = self._incoming.get(src)
-        if not queue:
-            return None
-        msg = queue.popleft()
+    def _post_recv(self, peer: int, msg: Message):
         # Activations arrive as leaf inputs whose .grad the backward step reads.
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device,
                           requires_grad=msg.kind == "activation")
-        work = dist.irecv(buf, src=self.global_ranks[src], group=self.group)
-        self._posted[msg] = (work, buf, src)
-        return msg
+        self._posted[msg] = (dist.irecv(buf, src=self.global_ranks[peer], group=self.group), buf, peer)
+
+    def _advance(self, peer: int, until: Message):
+        """Post this pair's operations in the agreed order, receives up to ``until``, or up to the
+        send of ``until`` (which the caller then posts)."""
+        queue = self._ops.get(peer)
+        while queue:
+            kind, msg = queue[0]
+            if kind == SEND and msg != until:
+                raise RuntimeError(f"pipeline rank {self.pp_rank}: {until} would overtake the send of {msg} "
+                                   f"to rank {peer}; the plan and the executor disagree")
+            queue.popleft()
+            if kind == RECV:
+                self._post_recv(peer, msg)
+            if msg == until:
+                return
+        raise RuntimeError(f"pipeline rank {self.pp_rank}: {until} is not planned between this rank and "
+                           f"rank {peer}; the plan and the executor disagree")
 
     def recv(self, msg: Message, src_rank: int) -> torch.Tensor:
         """Block until ``msg`` (sent by pipeline rank ``src_rank``) is here and return it."""
         if src_rank == self.pp_rank:
             return self._local.pop(msg)
-        while msg not in self._posted:
-            if self._post_next(src_rank) is None:
-                raise RuntimeError(f"pipeline rank {self.pp_rank}: {msg} is not in the plan's channel "
-                                   f"from rank {src_rank}; the plan and the executor disagree")
+        if msg not in self._posted:
+            self._advance(src_rank, msg)
         work, buf, _ = self._posted.pop(msg)
         work.wait()
-        if self.prefetch and all(src != src_rank for _, _, src in self._posted.values()):
-            self._post_next(src_rank)  # overlap the next receive from this peer with our compute
+        queue = self._ops.get(src_rank)
+        if self.prefetch and queue and queue[0][0] == RECV:
+            kind, nxt = queue.popleft()  # overlap the next receive from this peer with our compute
+            self._post_recv(src_rank, nxt)
         return buf
 
     def send(self, msg: Message, tensor: torch.Tensor, dst_rank: int, on_complete=None):
@@ -71,6 +103,7 @@ class PipelineChannels:
             work = None
             self._local[msg] = tensor.detach().requires_grad_(msg.kind == "activation")
         else:
+            self._advance(dst_rank, msg)
             work = dist.isend(tensor.contiguous(), dst=self.global_ranks[dst_rank], group=self.group)
         self._sends[msg] = (work, tensor, on_complete)
         self._reap()
@@ -95,7 +128,7 @@ class PipelineChannels:
         """Wait for every send; check that every planned receive happened."""
         for msg in list(self._sends):
             self._complete(msg)
-        leftover = [m for q in self._incoming.values() for m in q] + list(self._posted)
+        leftover = [m for q in self._ops.values() for _, m in q] + list(self._posted)
         if leftover or self._local:
             raise RuntimeError(f"pipeline rank {self.pp_rank}: messages never consumed: "
                                f"{leftover + list(self._local)}")
