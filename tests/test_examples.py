@@ -32,3 +32,25 @@ def test_patch_adds_only_existing_l3plugin_calls():
     assert any("l3plugin.megatron.install()" in line for line in added)
     assert any("l3plugin.megatron.chain_extra_args(" in line for line in added)
     assert callable(l3m.install) and callable(l3m.chain_extra_args)
+
+
+def test_deepspeed_example_uses_the_plugin_only_with_the_key(tmp_path):
+    import json
+
+    import torch
+
+    export = tmp_path / "fp32.pt"
+    out = run_torchrun(2, "examples/deepspeed/train.py", "--steps", "3", "--export", str(export))
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3 and all("DeepSpeedFP32ReduceZero" in line for line in steps), out
+    # The export is a plain state dict: stock torch (and so stock DeepSpeed) can fine-tune from it.
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                                torch.nn.GELU(), torch.nn.Linear(64, 1))
+    model.load_state_dict(torch.load(export))
+    # Without the key DeepSpeed runs its own optimizer.
+    config = json.loads((ROOT / "examples/deepspeed/ds_config.json").read_text())
+    del config["l3plugin"]
+    stock_config = tmp_path / "stock.json"
+    stock_config.write_text(json.dumps(config))
+    out = run_torchrun(2, "examples/deepspeed/train.py", "--steps", "1", "--config", str(stock_config))
+    assert "DeepSpeedFP32ReduceZero" not in out and "step 0:" in out, out
