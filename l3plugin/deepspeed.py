@@ -1,0 +1,248 @@
+"""Select l3plugin's FP32-reducing ZeRO-1/2 optimizer from a DeepSpeed JSON config.
+
+    import l3plugin.deepspeed          # or l3plugin.deepspeed.install(); idempotent
+    config = {..., "bf16": {"enabled": true}, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {...}}, "scheduler": {...},
+              "l3plugin": {"fp32_reduce_zero": true}}
+    engine, *_ = deepspeed.initialize(model=model, config=config, ...)
+
+With the key, ``deepspeed.initialize`` builds ``l3plugin.zero.FP32ReduceZero`` on DeepSpeed's own
+``seq_data_parallel_group`` (DP x sequence-parallel): fp32 gradient accumulation, fp32 reduce-scatter,
+fp32 master shard, bf16 parameter all-gather. Without the key (or with ``"fp32_reduce_zero": false``)
+DeepSpeed behaves exactly as stock. Options under ``"l3plugin"`` (see ``OPTIONS``) are validated.
+
+DeepSpeed has no plug-in registry, so ``install`` wraps these engine methods, each falling through to the
+stock one unless the key is on: ``_do_sanity_check`` (validate the config first),
+``_do_optimizer_sanity_check`` (route to ZeRO), ``_configure_zero_optimizer`` (build ours),
+``_load_zero_checkpoint`` (read every rank's partition: resume on another DP size),
+``zero_optimization_stage`` + ``PipelineEngine.__init__`` (PipelineEngine refuses stage 2 for DeepSpeed's
+optimizer; ours supports it) and ``PipelineEngine._exec_reduce_tied_grads`` plus its entry in the
+schedule's instruction table (tied weights' gradients live in our fp32 buckets, not in ``weight.grad``).
+Engine-side details: ``zero/deepspeed_engine.py``. ``uninstall()`` restores everything.
+
+Fine-tuning without l3plugin: checkpoints use DeepSpeed's ZeRO-1/2 layout for the fp32 weights, so
+``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(dir)`` gives a plain fp32 state dict;
+``export_fp32_state_dict(engine)`` gives the same from a live engine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+KEY = "l3plugin"
+# option -> (accepted types, default, help)
+OPTIONS = {
+    "fp32_reduce_zero": ((bool,), False, "use the FP32-reducing ZeRO-1/2 optimizer"),
+    "bucket_numel": ((int,), None, "elements per gradient bucket (default: zero_optimization.reduce_bucket_size)"),
+    "accumulate_dtype": ((str,), "fp32", "micro-batch gradient accumulation dtype: fp32 or bf16 (to compare)"),
+    "reduce_dtype": ((str,), "fp32", "reduce-scatter dtype: fp32 or bf16 (to compare)"),
+}
+SUPPORTED = ('Supported with "l3plugin": {"fp32_reduce_zero": true}: "bf16": {"enabled": true}, '
+             '"zero_optimization": {"stage": 1 or 2} without offload, an optimizer, no fp16, no MoE, '
+             'no torch_autocast, no universal checkpoint; DeepSpeedEngine and PipelineEngine; gradient '
+             'accumulation and communication dtypes are chosen with "l3plugin": {"accumulate_dtype", "reduce_dtype"}')
+
+
+def plugin_options(param_dict: dict) -> dict | None:
+    """The validated options under ``"l3plugin"``, or None when the FP32-reducing ZeRO is not requested."""
+    raw = param_dict.get(KEY)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f'"{KEY}" must be an object like {{"fp32_reduce_zero": true}}, got {raw!r}')
+    unknown = sorted(set(raw) - set(OPTIONS))
+    if unknown:
+        valid = "; ".join(f"{k}: {h}" for k, (_, _, h) in OPTIONS.items())
+        raise ValueError(f'unknown option(s) {unknown} under "{KEY}". Valid options: {valid}')
+    opts = {k: raw.get(k, default) for k, (_, default, _) in OPTIONS.items()}
+    for k, (types, default, _) in OPTIONS.items():
+        v = opts[k]
+        if v is not default and (not isinstance(v, types) or (bool not in types and isinstance(v, bool))):
+            raise ValueError(f'"{KEY}.{k}" must be {"/".join(t.__name__ for t in types)}, got {v!r}')
+    for k in ("accumulate_dtype", "reduce_dtype"):
+        if opts[k] not in ("fp32", "bf16"):
+            raise ValueError(f'"{KEY}.{k}" must be "fp32" or "bf16", got {opts[k]!r}')
+    if opts["bucket_numel"] is not None and opts["bucket_numel"] < 1:
+        raise ValueError(f'"{KEY}.bucket_numel" must be >= 1, got {opts["bucket_numel"]}')
+    return opts if opts["fp32_reduce_zero"] else None
+
+
+def _options(engine) -> dict | None:
+    return plugin_options(engine._config._param_dict)
+
+
+def check_supported(engine) -> None:
+    """Raise one ValueError listing everything in the config that the FP32-reducing ZeRO cannot do."""
+    import torch
+
+    problems = []
+    stage = engine.zero_optimization_stage()
+    if stage not in (1, 2):
+        problems.append(f"zero_optimization.stage is {stage}; only stage 1 and 2 are supported")
+    if engine.fp16_enabled():
+        problems.append("fp16 is enabled; only bf16 is supported")
+    elif not engine.bfloat16_enabled():
+        problems.append('bf16 is not enabled; set "bf16": {"enabled": true}')
+    for what in ("optimizer", "param"):
+        offload = getattr(engine, f"zero_offload_{what}")()
+        device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
+        if offload is not None and device not in (None, "none"):
+            problems.append(f"zero_optimization.offload_{what} is set (device {device}); offload is not supported")
+    if getattr(engine, "has_moe_layers", False):
+        problems.append("the model has MoE layers; they are not supported")
+    if engine.torch_autocast_enabled():
+        problems.append("torch_autocast is enabled; give the model bf16 weights with bf16.enabled instead")
+    if getattr(engine, "zenflow", False):
+        problems.append("zenflow is enabled; it is not supported")
+    comm = engine._config.communication_data_type
+    if comm is not None and comm != torch.float32:
+        problems.append(f'communication_data_type is {comm}; use "{KEY}": {{"reduce_dtype": ...}} instead')
+    accum = engine._config._param_dict.get("data_types", {}).get("grad_accum_dtype")
+    if accum not in (None, "fp32", "float32"):
+        problems.append(f'data_types.grad_accum_dtype is {accum!r}; use "{KEY}": {{"accumulate_dtype": ...}} instead')
+    if engine.load_universal_checkpoint():
+        problems.append("checkpoint.load_universal is set; not needed: l3plugin checkpoints re-shard to any "
+                        "data-parallel size by themselves")
+    if problems:
+        raise ValueError("l3plugin FP32-reducing ZeRO cannot run this config: " + "; ".join(problems)
+                         + ". " + SUPPORTED)
+
+
+_stock: dict = {}
+
+
+def _ours(engine) -> bool:
+    from l3plugin.zero.deepspeed_engine import DeepSpeedFP32ReduceZero
+
+    return isinstance(engine.__dict__.get("optimizer"), DeepSpeedFP32ReduceZero)
+
+
+def install() -> None:
+    """Patch DeepSpeed's engines (once) so the ``"l3plugin"`` config key takes effect."""
+    if _stock:
+        return
+    from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from l3plugin.zero.deepspeed_engine import DeepSpeedFP32ReduceZero
+
+    def wrap(cls, name):
+        _stock[(cls, name)] = stock = cls.__dict__[name]
+
+        def deco(fn):
+            setattr(cls, name, functools.wraps(stock)(fn))
+            return fn
+        return stock, deco
+
+    config_check, deco = wrap(DeepSpeedEngine, "_do_sanity_check")
+
+    @deco
+    def _do_sanity_check(self):
+        if _options(self) is not None:  # first, so our message wins over DeepSpeed's generic ones
+            check_supported(self)
+        return config_check(self)
+
+    sanity, deco = wrap(DeepSpeedEngine, "_do_optimizer_sanity_check")
+
+    @deco
+    def _do_optimizer_sanity_check(self, basic_optimizer):
+        if _options(self) is None:
+            return sanity(self, basic_optimizer)
+        check_supported(self)
+        return ZERO_OPTIMIZATION  # route to _configure_zero_optimizer, also where stock would pick BF16_Optimizer
+
+    configure, deco = wrap(DeepSpeedEngine, "_configure_zero_optimizer")
+
+    @deco
+    def _configure_zero_optimizer(self, optimizer):
+        opts = _options(self)
+        if opts is None:
+            return configure(self, optimizer)
+        check_supported(self)
+        if optimizer is None:
+            raise ValueError('l3plugin FP32-reducing ZeRO needs an optimizer: add "optimizer" to the config '
+                             "or pass optimizer= to deepspeed.initialize")
+        import torch
+
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        built = DeepSpeedFP32ReduceZero(
+            self, optimizer, bucket_numel=opts["bucket_numel"] or int(self.zero_reduce_bucket_size()),
+            accumulate_dtype=dtypes[opts["accumulate_dtype"]], reduce_dtype=dtypes[opts["reduce_dtype"]])
+        # PipelineEngine.__init__ asserts stage < 2 right after this; ours supports stage 2 (see below).
+        self.__dict__["_l3plugin_hide_stage2"] = isinstance(self, PipelineEngine)
+        return built
+
+    load_zero, deco = wrap(DeepSpeedEngine, "_load_zero_checkpoint")
+
+    @deco
+    def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
+        if not _ours(self) or self.load_universal_checkpoint():
+            return load_zero(self, load_dir, tag, load_optimizer_states)
+        # Every rank's partition, for the DP size that saved them (it may differ from ours).
+        names = self._get_all_zero_checkpoint_names(load_dir, tag, self.bfloat16_enabled())
+        self.optimizer.load_partitions(names, load_optimizer_states)
+        return True
+
+    stage_of, deco = wrap(DeepSpeedEngine, "zero_optimization_stage")
+
+    @deco
+    def zero_optimization_stage(self):
+        stage = stage_of(self)
+        return 1 if stage == 2 and self.__dict__.get("_l3plugin_hide_stage2") else stage
+
+    pipe_init, deco = wrap(PipelineEngine, "__init__")
+
+    @deco
+    def __init__(self, *args, **kwargs):
+        try:
+            pipe_init(self, *args, **kwargs)
+        finally:
+            self.__dict__["_l3plugin_hide_stage2"] = False
+
+    tied, deco = wrap(PipelineEngine, "_exec_reduce_tied_grads")
+
+    @deco
+    def _exec_reduce_tied_grads(self):
+        if not _ours(self):
+            return tied(self)
+        self.optimizer.reduce_tied_grads(self.module.get_tied_weights_and_groups())
+
+    # The pipeline schedule dispatches through a class-level table of functions, not attribute lookup.
+    from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
+
+    _stock[("instruction", ReduceTiedGrads)] = PipelineEngine._INSTRUCTION_MAP[ReduceTiedGrads]
+    PipelineEngine._INSTRUCTION_MAP[ReduceTiedGrads] = _exec_reduce_tied_grads
+
+
+def uninstall() -> None:
+    """Restore DeepSpeed's methods (tests use it to show the stock behaviour)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    for (cls, name), fn in _stock.items():
+        if cls == "instruction":
+            PipelineEngine._INSTRUCTION_MAP[name] = fn
+        else:
+            setattr(cls, name, fn)
+    _stock.clear()
+
+
+def export_fp32_state_dict(engine) -> dict:
+    """The module's state dict with every trainable weight taken from the fp32 master (collective; CPU).
+
+    Loadable by plain torch (``model.load_state_dict``) and hence by stock DeepSpeed or any trainer.
+    """
+    import torch
+
+    if not _ours(engine):
+        raise ValueError("this engine does not use l3plugin's FP32-reducing ZeRO optimizer")
+    zero = engine.optimizer.zero
+    fp32 = zero.export_state_dict(torch.float32)
+    out = {name: t.detach().cpu() for name, t in engine.module.state_dict().items()}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):  # tied weights under every name
+        if p in zero.slots:
+            out[name] = fp32[zero.param_names[p]]
+    return out
+
+
+install()

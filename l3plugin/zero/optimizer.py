@@ -1,0 +1,396 @@
+"""The FP32-reducing ZeRO-1/2 optimizer (Llama 3 paper, sections 3.1.3 and 6.2), framework-neutral.
+
+Model compute and the parameter all-gather stay in the parameters' dtype (bf16); gradients are
+accumulated over micro-batches in fp32, reduce-scattered over the gradient-reduction group in fp32, and
+the fp32 master shard is updated by an ordinary torch optimizer. Bucket layout and sharding map: see
+``buffers.py``.
+
+    zero = FP32ReduceZero(torch.optim.AdamW(model.parameters(), lr=1e-4), group=dp_cp_group, stage=2)
+    for round in rounds:                         # a round = k consecutive micro-batches of one chunk
+        for mb in round: loss(mb).backward()     # hooks add each bf16 .grad into fp32 buckets, free .grad
+        zero.end_of_round(chunk_params, is_last_round)
+    zero.step()                                  # reduce leftovers, clip on the fp32 norm, step, all-gather
+
+The calls a framework adapter makes:
+- gradients: nothing (post-accumulate-grad hooks are installed on construction);
+- ``end_of_round(params, is_last_round)`` after the last backward of each (chunk, round): ZeRO-2
+  reduce-scatters those params' buckets now and frees the full buffers, keeping only the fp32 shard;
+  ZeRO-1 does so only when ``is_last_round`` (full fp32 gradients live across rounds and chunks);
+- ``reduce_scatter(params)`` to force it regardless of stage; ``finish_grad_sync()`` reduces every bucket
+  not reduced yet (cheap no-op when the rounds did it) - call it before reading gradients;
+- ``all_reduce_param_grad(param, group)`` for weights tied across pipeline stages or replicated over
+  sequence-parallel TP ranks (what Megatron's finalize_model_grads does for embeddings and layer norms);
+- ``step()`` = finish_grad_sync + clip + optimizer step + ``all_gather_params()`` + ``zero_grad()``.
+
+Megatron-Core wiring (flexible schedule, l3plugin/megatron/pipeline.py), as intended for the adapter:
+    zero = FP32ReduceZero(torch_optimizer_over_all_chunks, group=mesh.dp_cp_group, stage=1 or 2,
+                          chunks=[list(c.parameters()) for c in model_chunks], norm_group=<TP x PP group>,
+                          counts_in_norm=<False for TP-duplicated params on tp_rank > 0 and for the
+                                          non-first-stage copy of a shared embedding>)
+    config.no_sync_func = contextlib.nullcontext    # hooks only accumulate: nothing to suppress
+    config.grad_sync_func = None                    # the round hook below also fires for the last round
+    config.round_grad_sync_func = lambda chunk, params, rnd, last: zero.end_of_round(list(params), last)
+    config.finalize_model_grads_func = <zero.finish_grad_sync(); zero.all_reduce_param_grad(...) for the
+        shared embedding (embedding group) and sequence-parallel norms (TP group); with
+        calculate_per_token_loss: zero.scale_grads(1 / num_tokens)>
+    optimizer step: zero.step() -> global grad norm (NaN/inf: step skipped, zero.overflow set)
+Do not also wrap the chunks in Megatron's DistributedDataParallel: its hooks would take the gradients.
+The paper runs ZeRO-1 with 1F1B when k >= 2p and ZeRO-2 with all-forward-all-backward when k < 2p.
+
+Every rank of the group must make the same calls in the same order (they are collectives) and touch the
+same buckets (true for dense models). Parameters must be identical across the group on construction (as
+after DDP's or DeepSpeed's initial broadcast). The torch optimizer must update element-wise (AdamW, Adam,
+SGD, ...): it sees flat fp32 shards, not shaped tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from l3plugin.zero import comm
+from l3plugin.zero.buffers import GradBucket, GradBufferMemory, ParamSlot, plan_buckets
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ZeroSettings:
+    stage: int = 1  # 1: reduce-scatter once per step; 2: once per round, full buffers freed in between
+    bucket_numel: int = 25_000_000  # elements per bucket (one reduce-scatter and one all-gather each)
+    accumulate_dtype: torch.dtype = torch.float32  # micro-batch gradient accumulation (bf16 only to compare)
+    reduce_dtype: torch.dtype = torch.float32  # reduce-scatter dtype (bf16 only to compare)
+    clip_grad: float = 0.0  # max global L2 norm of the fp32 gradient; 0 = no clipping
+    gradient_scale: float | None = None  # multiplies the summed gradient; None = 1 / group size (average)
+
+    def __post_init__(self):
+        if self.stage not in (1, 2):
+            raise ValueError(f"stage={self.stage!r}: the FP32-reducing ZeRO optimizer supports stage 1 "
+                             "(optimizer states sharded) and stage 2 (also gradients); use FSDP/ZeRO-3 for more")
+        for name in ("accumulate_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                if value not in DTYPES:
+                    raise ValueError(f"{name}={value!r}: valid are {sorted(DTYPES)}")
+                setattr(self, name, DTYPES[value])
+            elif value not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"{name}={value}: valid are torch.float32 (default) and torch.bfloat16")
+        if int(self.bucket_numel) < 1:
+            raise ValueError(f"bucket_numel={self.bucket_numel} must be >= 1")
+        self.bucket_numel = int(self.bucket_numel)
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad={self.clip_grad} must be >= 0 (0 disables clipping)")
+
+
+class FP32ReduceZero:
+    """Wraps a torch optimizer built over the model's (bf16) parameters; takes ownership of its param groups.
+
+    group: the gradient-reduction process group (DP, or DP x CP); None = the default group.
+    chunks: optional list of parameter iterables (model chunks / virtual stages); buckets never span two.
+    norm_group: extra group the squared gradient norm is summed over (model-parallel ranks: TP x PP).
+    counts_in_norm(param) -> bool: False for copies that another model-parallel rank already counts
+        (TP-duplicated or pipeline-tied weights); default: every parameter counts.
+    param_names: {param: name} for the sharding map, checkpoints and export.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group=None, *, settings: ZeroSettings | None = None,
+                 chunks=None, norm_group=None, counts_in_norm=None, param_names=None, **setting_kwargs):
+        if settings is None:
+            settings = ZeroSettings(**setting_kwargs)
+        elif setting_kwargs:
+            raise TypeError("pass either settings= or keyword settings, not both")
+        self.settings = settings
+        self.optimizer = optimizer
+        self.group = group if group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.norm_group = norm_group
+        self.memory = GradBufferMemory()
+        self.overflow = False
+        self.last_grad_norm: torch.Tensor | None = None
+
+        chunk_of = {}
+        for c, params in enumerate(chunks or []):
+            for p in params:
+                chunk_of[p] = c
+        ordered, specs = [], []
+        for g, pg in enumerate(optimizer.param_groups):
+            mine = [p for p in pg["params"] if p.requires_grad and p.numel() > 0]
+            mine.sort(key=lambda p: chunk_of.get(p, 0))  # stable: keeps the user's order inside a chunk
+            for p in mine:
+                ordered.append(p)
+                specs.append((g, chunk_of.get(p, 0), p.dtype, tuple(p.shape)))
+        if not ordered:
+            raise ValueError("the optimizer holds no trainable parameters")
+        self.params = ordered
+        self.param_names = {p: (param_names or {}).get(p, f"param{i}") for i, p in enumerate(ordered)}
+        slots, bucket_specs = plan_buckets(specs, self.world_size, settings.bucket_numel)
+        self.slots: dict = dict(zip(ordered, slots))
+        self.buckets: list[GradBucket] = []
+        for spec in bucket_specs:
+            params = [ordered[s.index] for s in spec.slots]
+            self.buckets.append(GradBucket(spec, params, self._initial_master(spec, params),
+                                           settings.accumulate_dtype, self.memory))
+        self.counted_in_norm = [self._norm_mask(b, counts_in_norm) for b in self.buckets]
+        # The torch optimizer now updates the fp32 shards: one tensor per bucket, in the bucket's group.
+        for g, pg in enumerate(optimizer.param_groups):
+            pg["params"] = [b.master for b in self.buckets if b.spec.group == g]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in ordered]
+
+    # -- construction helpers -----------------------------------------------------------------------
+    def _initial_master(self, spec, params) -> torch.nn.Parameter:
+        lo, hi = spec.shard_range(self.rank)
+        device = params[0].device
+        shard = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+        for slot, p in zip(spec.slots, params):
+            s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if s < e:
+                shard[s - lo:e - lo] = p.detach().reshape(-1)[s - slot.offset:e - slot.offset]
+        return torch.nn.Parameter(shard)
+
+    def _norm_mask(self, bucket, counts_in_norm):
+        """Shard-local [start, end) ranges that count in the norm (None: the whole shard counts)."""
+        if counts_in_norm is None or all(counts_in_norm(p) for p in bucket.params):
+            return None
+        lo, hi = bucket.spec.shard_range(self.rank)
+        keep = []
+        for slot, p in zip(bucket.spec.slots, bucket.params):
+            s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if s < e and counts_in_norm(p):
+                keep.append((s - lo, e - lo))
+        return keep
+
+    # -- gradients ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _accumulate(self, param: torch.Tensor) -> None:
+        if param.grad is None:
+            return
+        slot = self.slots[param]
+        self.buckets[slot.bucket].accumulate(slot, param.grad)
+        param.grad = None  # the bf16 gradient is consumed: autograd allocates a fresh one next micro-batch
+
+    def buckets_of(self, params=None) -> list[GradBucket]:
+        if params is None:
+            return list(self.buckets)
+        wanted = sorted({self.slots[p].bucket for p in params if p in self.slots})
+        return [self.buckets[i] for i in wanted]
+
+    @torch.no_grad()
+    def _reduce_bucket(self, bucket: GradBucket) -> None:
+        full = bucket.full_buffer()  # zeros if this rank saw no gradient: the collective must still run
+        shard = comm.reduce_scatter_sum(full, self.group, self.settings.reduce_dtype)
+        shard = self.memory.alloc(shard.to(self.settings.accumulate_dtype))  # scale in the accumulation dtype
+        bucket.free_full()  # the output existed next to the full buffer: counted in the peak above
+        scale = self.settings.gradient_scale
+        shard.mul_(1.0 / self.world_size if scale is None else scale)
+        bucket.add_reduced(shard)
+
+    def reduce_scatter(self, params=None) -> None:
+        """Reduce-scatter the buckets holding ``params`` (all buckets if None), whatever the stage."""
+        for bucket in self.buckets_of(params):
+            self._reduce_bucket(bucket)
+
+    def end_of_round(self, params, is_last_round: bool) -> None:
+        """After the last backward of a round of micro-batches of the chunk owning ``params``."""
+        if self.settings.stage == 2 or is_last_round:
+            self.reduce_scatter(params)
+
+    def finish_grad_sync(self) -> None:
+        """Reduce-scatter every bucket that still holds unreduced gradients or was never reduced this step."""
+        for bucket in self.buckets:
+            if bucket.full is not None or bucket.shard_grad is None:
+                self._reduce_bucket(bucket)
+
+    @torch.no_grad()
+    def all_reduce_param_grad(self, param, group) -> None:
+        """Sum ``param``'s fp32 gradient over ``group`` (collective over ``group``, and over the reduction
+        group too once gradients are reduce-scattered).
+
+        For weights tied across pipeline stages (embedding / output layer: each stage holds a copy whose
+        gradients must be added) and for parameters replicated over tensor-parallel ranks that see different
+        tokens (sequence-parallel layer norms). Before the reduce-scatter the full fp32 buffer is summed
+        in place; after it (ZeRO-2 rounds, or in a finalize hook) the reduced gradient is assembled, summed
+        and written back to this rank's shard. The sum commutes with the data-parallel average.
+        """
+        slot = self.slots[param]
+        bucket = self.buckets[slot.bucket]
+        if bucket.shard_grad is None:
+            comm.all_reduce_sum(bucket.param_view(slot), group)
+            return
+        if bucket.full is not None:
+            raise RuntimeError("gradient of a tied/replicated parameter is partly reduce-scattered: call "
+                               "all_reduce_param_grad before the first or after the last reduce-scatter")
+        full = self.full_grad(param)
+        comm.all_reduce_sum(full, group)
+        self.set_full_grad(param, full)
+
+    @property
+    def grads_reduced(self) -> bool:
+        return all(b.full is None and b.shard_grad is not None for b in self.buckets)
+
+    # -- step -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the reduced gradients (e.g. 1 / tokens for a per-token loss); after finish_grad_sync."""
+        for bucket in self.buckets:
+            if bucket.shard_grad is not None:
+                bucket.shard_grad.mul_(factor)
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the reduced fp32 gradient (collective over group and norm_group)."""
+        device = self.buckets[0].device
+        total = torch.zeros(1, dtype=torch.float32, device=device)
+        for bucket, keep in zip(self.buckets, self.counted_in_norm):
+            g = bucket.shard_grad
+            if g is None:
+                continue
+            g = g.float()
+            for s, e in [(0, g.numel())] if keep is None else keep:
+                total += g[s:e].pow(2).sum()
+        comm.all_reduce_sum(total, self.group)
+        if self.norm_group is not None:
+            comm.all_reduce_sum(total, self.norm_group)
+        return total.sqrt()
+
+    @torch.no_grad()
+    def clip_grad_norm(self) -> torch.Tensor:
+        norm = self.grad_norm()
+        max_norm = self.settings.clip_grad
+        if max_norm > 0:
+            coef = max_norm / (norm.item() + 1e-6)
+            if coef < 1.0:
+                for bucket in self.buckets:
+                    if bucket.shard_grad is not None:
+                        bucket.shard_grad.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure=None) -> torch.Tensor:
+        """Reduce what is left, clip, update the fp32 shards, all-gather the parameters. Returns the norm.
+
+        A non-finite gradient norm skips the update (``self.overflow`` is then True) instead of writing
+        NaNs into the master weights.
+        """
+        if closure is not None:
+            raise ValueError("FP32ReduceZero.step does not take a closure")
+        self.finish_grad_sync()
+        norm = self.clip_grad_norm()
+        self.last_grad_norm = norm
+        self.overflow = not math.isfinite(norm.item())
+        if not self.overflow:
+            for bucket in self.buckets:
+                g = bucket.shard_grad
+                bucket.master.grad = None if g is None else g.to(torch.float32)
+            self.optimizer.step()
+            self.all_gather_params()
+        self.zero_grad()
+        return norm
+
+    @torch.no_grad()
+    def all_gather_params(self) -> None:
+        """Write the fp32 shards into every rank's parameters, gathered in the parameters' dtype."""
+        for bucket in self.buckets:
+            full = comm.all_gather_shards(bucket.master.detach().to(bucket.spec.dtype), self.group)
+            for slot, p in zip(bucket.spec.slots, bucket.params):
+                p.copy_(full[slot.offset:slot.offset + slot.numel].view_as(p))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for bucket in self.buckets:
+            bucket.clear_grads()
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def refresh_master_from_params(self) -> None:
+        """Reset the fp32 shards from the (bf16) parameters, e.g. after loading model weights only."""
+        for bucket in self.buckets:
+            bucket.master.copy_(self._initial_master(bucket.spec, bucket.params))
+
+    # -- per-parameter views (DeepSpeed's safe_get_full_* accessors use these) --------------------------
+    def _full_from_shards(self, param, shard: torch.Tensor) -> torch.Tensor:
+        slot: ParamSlot = self.slots[param]
+        lo, hi = self.buckets[slot.bucket].spec.shard_range(self.rank)
+        out = torch.zeros(slot.numel, dtype=torch.float32, device=shard.device)
+        s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if s < e:
+            out[s - slot.offset:e - slot.offset] = shard[s - lo:e - lo]
+        comm.all_reduce_sum(out, self.group)  # each element is non-zero on exactly one rank
+        return out.view(slot.shape)
+
+    def _local_part(self, param, shard: torch.Tensor, value: torch.Tensor) -> None:
+        slot: ParamSlot = self.slots[param]
+        lo, hi = self.buckets[slot.bucket].spec.shard_range(self.rank)
+        s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if s < e:
+            shard[s - lo:e - lo] = value.reshape(-1)[s - slot.offset:e - slot.offset].to(shard.dtype)
+
+    def _state_shard(self, param, state_key):
+        bucket = self.buckets[self.slots[param].bucket]
+        if state_key is None:
+            return bucket.master.data
+        state = self.optimizer.state.get(bucket.master, {})
+        if state_key not in state:
+            raise KeyError(f"optimizer state {state_key!r} not found; this optimizer has "
+                           f"{sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1)}")
+        return state[state_key]
+
+    def full_master(self, param, state_key: str | None = None) -> torch.Tensor:
+        """The whole fp32 master weight (or optimizer state ``state_key``) of ``param`` (collective)."""
+        return self._full_from_shards(param, self._state_shard(param, state_key).float())
+
+    def set_full_master(self, param, value: torch.Tensor, state_key: str | None = None) -> None:
+        self._local_part(param, self._state_shard(param, state_key), value)
+
+    def full_grad(self, param) -> torch.Tensor:
+        """The reduced fp32 gradient of ``param`` (collective). Valid after the reduce-scatter, before step."""
+        bucket = self.buckets[self.slots[param].bucket]
+        if bucket.shard_grad is None or bucket.full is not None:
+            raise RuntimeError("the reduced gradient is available after the reduce-scatter of the last "
+                               "micro-batch (finish_grad_sync) and before step()")
+        return self._full_from_shards(param, bucket.shard_grad.float())
+
+    def set_full_grad(self, param, value: torch.Tensor) -> None:
+        bucket = self.buckets[self.slots[param].bucket]
+        if bucket.shard_grad is None:
+            raise RuntimeError("no reduced gradient to overwrite: call after the reduce-scatter, before step()")
+        self._local_part(param, bucket.shard_grad, value)
+
+    # -- documentation / inspection ----------------------------------------------------------------------
+    def sharding_map(self) -> list[dict]:
+        """One row per parameter: its bucket, bucket offset and which group ranks own which of its elements."""
+        rows = []
+        for p in self.params:
+            slot = self.slots[p]
+            spec = self.buckets[slot.bucket].spec
+            rows.append({"name": self.param_names[p], "group": slot.group, "chunk": slot.chunk,
+                         "bucket": slot.bucket, "offset": slot.offset, "numel": slot.numel,
+                         "bucket_padded_numel": spec.padded_numel,
+                         "owners": [(r, s - slot.offset, e - slot.offset) for r, s, e in spec.owners(slot)]})
+        return rows
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- checkpoints (layout and resharding in checkpoint.py) --------------------------------------------
+    def state_dict(self) -> dict:
+        from l3plugin.zero.checkpoint import sharded_state_dict
+
+        return sharded_state_dict(self)
+
+    def load_state_dict(self, sources, optimizer_states: bool = True) -> None:
+        """``sources``: the state dicts (or paths to them) of every rank of the group that saved them, in
+        rank order; that group may have had another size. Collective (ends with the parameter all-gather)."""
+        from l3plugin.zero.checkpoint import load_sharded_state_dict
+
+        load_sharded_state_dict(self, sources, optimizer_states)
+
+    def export_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        from l3plugin.zero.checkpoint import full_state_dict
+
+        return full_state_dict(self, dtype)

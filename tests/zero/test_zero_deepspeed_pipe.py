@@ -1,0 +1,151 @@
+"""PipelineEngine (pp=2 x dp=2, a weight tied across the two stages) with the FP32-reducing ZeRO, stage 1 and 2."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_models import ds_config, quiet_deepspeed
+
+WIDTH, GAS, STEPS, CLIP = 8, 8, 2, 0.05  # CLIP binds: checks the norm summed over both stages
+
+
+def loss_fn(out, label):
+    return (out.float() - label).pow(2).mean()
+
+
+def layers():
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    return [TiedLayerSpec("tied", torch.nn.Linear, WIDTH, WIDTH, bias=False), LayerSpec(torch.nn.Linear, WIDTH, WIDTH),
+            LayerSpec(torch.nn.Tanh), LayerSpec(torch.nn.Linear, WIDTH, WIDTH), LayerSpec(torch.nn.Tanh),
+            TiedLayerSpec("tied", torch.nn.Linear, WIDTH, WIDTH, bias=False)]
+
+
+def micro_batch(dp_rank, step, mb):
+    g = torch.Generator().manual_seed(1000 * dp_rank + 10 * step + mb)
+    return torch.randn(2, WIDTH, generator=g).bfloat16(), torch.randn(2, WIDTH, generator=g)
+
+
+def reference_masters(init, dp_size):
+    """Serial fp32-master AdamW on fp64-accumulated gradients of all DP ranks' data, from the pipeline's
+    initial weights ``init`` (tied, linear1 w/b, linear2 w/b); the tied weight's two uses are separate
+    copies whose gradients are added in fp64."""
+    mods = [torch.nn.Linear(WIDTH, WIDTH, bias=False), torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)]
+    mods = [m.bfloat16() for m in mods]
+    with torch.no_grad():
+        for p, v in zip([mods[0].weight, mods[1].weight, mods[1].bias, mods[2].weight, mods[2].bias], init):
+            p.copy_(v)
+    tied_copy = copy.deepcopy(mods[0])
+    params = [mods[0].weight, mods[1].weight, mods[1].bias, mods[2].weight, mods[2].bias]
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        acc = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+        for dp in range(dp_size):
+            for mb in range(GAS):
+                x, y = micro_batch(dp, step, mb)
+                h = torch.tanh(mods[2](torch.tanh(mods[1](mods[0](x)))))
+                (loss_fn(tied_copy(h), y) / GAS).backward()
+                grads = [p.grad for p in params]
+                grads[0] = grads[0].double() + tied_copy.weight.grad.double()
+                for a, g in zip(acc, grads):
+                    a += g.double()
+                for p in params + [tied_copy.weight]:
+                    p.grad = None
+        grads = [a / dp_size for a in acc]
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads)).item()  # the tied weight counted once
+        coef = min(1.0, CLIP / (norm + 1e-6))
+        assert coef < 1.0
+        for m, g in zip(masters, grads):
+            m.grad = (g * coef).float()
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params + [tied_copy.weight], masters + [masters[0]]):
+                p.copy_(m)
+    return [m.detach() for m in masters]
+
+
+def pipe_engine(stage, plugin, seed=0):
+    deepspeed = quiet_deepspeed()
+    import l3plugin.deepspeed  # noqa: F401
+    from deepspeed.pipe import PipelineModule
+
+    torch.manual_seed(seed)
+    module = PipelineModule(layers=layers(), num_stages=2, loss_fn=loss_fn, partition_method="uniform")
+    cfg = ds_config(stage, gas=GAS, plugin=plugin, clip=CLIP)
+    engine, *_ = deepspeed.initialize(model=module, config=cfg, model_parameters=module.parameters())
+    return engine
+
+
+def train(engine, steps, first_step=0):
+    dp_rank = engine.grid.get_data_parallel_id()
+    for step in range(first_step, first_step + steps):
+        engine.train_batch(iter([micro_batch(dp_rank, step, mb) for mb in range(GAS)]))
+
+
+def snapshot(engine):
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    return {n: (p.detach().clone(), safe_get_full_fp32_param(p),
+                *[safe_get_full_optimizer_state(p, k) for k in p._hp_mapping.get_optim_state_keys()])
+            for n, p in engine.module.named_parameters()}
+
+
+def pipeline_checkpoint(stage, save_dir, load_dir):
+    """Leg 1 (save_dir): train, save, train. Leg 2 (load_dir): other init, load, train. Final snapshots."""
+    engine = pipe_engine(stage, {"fp32_reduce_zero": True}, seed=0 if save_dir else 1)
+    if load_dir:
+        assert engine.load_checkpoint(load_dir)[0] is not None
+    else:
+        train(engine, 1)
+        engine.save_checkpoint(save_dir, tag="t")
+    train(engine, 1, first_step=1)
+    return snapshot(engine)
+
+
+def pipeline_training(stage, plugin):
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    engine = pipe_engine(stage, plugin)
+    init = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    train(engine, STEPS)
+    fp32 = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
+    out = {"stage_id": engine.stage_id, "optimizer": type(engine.optimizer).__name__, "fp32": fp32, "init": init,
+           "dp_size": engine.grid.get_data_parallel_world_size(),
+           "bf16": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+    dist.barrier()
+    return out
+
+
+def relative(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_pipeline_engine_with_tied_weights(ranks, stage):
+    results = ranks.run(4, pipeline_training, stage, {"fp32_reduce_zero": True}, timeout=180)
+    assert {r["optimizer"] for r in results} == {"DeepSpeedFP32ReduceZero"}
+    by_stage = {0: [r for r in results if r["stage_id"] == 0], 1: [r for r in results if r["stage_id"] == 1]}
+    assert len(by_stage[0]) == len(by_stage[1]) == 2
+    first, last = by_stage[0][0], by_stage[1][0]
+    names = [(first, "tied_modules.tied.weight"), (first, "1.weight"), (first, "1.bias"), (last, "3.weight"),
+             (last, "3.bias")]
+    assert torch.equal(first["init"][names[0][1]], last["init"][names[0][1]])
+    ref = reference_masters([r["init"][n] for r, n in names], first["dp_size"])
+    errors = {n: relative(r["fp32"][n], want) for (r, n), want in zip(names, ref)}
+    assert max(errors.values()) < 1e-5, errors
+    for group in by_stage.values():  # DP replicas agree
+        assert all(torch.equal(group[0]["bf16"][n], group[1]["bf16"][n]) for n in group[0]["bf16"])
+    tied = "tied_modules.tied.weight"  # and so do the copies of the tied weight on the two stages
+    assert torch.equal(first["fp32"][tied], last["fp32"][tied]) and torch.equal(first["bf16"][tied], last["bf16"][tied])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_pipeline_checkpoint_resume_is_bit_exact(ranks, tmp_path, stage):
+    straight = ranks.run(4, pipeline_checkpoint, stage, str(tmp_path), None, timeout=180)
+    resumed = ranks.run(4, pipeline_checkpoint, stage, None, str(tmp_path), timeout=180)
+    for a, b in zip(straight, resumed):
+        assert a.keys() == b.keys()
+        assert all(len(a[n]) == len(b[n]) == 4 and all(torch.equal(x, y) for x, y in zip(a[n], b[n])) for n in a)
