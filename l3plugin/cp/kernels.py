@@ -10,10 +10,13 @@ and is differentiable through autograd. heads_kv must divide heads_q (GQA).
   anywhere torch runs; the default on CPU and the ground truth in tests.
 - ``varlen-reference``: loops over the varlen metadata exactly as a GPU varlen kernel reads it (per
   document, bottom-right causal alignment). Slow; it exists to prove the metadata on CPU.
+- ``cpu-flash``: torch's CPU flash-attention ops (``aten::_scaled_dot_product_flash_attention_for_cpu``
+  and its backward) with an additive document mask, per block of queries. Saves only the output and the
+  log-sum-exp, so it needs no recompute: the CPU default.
 - ``flash``: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16), when importable. NOT verified
   on this project's CPU-only CI.
-``select_kernel("auto", q)`` picks flash for CUDA fp16/bf16 tensors when flash-attn is installed, else
-the reference.
+``select_kernel("auto", q)`` picks flash for CUDA fp16/bf16 tensors when flash-attn is installed,
+cpu-flash for CPU tensors when torch has those ops, else the reference.
 """
 
 from __future__ import annotations
@@ -41,17 +44,21 @@ def _document_ids(meta: ChunkDocuments, device) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1]).to(device)
 
 
+def _block_mask(doc_k, first, rows, causal):
+    """Boolean [rows, kv_len] mask of queries first..first+rows-1 (True = attend)."""
+    pos_q = torch.arange(first, first + rows, device=doc_k.device)
+    mask = doc_k[pos_q][:, None] == doc_k[None, :]
+    if causal:
+        mask &= torch.arange(doc_k.numel(), device=doc_k.device)[None, :] <= pos_q[:, None]
+    return mask
+
+
 def reference_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=None, block_size=None):
     block_size = block_size or DEFAULT_BLOCK
     doc_k = _document_ids(meta, q.device)
-    pos_k = torch.arange(meta.kv_len, device=q.device)
 
     def block(q_blk, k_, v_, first):
-        pos_q = torch.arange(first, first + q_blk.size(0), device=q.device)
-        mask = doc_k[pos_q][:, None] == doc_k[None, :]
-        if causal:
-            mask &= pos_k[None, :] <= pos_q[:, None]
-        return _sdpa(q_blk, k_, v_, mask, softmax_scale)
+        return _sdpa(q_blk, k_, v_, _block_mask(doc_k, first, q_blk.size(0), causal), softmax_scale)
 
     outs = []
     for first in range(0, q.size(0), block_size):
@@ -61,6 +68,44 @@ def reference_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scal
         else:
             outs.append(block(q_blk, k, v, meta.start + first))
     return torch.cat(outs)
+
+
+class _CPUFlashBlock(torch.autograd.Function):
+    """One block of queries through torch's CPU flash-attention forward and backward ops ([1, h, s, d])."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def cpu_flash_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=None, block_size=None):
+    block_size = block_size or DEFAULT_BLOCK
+    doc_k = _document_ids(meta, q.device)
+    rep = q.size(1) // k.size(1)
+    # [s, h, d] -> [1, h, s, d]; the CPU op wants as many K/V heads as query heads.
+    k4, v4 = (t.repeat_interleave(rep, dim=1).transpose(0, 1)[None] for t in (k, v))
+    outs = []
+    for first in range(0, q.size(0), block_size):
+        q_blk = q[first:first + block_size]
+        allowed = _block_mask(doc_k, meta.start + first, q_blk.size(0), causal)
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+        out = _CPUFlashBlock.apply(q_blk.transpose(0, 1)[None].contiguous(), k4, v4, mask, softmax_scale)
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _has_cpu_flash() -> bool:
+    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 def varlen_reference_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=None):
@@ -98,7 +143,7 @@ def flash_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=No
 
 
 KERNELS = {"reference": reference_kernel, "varlen-reference": varlen_reference_kernel,
-           "flash": flash_kernel}
+           "cpu-flash": cpu_flash_kernel, "flash": flash_kernel}
 
 
 def select_kernel(name: str | None, q: torch.Tensor):
@@ -106,6 +151,8 @@ def select_kernel(name: str | None, q: torch.Tensor):
     if name in (None, "auto"):
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None:
             return flash_kernel
+        if q.device.type == "cpu" and _has_cpu_flash():
+            return cpu_flash_kernel
         return reference_kernel
     if name not in KERNELS:
         raise ValueError(f"kernel={name!r} is unknown: choose 'auto' or one of {sorted(KERNELS)}")

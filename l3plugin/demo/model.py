@@ -54,7 +54,7 @@ def deterministic_init(chunk, tp_size=1, tp_rank=0, scale=0.05):
                 shape[param.partition_dim] *= tp_size
             gen = torch.Generator().manual_seed(zlib.crc32(global_name(chunk, name).encode()))
             full = torch.randn(shape, generator=gen, dtype=torch.float64) * scale
-            if "layernorm" in name or name.endswith("final_layernorm.weight"):
+            if "layernorm.weight" in name:  # norms start near 1
                 full += 1.0
             param.copy_(_tp_slice(full, param, name, tp_size, tp_rank, gated))
 

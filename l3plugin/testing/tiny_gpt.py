@@ -1,13 +1,14 @@
-"""A tiny Megatron-Core GPTModel on CPU (local layer spec + l3plugin's CP attention) with weights that
-depend only on each parameter's global name, so any TP/CP/PP split holds the same numbers as one piece.
+"""A tiny Megatron-Core GPTModel on CPU (local layer spec + l3plugin's CP attention, learned positions)
+with the demo's name-keyed weights, so any CP/PP split holds the same numbers as one piece.
 """
 
 from __future__ import annotations
 
 import functools
-import zlib
 
 import torch
+
+from l3plugin.demo.model import deterministic_init, global_name
 
 VOCAB = 64
 
@@ -21,22 +22,6 @@ def gpt_config(num_layers=4, hidden=32, heads=4, kv_heads=2, pp=1, vpp=None, cp=
         hidden_dropout=0.0, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp, microbatch_group_size_per_vp_stage=k, batch_p2p_comm=False,
         deallocate_pipeline_outputs=True, **kwargs)
-
-
-def global_name(chunk, name: str) -> str:
-    """Parameter name in the whole model: local decoder layer index -> global layer number."""
-    parts = name.split(".")
-    if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(chunk.decoder.layers[int(parts[2])].layer_number - 1)
-    return ".".join(parts)
-
-
-def deterministic_init(chunk):
-    with torch.no_grad():
-        for name, param in chunk.named_parameters():
-            gen = torch.Generator().manual_seed(zlib.crc32(global_name(chunk, name).encode()))
-            values = torch.randn(param.shape, generator=gen, dtype=torch.float64) * 0.05
-            param.copy_(values + (1.0 if "layernorm.weight" in name else 0.0))
 
 
 def build_gpt(config, *, pre_process=True, post_process=True, vp_stage=None, seq_len=16, **model_kwargs):

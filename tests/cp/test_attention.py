@@ -46,7 +46,8 @@ def make_inputs(dtype, heads_q, heads_kv, seed=1):
 
 CASES = [(dtype, causal, heads, kernel)
          for dtype in (torch.float64, torch.float32) for causal in (True, False)
-         for heads, kernel in (((4, 4), "reference"), ((4, 2), "reference"), ((4, 2), "varlen-reference"))]
+         for heads, kernel in (((4, 4), "reference"), ((4, 2), "reference"), ((4, 2), "varlen-reference"),
+                               ((4, 2), "cpu-flash"))]
 
 
 def cp_attention_errors(block_size):
