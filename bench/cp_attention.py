@@ -134,21 +134,33 @@ def ring_run(seq_len, cp, cu, repeats):
         reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, nxt), dist.P2POp(dist.irecv, buf, prv)])
         return reqs, buf
 
+    chunk = q.size(0) // 2
+
+    def blocks(s):
+        """(q rows, kv columns, mask) of every (local q chunk, visiting kv chunks) pair with work in it:
+        fully masked chunk pairs are skipped, as a ring implementation for causal masks does."""
+        mask, _ = _mask(idx, shard_indices(seq_len, cp, (rank - s) % cp), doc)
+        for a in range(2):
+            rows = slice(a * chunk, (a + 1) * chunk)
+            cols = [j for j in range(2) if bool((mask[rows, j * chunk:(j + 1) * chunk] == 0).any())]
+            if cols:
+                col_idx = torch.cat([torch.arange(j * chunk, (j + 1) * chunk) for j in cols])
+                yield a, rows, col_idx, mask[rows][:, col_idx].contiguous()
+
     def step():
         kv = torch.stack([k, v]).contiguous()
-        out = lse = None
+        out, lse = [None, None], [None, None]  # per local q chunk
         for s in range(cp):
             reqs, incoming = rotate(kv) if s < cp - 1 else ([], None)
-            mask, any_allowed = _mask(idx, shard_indices(seq_len, cp, (rank - s) % cp), doc)
-            if any_allowed:
-                kb, vb = expand(kv)
-                o, l = flash(q4, kb, vb, attn_mask=mask)
-                if out is None:
-                    out, lse = o, l
+            kb, vb = expand(kv)
+            for a, rows, cols, mask in blocks(s):
+                o, l = flash(q4[:, :, rows], kb[:, :, cols], vb[:, :, cols], attn_mask=mask)
+                if out[a] is None:
+                    out[a], lse[a] = o, l
                 else:
-                    new = torch.logaddexp(lse, l)
-                    out = out * (lse - new).exp()[..., None] + o * (l - new).exp()[..., None]
-                    lse = new
+                    new = torch.logaddexp(lse[a], l)
+                    out[a] = out[a] * (lse[a] - new).exp()[..., None] + o * (l - new).exp()[..., None]
+                    lse[a] = new
             for r in reqs:
                 r.wait()
             kv = incoming
@@ -159,20 +171,21 @@ def ring_run(seq_len, cp, cu, repeats):
         dq = torch.zeros_like(q4)
         for s in range(cp):
             reqs, incoming = rotate(kv) if s < cp - 1 else ([], None)
-            mask, any_allowed = _mask(idx, shard_indices(seq_len, cp, (rank - s) % cp), doc)
-            if any_allowed:
-                kb, vb = expand(kv)
-                gq, gk, gv = flash_bwd(g4, q4, kb, vb, out, lse, 0.0, False, attn_mask=mask)
-                dq += gq
+            kb, vb = expand(kv)
+            for a, rows, cols, mask in blocks(s):
+                gq, gk, gv = flash_bwd(g4[:, :, rows].contiguous(), q4[:, :, rows], kb[:, :, cols],
+                                       vb[:, :, cols], out[a], lse[a], 0.0, False, attn_mask=mask)
+                dq[:, :, rows] += gq
                 for i, gt in enumerate((gk, gv)):  # [1, HQ, s, d] -> [s, HKV, d], summing GQA groups
-                    dkv[i] += gt[0].transpose(0, 1).reshape(-1, HKV, rep, D).sum(2)
+                    dkv[i, cols] += gt[0].transpose(0, 1).reshape(-1, HKV, rep, D).sum(2)
             if cp > 1:
                 d_reqs, dkv_next = rotate(dkv)
                 reqs = reqs + d_reqs
                 for r in reqs:
                     r.wait()
                 kv, dkv = incoming, dkv_next
-        return out[0].transpose(0, 1), [dq[0].transpose(0, 1), dkv[0], dkv[1]]
+        full = torch.cat(out, dim=2)
+        return full[0].transpose(0, 1), [dq[0].transpose(0, 1), dkv[0], dkv[1]]
 
     t, (o, grads) = _timed(step, repeats)
     return {"time": t, "out": o, "grads": grads}
