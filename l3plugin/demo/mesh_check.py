@@ -1,6 +1,6 @@
-"""Mesh check (the demo's first step): every rank initialises Megatron-Core's parallel_state in the order [TP, CP, PP, DP] through
-``l3plugin.mesh.init_mesh`` and reports the members of its real process groups; the parent checks them
-against the planned table and prints it.
+"""Mesh check (the demo's first step): every rank initialises Megatron-Core's parallel_state in the
+order [TP, CP, PP, DP] through ``l3plugin.mesh.init_mesh`` and reports the members of its real process
+groups; the parent checks them against the planned table.
 """
 
 from __future__ import annotations

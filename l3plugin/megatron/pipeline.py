@@ -9,9 +9,9 @@ forward_backward functions (and ignores unknown future ones). It runs the per-ra
 Differences from the stock interleaved schedule, all deliberate:
 - any m >= 1 and any k in 1..m (k from ``config.microbatch_group_size_per_vp_stage``, default p);
   k < p runs all-forward-all-backward, a last group smaller than p is fine;
-- P2P goes through ``l3plugin.schedule.comm`` (device taken from the model, receives posted in the
-  sender's order), not Megatron's P2PCommunicator, whose receive buffers hard-code CUDA and whose batched
-  pp=2 path can silently swap activations and gradients;
+- P2P goes through ``l3plugin.schedule.comm`` (device taken from the model; both peers of a pair post
+  their sends and receives in one agreed order), not Megatron's P2PCommunicator, whose receive buffers
+  hard-code CUDA and whose batched pp=2 path can silently swap activations and gradients;
 - grad-sync hooks run right after the chunk's last backward (stock delays them by the pipeline rank),
   and a new per-round hook ``config.round_grad_sync_func(chunk_id, params, round_id, is_last_round)``
   runs after the last backward of every (chunk, round of k microbatches): ZeRO-2 reduce-scatters there.
@@ -25,13 +25,18 @@ import functools
 
 import torch
 
-from l3plugin.schedule.comm import PipelineChannels
-from l3plugin.schedule.plan import BACKWARD, FORWARD, RankPlan, Schedule, build_schedule
+from l3plugin.schedule.comm import PipelineChannels, pair_orders
+from l3plugin.schedule.plan import FORWARD, RankPlan, Schedule, build_schedule
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_schedule(pp, vpp, m, k) -> Schedule:
-    return build_schedule(pp, vpp, m, k)
+def _cached_plan(pp, vpp, m, k, forward_only, rank):
+    """The schedule (forward-only if asked) and this rank's P2P order: built once per configuration,
+    not every step (the order comes from a replay of the whole plan)."""
+    schedule = build_schedule(pp, vpp, m, k)
+    if forward_only:
+        schedule = forward_only_schedule(schedule)
+    return schedule, {peer: tuple(ops) for peer, ops in pair_orders(schedule, rank).items()}
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
@@ -102,12 +107,10 @@ def forward_backward_pipelining_flexible(
     if k == p and num_microbatches < p:
         k = num_microbatches  # Megatron's default k = p: fewer microbatches than that make one group
     try:
-        schedule = _cached_schedule(p, v, num_microbatches, k)
+        schedule, orders = _cached_plan(p, v, num_microbatches, k, bool(forward_only), r)
     except ValueError as exc:
         raise ValueError(f"{exc} (group_size is config.microbatch_group_size_per_vp_stage, set by "
                          f"--microbatch-group-size-per-virtual-pipeline-stage)") from None
-    if forward_only:
-        schedule = forward_only_schedule(schedule)
     plan = schedule.ranks[r]
     grad_sync_points = plan.grad_sync_points()
     round_ends = schedule.round_end_points(r)
@@ -116,7 +119,7 @@ def forward_backward_pipelining_flexible(
     if config.sequence_parallel:
         seq //= tp_group.size()
     channels = PipelineChannels(
-        schedule, r, dist.get_process_group_ranks(pp_group), pp_group,
+        schedule, r, orders, dist.get_process_group_ranks(pp_group), pp_group,
         shape=(seq, micro_batch_size, config.hidden_size), dtype=config.pipeline_dtype,
         device=_model_device(model))
     model_type = get_model_type(model[0])

@@ -48,14 +48,16 @@ def pair_orders(schedule: Schedule, pp_rank: int) -> dict[int, deque]:
 class PipelineChannels:
     """This pipeline rank's receives and sends for one execution of ``schedule``."""
 
-    def __init__(self, schedule: Schedule, pp_rank: int, pp_global_ranks: list[int], group, *,
+    def __init__(self, schedule: Schedule, pp_rank: int, orders, pp_global_ranks: list[int], group, *,
                  shape, dtype, device, prefetch: bool = True):
+        """``orders``: ``pair_orders(schedule, pp_rank)`` (callers cache it; None computes it)."""
         self.pp_rank = pp_rank
         self.global_ranks = list(pp_global_ranks)
         self.group = group
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.prefetch = prefetch
-        self._ops = pair_orders(schedule, pp_rank)
+        orders = pair_orders(schedule, pp_rank) if orders is None else orders
+        self._ops = {peer: deque(ops) for peer, ops in orders.items()}
         self._posted: dict[Message, tuple] = {}  # message -> (work, buffer, peer)
         self._local: dict[Message, torch.Tensor] = {}
         self._sends: dict[Message, tuple] = {}  # message -> (work, tensor, on_complete)
