@@ -13,10 +13,13 @@ and is differentiable through autograd. heads_kv must divide heads_q (GQA).
 - ``cpu-flash``: torch's CPU flash-attention ops (``aten::_scaled_dot_product_flash_attention_for_cpu``
   and its backward) with an additive document mask, per block of queries. Saves only the output and the
   log-sum-exp, so it needs no recompute: the CPU default.
-- ``flash``: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16), when importable. NOT verified
-  on this project's CPU-only CI.
-``select_kernel("auto", q)`` picks flash for CUDA fp16/bf16 tensors when flash-attn is installed,
-cpu-flash for CPU tensors when torch has those ops, else the reference.
+- ``flash``: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16), when importable.
+- ``te``: Transformer Engine's fused attention (``DotProductAttention`` with qkv_format "thd" and a
+  bottom-right-aligned padding-causal mask), when importable.
+The two GPU kernels consume exactly the metadata ``varlen-reference`` proves on CPU, but they are NOT
+verified on this project's CPU-only CI (their tests skip there).
+``select_kernel("auto", q)`` picks flash (else te) for CUDA fp16/bf16 tensors when installed, cpu-flash
+for CPU tensors when torch has those ops, else the reference.
 """
 
 from __future__ import annotations
@@ -142,15 +145,47 @@ def flash_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=No
               meta.max_seqlen_kv, softmax_scale=softmax_scale, causal=causal)
 
 
+@functools.lru_cache(maxsize=1)
+def _te_attention_class():
+    from l3plugin.te import te_unavailable_reason
+
+    if te_unavailable_reason() is not None:
+        return None
+    import transformer_engine.pytorch as te
+
+    return te.DotProductAttention
+
+
+@functools.lru_cache(maxsize=16)
+def _te_module(heads_q, heads_kv, head_dim, softmax_scale, causal):
+    mask = "padding_causal_bottom_right" if causal else "padding"
+    return _te_attention_class()(heads_q, head_dim, num_gqa_groups=heads_kv, qkv_format="thd",
+                                 attn_mask_type=mask, softmax_scale=softmax_scale)
+
+
+def te_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=None):
+    if _te_attention_class() is None:
+        raise RuntimeError("kernel 'te' needs Transformer Engine (transformer-engine[pytorch]) on a CUDA machine")
+    dev = q.device
+    module = _te_module(q.size(1), k.size(1), q.size(2), softmax_scale, causal)
+    out = module(q, k, v, qkv_format="thd", cu_seqlens_q=meta.cu_seqlens_q.to(dev),
+                 cu_seqlens_kv=meta.cu_seqlens_kv.to(dev), max_seqlen_q=meta.max_seqlen_q,
+                 max_seqlen_kv=meta.max_seqlen_kv)
+    return out.view(q.size(0), q.size(1), q.size(2))
+
+
 KERNELS = {"reference": reference_kernel, "varlen-reference": varlen_reference_kernel,
-           "cpu-flash": cpu_flash_kernel, "flash": flash_kernel}
+           "cpu-flash": cpu_flash_kernel, "flash": flash_kernel, "te": te_kernel}
 
 
 def select_kernel(name: str | None, q: torch.Tensor):
     """The kernel called ``name``; "auto"/None picks flash where it can run, else the reference."""
     if name in (None, "auto"):
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None:
-            return flash_kernel
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            if _flash_varlen() is not None:
+                return flash_kernel
+            if _te_attention_class() is not None:
+                return te_kernel
         if q.device.type == "cpu" and _has_cpu_flash():
             return cpu_flash_kernel
         return reference_kernel

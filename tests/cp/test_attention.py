@@ -124,14 +124,15 @@ def test_bad_input_names_the_problem(ranks):
     assert "kernel='fast' is unknown" in messages["kernel"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn kernel needs a CUDA GPU (none here)")
-def test_flash_kernel_matches_reference_on_gpu():
-    from l3plugin.cp.kernels import _flash_varlen
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU kernels need a CUDA GPU (none here)")
+@pytest.mark.parametrize("kernel", ["flash", "te"])
+def test_gpu_kernel_matches_reference_on_gpu(kernel):
+    from l3plugin.cp.kernels import _flash_varlen, _te_attention_class
 
-    if _flash_varlen() is None:
-        pytest.skip("flash-attn is not installed")
+    if (_flash_varlen() if kernel == "flash" else _te_attention_class()) is None:
+        pytest.skip(f"{kernel}: its package is not installed")
     q, k, v, _ = (t.cuda().to(torch.bfloat16) for t in make_inputs(torch.float32, 4, 2))
     cu = torch.tensor(layouts(S)["crossing-every-border"])
-    ours = all_gather_attention(q, k, v, cu, kernel="flash").float()
+    ours = all_gather_attention(q, k, v, cu, kernel=kernel).float()
     ref = reference(q.double(), k.double(), v.double(), cu.tolist(), True).float()
     assert (ours - ref).abs().max() < 2e-2
