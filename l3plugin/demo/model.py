@@ -60,7 +60,7 @@ def deterministic_init(chunk, tp_size=1, tp_rank=0, scale=0.05):
 
 
 def _rope_on_cpu(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
-    # Megatron's RotaryEmbedding moves its frequencies to torch.cuda.current_device() and picks the CP
+    # Megatron's RotaryEmbedding moves its frequencies to the current CUDA device and picks the CP
     # rank's positions with a pinned CUDA index tensor; on a CPU-only machine both raise. Same result
     # here: frequencies where inv_freq already is, and this CP rank's 2 of 2*cp chunks (our layout).
     from l3plugin.cp.sharding import shard_indices

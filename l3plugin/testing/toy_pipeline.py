@@ -116,3 +116,17 @@ def serial_reference(microbatches, *, num_layers, hidden, seed=0, dtype=torch.fl
         loss = loss / m  # as Megatron's forward_step_calc_loss does (times cp size 1, over microbatches)
         loss.backward()
     return losses, chunk.grads()
+
+
+def assert_matches_serial(results, microbatches, *, num_layers, hidden):
+    """Ranks' results ({"grads": {layer: (dW, db)}, "losses": [...]}, last stage last) equal the serial
+    reference bit for bit: every layer's gradients, and the last stage's per-microbatch losses."""
+    ref_losses, ref_grads = serial_reference(microbatches, num_layers=num_layers, hidden=hidden)
+    grads = {}
+    for r in results:
+        grads.update(r["grads"])
+    assert sorted(grads) == list(range(num_layers)), sorted(grads)
+    for lid, (w, b) in ref_grads.items():
+        assert torch.equal(grads[lid][0], w) and torch.equal(grads[lid][1], b), f"layer {lid} differs"
+    losses = results[-1]["losses"]  # only the last pipeline stage computes losses
+    assert len(losses) == len(microbatches) and all(torch.equal(a, b) for a, b in zip(losses, ref_losses))

@@ -47,16 +47,8 @@ def run_pipeline(pp, vpp, m, k, num_layers, layers_per_stage=None, stock=False, 
 
 
 def assert_matches_serial(results, m, num_layers):
-    ref_losses, ref_grads = toy.serial_reference(toy.make_microbatches(m, SEQ, MBS, HIDDEN),
-                                                 num_layers=num_layers, hidden=HIDDEN)
-    grads = {}
-    for r in results:
-        grads.update(r["grads"])
-    assert sorted(grads) == list(range(num_layers))
-    for lid, (w, b) in ref_grads.items():
-        assert torch.equal(grads[lid][0], w) and torch.equal(grads[lid][1], b), f"layer {lid} differs"
-    losses = results[-1]["losses"]
-    assert len(losses) == m and all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    toy.assert_matches_serial(results, toy.make_microbatches(m, SEQ, MBS, HIDDEN), num_layers=num_layers,
+                              hidden=HIDDEN)
 
 
 GRID = [
