@@ -11,7 +11,6 @@ model, data and optimizer in one process and compare the losses. Results go to `
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -108,7 +107,7 @@ def run_demo(args) -> int:
         if problems:
             print("MISMATCH between parallel_state and the planned table:\n  " + "\n  ".join(problems))
             return 1
-        setup = pool.run(train.setup, opts, timeout=args.timeout)
+        pool.run(train.setup, opts, timeout=args.timeout)
         print(f"\n[3/5] model: {opts['model']['num_layers']} layers over "
               f"{opts['pp'] * (opts['vpp'] or 1)} virtual stages {opts['layer_counts']} (layout "
               f"{opts['layout']}), {opts['model']['dtype']}; schedule: flexible m={opts['microbatches']} "
@@ -124,7 +123,7 @@ def run_demo(args) -> int:
                 return 1
             _progress(step, args.steps, losses[-1], time.monotonic() - t)
         print()
-    print(f"[4/5] single-process reference of the same model, data and optimizer ...", flush=True)
+    print("[4/5] single-process reference of the same model, data and optimizer ...", flush=True)
     with RankPool(1, preload=("megatron.core",)) as pool:
         reference = pool.run(train.reference_losses, opts, args.steps, timeout=args.timeout * 4)[0]
     diff = max(abs(a - b) for a, b in zip(losses, reference))
