@@ -14,8 +14,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from l3plugin.mesh import MeshShape, format_table
 
 MODEL = {"num_layers": 6, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128}
@@ -46,6 +44,8 @@ def _layout(pp, vpp, num_layers):
 
 
 def options(args) -> dict:
+    import torch  # here, not at module level: registering the CLI subcommand must stay light
+
     vpp = args.vpp if args.vpp and args.vpp > 1 else None
     num_layers = args.layers
     layout, counts = _layout(args.pp, vpp, num_layers)
