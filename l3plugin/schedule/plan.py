@@ -151,22 +151,6 @@ class Schedule:
             send = None if first else Message("grad", mb, stage, stage - 1)
         return recv, send
 
-    def channel_messages(self) -> dict[tuple[int, int], tuple[Message, ...]]:
-        """For each directed rank pair (src, dst): the messages src sends, in src's action order.
-
-        The executor posts its receives from src in exactly this order, which keeps sends and
-        receives matched even when one peer gets both activations and grads (e.g. pp=2).
-        With pp=1 and vpp>1 the only channel is (0, 0): a rank handing tensors to itself.
-        """
-        channels: dict[tuple[int, int], list[Message]] = {}
-        for plan in self.ranks:
-            for action in plan.actions:
-                _, send = self.action_messages(plan.rank, action)
-                if send is not None:
-                    dst = self.owner_of(send.dst_stage)[0]
-                    channels.setdefault((plan.rank, dst), []).append(send)
-        return {pair: tuple(msgs) for pair, msgs in channels.items()}
-
 
 # ---- construction -------------------------------------------------------------------------
 def _check_int(name: str, value, low: int, high: int | None = None, high_name: str = "") -> None:

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from l3plugin.schedule.comm import SEND, pair_orders
 from l3plugin.schedule.plan import (
     Action,
     RankPlan,
@@ -15,7 +16,7 @@ from l3plugin.schedule.plan import (
     validate,
 )
 
-megatron_schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+from megatron.core.pipeline_parallel import schedules as megatron_schedules  # noqa: E402
 
 
 class _FakeGroup:
@@ -168,21 +169,21 @@ def test_messages_and_channels_in_sender_order():
     assert (fwd[0], fwd[1].src_stage, fwd[1].dst_stage) == (None, 0, 1)
     last = schedule.action_messages(1, Action("B", 1, 1))  # stage 3 is the last stage
     assert last[0] is None and (last[1].kind, last[1].dst_stage) == ("grad", 2)
-    channels = schedule.channel_messages()
-    assert set(channels) == {(0, 1), (1, 0)}
-    assert {msg.kind for msg in channels[(0, 1)]} == {"activation", "grad"}
+    orders = {r: pair_orders(schedule, r) for r in range(2)}
+    assert set(orders[0]) == {1} and set(orders[1]) == {0}
+    assert {msg.kind for kind, msg in orders[0][1] if kind == SEND} == {"activation", "grad"}
     sent_in_order = [
         send for a in schedule.ranks[0].actions
         if (send := schedule.action_messages(0, a)[1]) is not None
     ]
-    assert list(channels[(0, 1)]) == sent_in_order
+    assert [msg for kind, msg in orders[0][1] if kind == SEND] == sent_in_order
     stages = schedule.num_stages
-    assert sum(map(len, channels.values())) == 2 * 4 * (stages - 1)
+    assert sum(kind == SEND for r in range(2) for kind, _ in orders[r][1 - r]) == 2 * 4 * (stages - 1)
 
 
 def test_pp1_with_chunks_sends_to_itself():
     schedule = build_schedule(1, 3, 4, 2)
-    assert set(schedule.channel_messages()) == {(0, 0)}
+    assert pair_orders(schedule, 0) == {}  # every tensor is handed over on the rank itself
     assert schedule.ranks[0].warmup == 4  # (v-1)*k: chunk 2's forward precedes its backward
 
 
