@@ -93,7 +93,7 @@ def test_emit_megatron_even_and_per_rank_uneven_splits(capsys):
 
 
 def test_layout_strings_parse_in_megatron():
-    layout = pytest.importorskip("megatron.core.transformer.pipeline_parallel_layer_layout")
+    from megatron.core.transformer import pipeline_parallel_layer_layout as layout
     for layers in [(0,) + (1,) * 126 + (0,), (3, 4, 4, 4, 4, 3), (1, 2), (5, 6, 6, 7)]:
         stages = layout.PipelineParallelLayerLayout.parse_str_to_list(layout_string(layers))
         names = [[t.name for t in stage] for stage in stages]

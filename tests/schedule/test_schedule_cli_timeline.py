@@ -41,7 +41,6 @@ def test_render_text_v1_and_timed_boxes():
 
 
 def test_render_png_writes_file(tmp_path):
-    pytest.importorskip("matplotlib")
     path = tmp_path / "timeline.png"
     render_png(simulate(build_schedule(3, 2, 6, 3)), str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -76,7 +75,6 @@ def test_schedule_json_is_exactly_to_dict(capsys):
 
 
 def test_schedule_text_and_png(capsys, tmp_path):
-    pytest.importorskip("matplotlib")
     png = tmp_path / "s.png"
     code, out, _ = run_cli(
         ["schedule", "--pp", "2", "--microbatches", "3", "--png", str(png)], capsys
