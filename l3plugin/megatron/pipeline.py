@@ -31,12 +31,14 @@ from l3plugin.schedule.plan import FORWARD, RankPlan, Schedule, build_schedule
 
 @functools.lru_cache(maxsize=64)
 def _cached_plan(pp, vpp, m, k, forward_only, rank):
-    """The schedule (forward-only if asked) and this rank's P2P order: built once per configuration,
-    not every step (the order comes from a replay of the whole plan)."""
+    """Everything a step derives from the configuration alone, built once rather than every step:
+    the schedule (forward-only if asked), this rank's P2P order (a replay of the whole plan), and the
+    indices of its actions after which grad sync (chunk done) and round sync (round done) happen."""
     schedule = build_schedule(pp, vpp, m, k)
     if forward_only:
         schedule = forward_only_schedule(schedule)
-    return schedule, {peer: tuple(ops) for peer, ops in pair_orders(schedule, rank).items()}
+    orders = {peer: tuple(ops) for peer, ops in pair_orders(schedule, rank).items()}
+    return schedule, orders, schedule.ranks[rank].grad_sync_points(), schedule.round_end_points(rank)
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
@@ -107,13 +109,12 @@ def forward_backward_pipelining_flexible(
     if k == p and num_microbatches < p:
         k = num_microbatches  # Megatron's default k = p: fewer microbatches than that make one group
     try:
-        schedule, orders = _cached_plan(p, v, num_microbatches, k, bool(forward_only), r)
+        schedule, orders, grad_sync_points, round_ends = _cached_plan(
+            p, v, num_microbatches, k, bool(forward_only), r)
     except ValueError as exc:
         raise ValueError(f"{exc} (group_size is config.microbatch_group_size_per_vp_stage, set by "
                          f"--microbatch-group-size-per-virtual-pipeline-stage)") from None
     plan = schedule.ranks[r]
-    grad_sync_points = plan.grad_sync_points()
-    round_ends = schedule.round_end_points(r)
 
     seq = (decoder_seq_length or seq_length) // cp_group.size()
     if config.sequence_parallel:
