@@ -73,14 +73,15 @@ def _rope_on_cpu(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
     return emb
 
 
-def build_chunk(config, *, vocab, seq_len, pre_process, post_process, vp_stage=None, tp_size=1, tp_rank=0):
+def build_chunk(config, *, vocab, seq_len, pre_process, post_process, vp_stage=None, tp_size=1, tp_rank=0,
+                position_embedding_type="rope"):
     from megatron.core.models.gpt import GPTModel
 
     from l3plugin.megatron.attention import gpt_layer_spec_with_cp_attention
 
     model = GPTModel(config, gpt_layer_spec_with_cp_attention(), vocab_size=vocab,
                      max_sequence_length=seq_len, pre_process=pre_process, post_process=post_process,
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False, position_embedding_type=position_embedding_type,
                      vp_stage=vp_stage)
     if not torch.cuda.is_available() and getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.forward = types.MethodType(_rope_on_cpu, model.rotary_pos_emb)

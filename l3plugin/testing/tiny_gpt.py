@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from l3plugin.demo.model import deterministic_init, global_name
+from l3plugin.demo.model import build_chunk, global_name
 
 VOCAB = 64
 
@@ -24,16 +24,10 @@ def gpt_config(num_layers=4, hidden=32, heads=4, kv_heads=2, pp=1, vpp=None, cp=
         deallocate_pipeline_outputs=True, **kwargs)
 
 
-def build_gpt(config, *, pre_process=True, post_process=True, vp_stage=None, seq_len=16, **model_kwargs):
-    from megatron.core.models.gpt import GPTModel
-
-    from l3plugin.megatron.attention import gpt_layer_spec_with_cp_attention
-
-    model = GPTModel(config, gpt_layer_spec_with_cp_attention(), vocab_size=VOCAB,
-                     max_sequence_length=seq_len, pre_process=pre_process, post_process=post_process,
-                     share_embeddings_and_output_weights=False, vp_stage=vp_stage, **model_kwargs)
-    deterministic_init(model)
-    return model
+def build_gpt(config, *, pre_process=True, post_process=True, vp_stage=None, seq_len=16):
+    """The demo's model builder with learned absolute positions and this module's small vocabulary."""
+    return build_chunk(config, vocab=VOCAB, seq_len=seq_len, pre_process=pre_process, post_process=post_process,
+                       vp_stage=vp_stage, position_embedding_type="learned_absolute")
 
 
 def named_grads(chunks) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ SEQ = 16
 LAYOUTS = {"one-document": [0, SEQ], "paper-3-3-8-2": [0, 3, 6, 14, 16], "tiny-docs": [0, 1, 2, 5, 9, 10, 13, 16]}
 
 
-def gpt_step(cp, cu, rope, dtype):
+def gpt_step(cp, cu, dtype):
     """Loss (mean over the full sequence's masked tokens) and full-model grads summed over CP ranks."""
     import torch.distributed as dist
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -19,8 +19,7 @@ def gpt_step(cp, cu, rope, dtype):
 
     mesh = init_mesh(cp=cp, dp=2 // cp)
     config = gpt.gpt_config(2, cp=cp, params_dtype=dtype)
-    extra = {"position_embedding_type": "rope"} if rope else {}
-    model = gpt.build_gpt(config, seq_len=SEQ, **extra).to(dtype)
+    model = gpt.build_gpt(config, seq_len=SEQ).to(dtype)
     batch = gpt.microbatches(1, 1, SEQ)[0]
     cu_t = torch.tensor(cu, dtype=torch.int32)
     batch["position_ids"] = sharding.position_ids_per_document(cu_t, SEQ)[None]
@@ -47,8 +46,8 @@ def gpt_step(cp, cu, rope, dtype):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_gpt_cp2_matches_cp1(ranks, layout):
     dtype = torch.float64
-    cp2 = ranks.run(2, gpt_step, 2, LAYOUTS[layout], False, dtype, timeout=120)
-    cp1 = ranks.run(2, gpt_step, 1, LAYOUTS[layout], False, dtype, timeout=120)[0]
+    cp2 = ranks.run(2, gpt_step, 2, LAYOUTS[layout], dtype, timeout=120)
+    cp1 = ranks.run(2, gpt_step, 1, LAYOUTS[layout], dtype, timeout=120)[0]
     for r in cp2:
         assert abs(float(r["loss"] - cp1["loss"])) < 1e-12
         assert r["grads"].keys() == cp1["grads"].keys()
