@@ -109,12 +109,12 @@ def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, 
             out = (task_id, rank, True, pickle.dumps(result))
         except BaseException as exc:  # report everything, including SystemExit from user code
             out = (task_id, rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        finally:
-            if not keep_state:
-                try:
-                    _reset_framework_state()
-                except Exception:
-                    pass
+        if not keep_state:
+            try:
+                _reset_framework_state()
+            except Exception as exc:  # a stale mesh would poison the next call: fail this one instead
+                out = (task_id, rank, False, f"cleanup after the call failed: {type(exc).__name__}: {exc}\n"
+                                             f"{traceback.format_exc()}")
         result_q.put(out)
     dist.destroy_process_group()
 
