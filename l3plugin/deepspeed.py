@@ -16,8 +16,9 @@ stock one unless the key is on: ``_do_sanity_check`` (validate the config first)
 ``_do_optimizer_sanity_check`` (route to ZeRO), ``_configure_zero_optimizer`` (build ours),
 ``_load_zero_checkpoint`` (read every rank's partition: resume on another DP size),
 ``zero_optimization_stage`` + ``PipelineEngine.__init__`` (PipelineEngine refuses stage 2 for DeepSpeed's
-optimizer; ours supports it) and ``PipelineEngine._exec_reduce_tied_grads`` plus its entry in the
-schedule's instruction table (tied weights' gradients live in our fp32 buckets, not in ``weight.grad``).
+optimizer; ours supports it), ``PipelineEngine._exec_reduce_tied_grads`` (tied weights' gradients live in
+our fp32 buckets, not in ``weight.grad``) and ``PipelineEngine._exec_backward_pass`` (end-of-backward
+reductions), both also in the schedule's instruction table.
 Engine-side details: ``zero/deepspeed_engine.py``. ``uninstall()`` restores everything.
 
 Fine-tuning without l3plugin: checkpoints use DeepSpeed's ZeRO-1/2 layout for the fp32 weights, so
@@ -36,6 +37,10 @@ OPTIONS = {
     "bucket_numel": ((int,), None, "elements per gradient bucket (default: zero_optimization.reduce_bucket_size)"),
     "accumulate_dtype": ((str,), "fp32", "micro-batch gradient accumulation dtype: fp32 or bf16 (to compare)"),
     "reduce_dtype": ((str,), "fp32", "reduce-scatter dtype: fp32 or bf16 (to compare)"),
+    "reduce_every": ((int,), None, "ZeRO-2 only: reduce-scatter every N micro-batches (1..gradient_accumulation_"
+                     "steps, default 1); larger N holds a full fp32 gradient buffer between reductions but "
+                     "sends 1/N as much"),
+    "wait_timeout": ((int, float), None, "seconds a collective may take before a rank-named error (default 600)"),
 }
 SUPPORTED = ('Supported with "l3plugin": {"fp32_reduce_zero": true}: "bf16": {"enabled": true}, '
              '"zero_optimization": {"stage": 1 or 2} without offload, an optimizer, no fp16, no MoE, '
@@ -64,6 +69,12 @@ def plugin_options(param_dict: dict) -> dict | None:
             raise ValueError(f'"{KEY}.{k}" must be "fp32" or "bf16", got {opts[k]!r}')
     if opts["bucket_numel"] is not None and opts["bucket_numel"] < 1:
         raise ValueError(f'"{KEY}.bucket_numel" must be >= 1, got {opts["bucket_numel"]}')
+    if opts["reduce_every"] is not None and opts["reduce_every"] < 1:
+        raise ValueError(f'"{KEY}.reduce_every" must be >= 1 (micro-batches between ZeRO-2 reduce-scatters), '
+                         f'got {opts["reduce_every"]}')
+    timeout = opts["wait_timeout"]
+    if timeout is not None and not 0 < timeout < float("inf"):
+        raise ValueError(f'"{KEY}.wait_timeout" must be a finite number of seconds > 0, got {timeout}')
     return opts if opts["fp32_reduce_zero"] else None
 
 
@@ -100,6 +111,13 @@ def check_supported(engine) -> None:
     accum = engine._config._param_dict.get("data_types", {}).get("grad_accum_dtype")
     if accum not in (None, "fp32", "float32"):
         problems.append(f'data_types.grad_accum_dtype is {accum!r}; use "{KEY}": {{"accumulate_dtype": ...}} instead')
+    every = _options(engine)["reduce_every"]
+    if every is not None and stage == 1:
+        problems.append(f'"{KEY}.reduce_every" is {every} with zero_optimization.stage 1; ZeRO-1 reduce-scatters '
+                        "once per step (at the gradient-accumulation boundary): remove reduce_every or use stage 2")
+    elif every is not None and every > engine.gradient_accumulation_steps():
+        problems.append(f'"{KEY}.reduce_every" is {every}; valid range is 1..gradient_accumulation_steps '
+                        f"({engine.gradient_accumulation_steps()})")
     if engine.load_universal_checkpoint():
         problems.append("checkpoint.load_universal is set; not needed: l3plugin checkpoints re-shard to any "
                         "data-parallel size by themselves")
@@ -166,9 +184,13 @@ def install() -> None:
         import torch
 
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        # DeepSpeed's overlap_comm defaults to off because its overlap costs extra buffers; ours costs
+        # nothing more (the bucket being reduced exists anyway), so it is on unless the config says false.
+        overlap = self._config._param_dict.get("zero_optimization", {}).get("overlap_comm")
         built = DeepSpeedFP32ReduceZero(
             self, optimizer, bucket_numel=opts["bucket_numel"] or int(self.zero_reduce_bucket_size()),
-            accumulate_dtype=dtypes[opts["accumulate_dtype"]], reduce_dtype=dtypes[opts["reduce_dtype"]])
+            accumulate_dtype=dtypes[opts["accumulate_dtype"]], reduce_dtype=dtypes[opts["reduce_dtype"]],
+            reduce_every=opts["reduce_every"] or 1, overlap=overlap is not False, wait_timeout=opts["wait_timeout"])
         # PipelineEngine.__init__ asserts stage < 2 right after this; ours supports stage 2 (see below).
         self.__dict__["_l3plugin_hide_stage2"] = isinstance(self, PipelineEngine)
         return built
@@ -208,11 +230,20 @@ def install() -> None:
             return tied(self)
         self.optimizer.reduce_tied_grads(self.module.get_tied_weights_and_groups())
 
-    # The pipeline schedule dispatches through a class-level table of functions, not attribute lookup.
-    from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
+    backward_pass, deco = wrap(PipelineEngine, "_exec_backward_pass")
 
-    _stock[("instruction", ReduceTiedGrads)] = PipelineEngine._INSTRUCTION_MAP[ReduceTiedGrads]
-    PipelineEngine._INSTRUCTION_MAP[ReduceTiedGrads] = _exec_reduce_tied_grads
+    @deco
+    def _exec_backward_pass(self, buffer_id):
+        backward_pass(self, buffer_id)
+        if _ours(self):  # the pipeline calls no post-backward epilogue on its first stages
+            self.optimizer.after_backward()
+
+    # The pipeline schedule dispatches through a class-level table of functions, not attribute lookup.
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ReduceTiedGrads
+
+    for instruction, fn in ((ReduceTiedGrads, _exec_reduce_tied_grads), (BackwardPass, _exec_backward_pass)):
+        _stock[("instruction", instruction)] = PipelineEngine._INSTRUCTION_MAP[instruction]
+        PipelineEngine._INSTRUCTION_MAP[instruction] = fn
 
 
 def uninstall() -> None:

@@ -1,6 +1,7 @@
 """Debugging at scale (paper section 6): top-down slow-rank trace analysis and bitwise numerics parity.
 
-    from l3plugin.debug import record_collectives      # per-rank collective traces (recorder.py)
+    from l3plugin.debug import record_collectives      # collectives to per-rank traces or in memory (recorder.py)
+    from l3plugin.debug import local_collectives       # collectives replaced by local copies (patching.py)
     from l3plugin.debug import analyze_traces          # top-down slow-rank analysis (slow_rank.py)
     from l3plugin.debug import assert_bitwise_equal    # numerics parity against a same-order reference
 
@@ -11,6 +12,7 @@ import importlib
 
 _EXPORTS = {
     "record_collectives": "recorder",
+    "local_collectives": "patching",
     "load_traces": "traces",
     "analyze_traces": "slow_rank",
     "analyze_trace_dir": "slow_rank",

@@ -22,6 +22,7 @@ Runtime (``GradBucket``)
     default), allocated on the first gradient and freed after its reduce-scatter.
     ``shard_grad``: this rank's slice of the reduced gradient, accumulated across reduce-scatters (ZeRO-2
     reduces once per round; ZeRO-1 once per step).
+    ``in_flight``: a started, not yet waited reduce-scatter reading ``full`` (``full`` is freed after it).
     ``master``: this rank's fp32 slice of the weights; the wrapped torch optimizer updates it.
 """
 
@@ -149,6 +150,9 @@ class GradBucket:
     memory: GradBufferMemory
     full: torch.Tensor | None = None
     shard_grad: torch.Tensor | None = None
+    in_flight: object | None = None  # comm.InFlight: a started reduce-scatter of ``full``, not waited yet
+    armed: bool = False  # the current backward pass ends with this bucket's reduce-scatter
+    seen: int = 0  # gradients accumulated since armed; == len(params): final, may start
 
     @property
     def device(self) -> torch.device:

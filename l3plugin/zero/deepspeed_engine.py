@@ -3,17 +3,21 @@
 ``l3plugin.deepspeed`` makes ``deepspeed.initialize`` build this instead of DeepSpeed's own ZeRO-1/2
 optimizer or BF16_Optimizer. What the engines call, and what we do:
 
-- ``engine.backward`` -> ``scale_if_loss`` (bf16: identity), ``backward_prologue/epilogue`` (nothing: our
-  hooks accumulate every micro-batch into fp32 buckets), then ``allreduce_gradients``, which calls
-  ``overlapping_partition_gradients_reduce_epilogue`` (stage 2, every micro-batch) or ``reduce_gradients``
-  (stage 1, at the boundary). Both reduce-scatter every bucket once, at the gradient-accumulation
-  boundary. The paper's ZeRO-2 reduce-scatters at the end of each *round* of consecutive micro-batches of
-  a virtual pipeline stage and frees that stage's full buffer while other stages run; DeepSpeedEngine and
-  PipelineEngine (1F1B without virtual stages) have one round per step, so there stage 2 behaves like
-  stage 1 (same communication, same gradient memory). Rounds come with the Megatron flexible schedule.
-- PipelineEngine: ``_exec_reduce_tied_grads`` (patched) sums tied weights' fp32 gradients over the tie group,
-  then ``_exec_reduce_grads`` reduce-scatters at the boundary, for stage 1 and stage 2.
-- ``step`` -> clip on the global fp32 norm, torch optimizer step on the fp32 shards, bf16 all-gather.
+- ``backward_prologue`` (start of every backward pass, both engines): count the micro-batch and decide
+  whether this backward ends with a reduce-scatter: ZeRO-1 at the gradient-accumulation boundary only;
+  ZeRO-2 every ``reduce_every`` micro-batches and at the boundary (``reduce_every`` = 1, the default, is
+  stock ZeRO-2's rhythm; larger trades memory for traffic). If so the buckets are *armed*: with overlap
+  (``zero_optimization.overlap_comm``, on unless set false) each bucket's fp32 reduce-scatter starts from
+  the gradient hook that completes it, while backward goes on.
+- ``overlapping_partition_gradients_reduce_epilogue`` (end of every backward, ZeRO-2) and
+  ``reduce_gradients`` (boundary, ZeRO-1): start what is left and wait for everything started, so between
+  micro-batches ZeRO-2 holds only the fp32 gradient shard (no full-size buffer); ZeRO-1 keeps its fp32
+  full-size buffers across micro-batches and reduces once per step.
+- PipelineEngine runs no post-backward epilogue on its first stages: ``_exec_backward_pass`` (patched) calls
+  ``after_backward`` instead. ``_exec_reduce_tied_grads`` (patched) sums tied weights' fp32 gradients over the tie group,
+  then ``_exec_reduce_grads`` reduce-scatters whatever is left, for stage 1 and stage 2.
+- ``step`` -> clip on the global fp32 norm, torch optimizer step on the fp32 shards, bf16 all-gather
+  (bucketed; the next bucket's all-gather runs while the previous one is copied into the parameters).
 - checkpoints: ``state_dict`` is the canonical layout of ``l3plugin.zero.checkpoint`` (DeepSpeed's
   ``zero_to_fp32`` reads it); ``load_partitions`` re-shards from any data-parallel size.
 - accessors: every trainable parameter gets ``_hp_mapping`` and the ``get_full_hp_param`` /
@@ -25,6 +29,7 @@ optimizer or BF16_Optimizer. What the engines call, and what we do:
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -73,7 +78,8 @@ def _tensor_parallel_rank(mpu) -> int:
 
 class DeepSpeedFP32ReduceZero(ZeROOptimizer):
     def __init__(self, engine, basic_optimizer: torch.optim.Optimizer, *, bucket_numel: int,
-                 accumulate_dtype, reduce_dtype):
+                 accumulate_dtype, reduce_dtype, reduce_every: int = 1, overlap: bool = True,
+                 wait_timeout: float | None = None):
         super().__init__()
         from deepspeed.runtime.utils import is_model_parallel_parameter
 
@@ -82,7 +88,12 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
         self.param_names = engine.param_names
         settings = ZeroSettings(stage=engine.zero_optimization_stage(), bucket_numel=bucket_numel,
                                 accumulate_dtype=accumulate_dtype, reduce_dtype=reduce_dtype,
-                                clip_grad=engine.gradient_clipping())
+                                clip_grad=engine.gradient_clipping(), overlap=overlap,
+                                **({} if wait_timeout is None else {"wait_timeout": wait_timeout}))
+        self.reduce_every = reduce_every
+        self._engine = weakref.ref(engine)
+        self._micro_batch = 0  # backward passes since the last step
+        self._reduce_this_backward = False
         # The norm is summed over the model-parallel ranks too (TP x PP), counting each weight once:
         # TP-replicated weights on TP rank 0 only, pipeline-tied copies on their owner stage only.
         norm_group = None
@@ -129,15 +140,31 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
         return self.optimizer.state
 
     # -- gradient reduction, driven by the engines ------------------------------------------------------
-    def _reduce_for_engine(self):
-        if self.is_gradient_accumulation_boundary():
+    def _at_boundary(self) -> bool:
+        # DeepSpeedEngine knows its boundary before backward; PipelineEngine only forces it at ReduceGrads,
+        # after its gradient_accumulation_steps() backward passes: count them.
+        engine = self._engine()
+        return self._micro_batch >= engine.gradient_accumulation_steps() or engine.is_gradient_accumulation_boundary()
+
+    def backward_prologue(self):
+        self._micro_batch += 1
+        boundary = self._at_boundary()
+        self._reduce_this_backward = boundary or (self.zero.settings.stage == 2
+                                                  and self._micro_batch % self.reduce_every == 0)
+        if self._reduce_this_backward:
+            self.zero.arm()
+
+    def after_backward(self):
+        """End of a backward pass (or the boundary): if it ended with reductions, start what is left and
+        wait for all, so no full-size buffer and no collective is carried to the next micro-batch."""
+        if self._reduce_this_backward or self.is_gradient_accumulation_boundary():
             self.zero.finish_grad_sync()
 
-    def reduce_gradients(self, pipeline_parallel=False):
-        self._reduce_for_engine()
+    def reduce_gradients(self, pipeline_parallel=False):  # DeepSpeedEngine, ZeRO-1, at the boundary
+        self.after_backward()
 
-    def overlapping_partition_gradients_reduce_epilogue(self):
-        self._reduce_for_engine()
+    def overlapping_partition_gradients_reduce_epilogue(self):  # DeepSpeedEngine, ZeRO-2, every backward
+        self.after_backward()
 
     def finalize_gradient_accumulation_boundary(self):
         self.zero.finish_grad_sync()
@@ -150,6 +177,7 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
 
     # -- step ---------------------------------------------------------------------------------------------
     def step(self, closure=None):
+        self._micro_batch, self._reduce_this_backward = 0, False
         norm = self.zero.step(closure)
         self._global_grad_norm = norm.item()
         self.overflow = self.zero.overflow

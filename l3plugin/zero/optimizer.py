@@ -65,9 +65,11 @@ class ZeroSettings:
     reduce_dtype: torch.dtype = torch.float32  # reduce-scatter dtype (bf16 only to compare)
     clip_grad: float = 0.0  # max global L2 norm of the fp32 gradient; 0 = no clipping
     gradient_scale: float | None = None  # multiplies the summed gradient; None = 1 / group size (average)
+    overlap: bool = True  # start reduce-scatters as soon as a bucket is final and wait late; False: blocking
+    wait_timeout: float = comm.DEFAULT_TIMEOUT  # seconds a collective may take before a rank-named error
 
     def __post_init__(self):
-        if self.stage not in (1, 2):
+        if self.stage not in (1, 2) or isinstance(self.stage, bool):
             raise ValueError(f"stage={self.stage!r}: the FP32-reducing ZeRO optimizer supports stage 1 "
                              "(optimizer states sharded) and stage 2 (also gradients); use FSDP/ZeRO-3 for more")
         for name in ("accumulate_dtype", "reduce_dtype"):
@@ -78,11 +80,16 @@ class ZeroSettings:
                 setattr(self, name, DTYPES[value])
             elif value not in (torch.float32, torch.bfloat16):
                 raise ValueError(f"{name}={value}: valid are torch.float32 (default) and torch.bfloat16")
-        if int(self.bucket_numel) < 1:
-            raise ValueError(f"bucket_numel={self.bucket_numel} must be >= 1")
+        if isinstance(self.bucket_numel, bool) or int(self.bucket_numel) != self.bucket_numel \
+                or self.bucket_numel < 1:
+            raise ValueError(f"bucket_numel={self.bucket_numel!r} must be a whole number >= 1 (elements per bucket)")
         self.bucket_numel = int(self.bucket_numel)
-        if self.clip_grad < 0:
-            raise ValueError(f"clip_grad={self.clip_grad} must be >= 0 (0 disables clipping)")
+        if not (isinstance(self.clip_grad, (int, float)) and math.isfinite(self.clip_grad) and self.clip_grad >= 0):
+            raise ValueError(f"clip_grad={self.clip_grad!r} must be a finite number >= 0 (0 disables clipping)")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap={self.overlap!r} must be True or False")
+        if not (isinstance(self.wait_timeout, (int, float)) and 0 < self.wait_timeout < math.inf):
+            raise ValueError(f"wait_timeout={self.wait_timeout!r} must be a finite number of seconds > 0")
 
 
 class FP32ReduceZero:
@@ -138,6 +145,7 @@ class FP32ReduceZero:
         # The torch optimizer now updates the fp32 shards: one tensor per bucket, in the bucket's group.
         for g, pg in enumerate(optimizer.param_groups):
             pg["params"] = [b.master for b in self.buckets if b.spec.group == g]
+        self._launch_order: list[int] = []  # armed buckets not started yet, in the order they must start
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in ordered]
 
     # -- construction helpers -----------------------------------------------------------------------
@@ -164,13 +172,24 @@ class FP32ReduceZero:
         return keep
 
     # -- gradients ------------------------------------------------------------------------------------
+    # A bucket's reduce-scatter is *started* (``_launch``) and later *completed* (``_complete``: wait, scale,
+    # add into the fp32 shard, free the full buffer). With ``overlap`` the start comes as early as the
+    # gradient is final and the wait as late as the result or the buffer is needed; without it each start
+    # is followed by its wait. Both do the same arithmetic in the same order, so results are bit-identical.
     @torch.no_grad()
     def _accumulate(self, param: torch.Tensor) -> None:
         if param.grad is None:
             return
         slot = self.slots[param]
-        self.buckets[slot.bucket].accumulate(slot, param.grad)
+        bucket = self.buckets[slot.bucket]
+        if bucket.in_flight is not None:  # the buffer is about to be reused: its reduction must have read it
+            self._complete(bucket)
+        bucket.accumulate(slot, param.grad)
         param.grad = None  # the bf16 gradient is consumed: autograd allocates a fresh one next micro-batch
+        if bucket.armed:
+            bucket.seen += 1
+            if self.settings.overlap:
+                self._launch_ready()
 
     def buckets_of(self, params=None) -> list[GradBucket]:
         if params is None:
@@ -178,31 +197,76 @@ class FP32ReduceZero:
         wanted = sorted({self.slots[p].bucket for p in params if p in self.slots})
         return [self.buckets[i] for i in wanted]
 
+    def arm(self, params=None) -> None:
+        """Announce that the coming backward pass completes the gradients of ``params`` (all if None) for a
+        reduce-scatter: with ``overlap``, each of their buckets starts its reduce-scatter from the gradient
+        hook that completes it, while backward goes on. Buckets start in descending index order (the order
+        backward completes them), so every rank issues the collectives in the same order."""
+        for bucket in self.buckets_of(params):
+            bucket.armed, bucket.seen = True, 0
+        self._launch_order = sorted((b.spec.index for b in self.buckets if b.armed), reverse=True)
+
+    def _launch_ready(self) -> None:
+        order = self._launch_order
+        while order and self.buckets[order[0]].seen >= len(self.buckets[order[0]].params):
+            self._launch(self.buckets[order.pop(0)])
+
+    def _needs_reduce(self, bucket: GradBucket) -> bool:
+        # Unreduced gradients, or never reduced this step (zeros: the collective must still run everywhere).
+        return bucket.in_flight is None and (bucket.full is not None or bucket.shard_grad is None)
+
     @torch.no_grad()
-    def _reduce_bucket(self, bucket: GradBucket) -> None:
-        full = bucket.full_buffer()  # zeros if this rank saw no gradient: the collective must still run
-        shard = comm.reduce_scatter_sum(full, self.group, self.settings.reduce_dtype)
-        shard = self.memory.alloc(shard.to(self.settings.accumulate_dtype))  # scale in the accumulation dtype
-        bucket.free_full()  # the output existed next to the full buffer: counted in the peak above
+    def _launch(self, bucket: GradBucket) -> None:
+        bucket.armed = False
+        bucket.in_flight = comm.start_reduce_scatter_sum(bucket.full_buffer(), self.group, self.settings.reduce_dtype,
+                                                         what=f"gradient bucket {bucket.spec.index}")
+        if not self.settings.overlap:
+            self._complete(bucket)
+
+    @torch.no_grad()
+    def _complete(self, bucket: GradBucket) -> None:
+        flight, bucket.in_flight = bucket.in_flight, None
+        shard = self.memory.alloc(flight.wait(self.settings.wait_timeout).to(self.settings.accumulate_dtype))
+        bucket.free_full()  # the shard existed next to the full buffer: counted in the peak above
         scale = self.settings.gradient_scale
         shard.mul_(1.0 / self.world_size if scale is None else scale)
         bucket.add_reduced(shard)
 
-    def reduce_scatter(self, params=None) -> None:
-        """Reduce-scatter the buckets holding ``params`` (all buckets if None), whatever the stage."""
+    def launch_reductions(self, params=None) -> None:
+        """Start the reduce-scatter of every bucket of ``params`` (all if None) that needs one."""
+        wanted = {b.spec.index for b in self.buckets_of(params)}
+        for index in [i for i in self._launch_order if i in wanted] + sorted(wanted, reverse=True):
+            bucket = self.buckets[index]
+            if self._needs_reduce(bucket):
+                self._launch(bucket)
+        self._launch_order = [i for i in self._launch_order if i not in wanted]
+
+    def wait_reductions(self, params=None) -> None:
+        """Complete the started reduce-scatters of the buckets of ``params`` (all if None)."""
         for bucket in self.buckets_of(params):
-            self._reduce_bucket(bucket)
+            if bucket.in_flight is not None:
+                self._complete(bucket)
+
+    def reduce_scatter(self, params=None) -> None:
+        """Reduce-scatter the buckets holding ``params`` (all buckets if None) now, whatever the stage."""
+        self.launch_reductions(params)
+        self.wait_reductions(params)
 
     def end_of_round(self, params, is_last_round: bool) -> None:
-        """After the last backward of a round of micro-batches of the chunk owning ``params``."""
+        """After the last backward of a round of micro-batches of the chunk owning ``params``: start the
+        reduce-scatter (ZeRO-2 every round, ZeRO-1 the last). With ``overlap`` it runs during the next round's
+        compute and is waited at the next round end (one round's buffers in flight at most: ZeRO-2 memory
+        stays the shards plus two round buffers), at the next accumulation into the bucket, or in
+        ``finish_grad_sync``."""
         if self.settings.stage == 2 or is_last_round:
-            self.reduce_scatter(params)
+            self.wait_reductions()
+            self.launch_reductions(params)
 
     def finish_grad_sync(self) -> None:
-        """Reduce-scatter every bucket that still holds unreduced gradients or was never reduced this step."""
-        for bucket in self.buckets:
-            if bucket.full is not None or bucket.shard_grad is None:
-                self._reduce_bucket(bucket)
+        """Reduce-scatter every bucket that still holds unreduced gradients or was never reduced this step,
+        and wait for every reduction in flight."""
+        self.launch_reductions()
+        self.wait_reductions()
 
     @torch.no_grad()
     def all_reduce_param_grad(self, param, group) -> None:
@@ -217,19 +281,21 @@ class FP32ReduceZero:
         """
         slot = self.slots[param]
         bucket = self.buckets[slot.bucket]
+        if bucket.in_flight is not None:
+            self._complete(bucket)
         if bucket.shard_grad is None:
-            comm.all_reduce_sum(bucket.param_view(slot), group)
+            comm.all_reduce_sum(bucket.param_view(slot), group, self.settings.wait_timeout)
             return
         if bucket.full is not None:
             raise RuntimeError("gradient of a tied/replicated parameter is partly reduce-scattered: call "
                                "all_reduce_param_grad before the first or after the last reduce-scatter")
         full = self.full_grad(param)
-        comm.all_reduce_sum(full, group)
+        comm.all_reduce_sum(full, group, self.settings.wait_timeout)
         self.set_full_grad(param, full)
 
     @property
     def grads_reduced(self) -> bool:
-        return all(b.full is None and b.shard_grad is not None for b in self.buckets)
+        return all(b.full is None and b.in_flight is None and b.shard_grad is not None for b in self.buckets)
 
     # -- step -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -251,9 +317,9 @@ class FP32ReduceZero:
             g = g.float()
             for s, e in [(0, g.numel())] if keep is None else keep:
                 total += g[s:e].pow(2).sum()
-        comm.all_reduce_sum(total, self.group)
+        comm.all_reduce_sum(total, self.group, self.settings.wait_timeout, "gradient norm")
         if self.norm_group is not None:
-            comm.all_reduce_sum(total, self.norm_group)
+            comm.all_reduce_sum(total, self.norm_group, self.settings.wait_timeout, "gradient norm")
         return total.sqrt()
 
     @torch.no_grad()
@@ -292,15 +358,28 @@ class FP32ReduceZero:
 
     @torch.no_grad()
     def all_gather_params(self) -> None:
-        """Write the fp32 shards into every rank's parameters, gathered in the parameters' dtype."""
-        for bucket in self.buckets:
-            full = comm.all_gather_shards(bucket.master.detach().to(bucket.spec.dtype), self.group)
+        """Write the fp32 shards into every rank's parameters, gathered in the parameters' dtype.
+
+        With ``overlap`` the next bucket's all-gather is started before this one is waited and copied
+        out (two buckets in flight at most: bounded memory); every one is waited here, before returning,
+        because the frameworks run the next forward right after the step."""
+        def start(bucket):
+            return comm.start_all_gather(bucket.master.detach().to(bucket.spec.dtype), self.group,
+                                         what=f"parameter bucket {bucket.spec.index}")
+
+        ahead = start(self.buckets[0]) if self.settings.overlap else None
+        for i, bucket in enumerate(self.buckets):
+            flight = ahead if ahead is not None else start(bucket)
+            ahead = start(self.buckets[i + 1]) if self.settings.overlap and i + 1 < len(self.buckets) else None
+            full = flight.wait(self.settings.wait_timeout)
             for slot, p in zip(bucket.spec.slots, bucket.params):
                 p.copy_(full[slot.offset:slot.offset + slot.numel].view_as(p))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.wait_reductions()  # a started collective is never abandoned: other ranks take part in it
         for bucket in self.buckets:
             bucket.clear_grads()
+        self._launch_order = []
         for p in self.params:
             p.grad = None
 
@@ -318,7 +397,7 @@ class FP32ReduceZero:
         s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if s < e:
             out[s - slot.offset:e - slot.offset] = shard[s - lo:e - lo]
-        comm.all_reduce_sum(out, self.group)  # each element is non-zero on exactly one rank
+        comm.all_reduce_sum(out, self.group, self.settings.wait_timeout)  # each element is non-zero on exactly one rank
         return out.view(slot.shape)
 
     def _local_part(self, param, shard: torch.Tensor, value: torch.Tensor) -> None:
@@ -348,6 +427,8 @@ class FP32ReduceZero:
     def full_grad(self, param) -> torch.Tensor:
         """The reduced fp32 gradient of ``param`` (collective). Valid after the reduce-scatter, before step."""
         bucket = self.buckets[self.slots[param].bucket]
+        if bucket.in_flight is not None:
+            self._complete(bucket)
         if bucket.shard_grad is None or bucket.full is not None:
             raise RuntimeError("the reduced gradient is available after the reduce-scatter of the last "
                                "micro-batch (finish_grad_sync) and before step()")

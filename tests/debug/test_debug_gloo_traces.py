@@ -73,7 +73,7 @@ def record_every_op(root):
     import torch.distributed.distributed_c10d as c10d
 
     from l3plugin.debug import record_collectives
-    from l3plugin.debug.recorder import OPS
+    from l3plugin.debug.patching import OPS
     from l3plugin.mesh import MeshShape
 
     rank = dist.get_rank()

@@ -9,14 +9,14 @@ from l3plugin.testing import toy_pipeline as toy
 HIDDEN, SEQ, MBS = 8, 4, 2
 
 
-def zero_step(stage, p, v, m, k):
+def zero_step(stage, p, v, m, k, overlap=True):
     import torch.distributed as dist
     from megatron.core.transformer import TransformerConfig
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
     from l3plugin.mesh import init_mesh
-    from l3plugin.zero.comm import record_collectives
+    from l3plugin.debug import record_collectives
 
     mesh = init_mesh(pp=p, vpp=v, dp=dist.get_world_size() // p)
     layers = 2 * p * v
@@ -27,17 +27,18 @@ def zero_step(stage, p, v, m, k):
     chunks = toy.build_chunks(config, num_layers=layers, hidden=HIDDEN, pp_rank=mesh.coords["pp"],
                               pp_size=p, vpp_size=v)
     params = [q for c in chunks for q in c.parameters()]
-    zero = megatron_zero(chunks, torch.optim.SGD(params, lr=0.1), stage=stage, bucket_numel=10_000)
+    zero = megatron_zero(chunks, torch.optim.SGD(params, lr=0.1), stage=stage, bucket_numel=10_000, overlap=overlap)
     attach_to_schedule(config, zero)
     batches = toy.make_microbatches(m, SEQ, MBS, HIDDEN)  # every DP rank the same data: easy reference
     with record_collectives() as log:
         forward_backward_pipelining_flexible(
             forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
             num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+        in_flight = sum(b.in_flight is not None for b in zero.buckets)  # still running when the schedule returns
         zero.step()
-    ops = [(c.op, str(c.dtype)) for c in log]
+    ops = [(c.op, str(c.dtype), c.numel) for c in log]
     weights = {lid: layer.weight.detach().clone() for c in chunks for lid, layer in zip(c.layer_ids, c.layers)}
-    return {"ops": ops, "buckets": len(zero.buckets), "weights": weights}
+    return {"ops": ops, "buckets": len(zero.buckets), "weights": weights, "in_flight": in_flight}
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -45,11 +46,12 @@ def test_reduce_scatter_timing_follows_the_rounds(ranks, stage):
     p, v, m, k = 2, 2, 7, 3  # rounds per chunk: ceil(7/3) = 3
     results = ranks.run(4, zero_step, stage, p, v, m, k, timeout=120)
     for r in results:
-        rs = [op for op in r["ops"] if op[0] == "reduce_scatter_tensor"]
-        assert all(dtype == "torch.float32" for _, dtype in rs)
+        # On gloo a bucket's reduce-scatter is an all-reduce of the padded bucket (l3plugin.zero.comm).
+        rs = [op for op in r["ops"] if op[0] == "reduce_scatter_tensor" or (op[0] == "all_reduce" and op[2] > 1)]
+        assert all(dtype == "torch.float32" for _, dtype, _ in rs)
         assert len(rs) == r["buckets"] * (3 if stage == 2 else 1)
-        assert not any(op == "all_reduce" and dtype != "torch.float32" for op, dtype in r["ops"])
-        assert any(op == "all_gather_into_tensor" for op, _ in r["ops"])
+        assert not any(op == "all_reduce" and dtype != "torch.float32" for op, dtype, _ in r["ops"])
+        assert any(op == "all_gather_into_tensor" for op, _, _ in r["ops"])
     # The same pipeline position on both DP ranks holds identical parameters.
     for a, b in ((0, 2), (1, 3)):
         assert all(torch.equal(results[a]["weights"][lid], results[b]["weights"][lid]) for lid in results[a]["weights"])
@@ -59,3 +61,16 @@ def test_reduce_scatter_timing_follows_the_rounds(ranks, stage):
     for lid, (gw, _) in ref.items():
         w0, _ = toy.layer_weights(lid, HIDDEN)
         assert torch.allclose(weights[lid], w0 - 0.1 * gw, atol=1e-6), lid
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlapped_round_reductions_are_bit_identical(ranks, stage):
+    """end_of_round starts the reduce-scatter and returns (overlap): the last rounds' reductions are still
+    running when the schedule returns and are waited in step(); the result equals the blocking path's."""
+    p, v, m, k = 2, 2, 7, 3
+    blocking = ranks.run(4, zero_step, stage, p, v, m, k, False, timeout=120)
+    overlapped = ranks.run(4, zero_step, stage, p, v, m, k, True, timeout=120)
+    for b, o in zip(blocking, overlapped):
+        assert b["ops"] == o["ops"]
+        assert all(torch.equal(b["weights"][lid], o["weights"][lid]) for lid in b["weights"])
+        assert b["in_flight"] == 0 and o["in_flight"] > 0

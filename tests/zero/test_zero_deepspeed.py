@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from ds_models import batch, ds_config, engine_for, loss_of, make_mlp, train
-from zero_models import Fp64Reference, relative_error
+from zero_models import Fp64Reference, collectives_by_kind, relative_error
 
 ON = {"fp32_reduce_zero": True}
 
@@ -33,18 +33,16 @@ def grad_errors(stage, gas=32):
 
 
 def collectives_of_a_step(stage):
-    from l3plugin.zero.comm import record_collectives
+    from l3plugin.debug import record_collectives
 
     engine = engine_for(ds_config(stage, gas=8, plugin={**ON, "bucket_numel": 400}, clip=1.0))
     train(engine, 1)  # warm-up step outside the recording
     with record_collectives() as log:
         train(engine, 1, first_step=1)
-    return {"buckets": len(engine.optimizer.zero.buckets),
-            "rs": [str(c.dtype) for c in log.of("reduce_scatter_tensor")],
-            "ag": [str(c.dtype) for c in log.of("all_gather_into_tensor")],
-            "ar": [c.numel for c in log.of("all_reduce")],
-            "other": sorted({c.op for c in log} - {"reduce_scatter_tensor", "all_gather_into_tensor",
-                                                    "all_reduce"})}
+    buckets = engine.optimizer.zero.buckets
+    kinds = collectives_by_kind(log, buckets)
+    return {"buckets": len(buckets), "rs": [d for d, _ in kinds["rs"]], "ag": [d for d, _ in kinds["ag"]],
+            "ar": kinds["ar"], "other": kinds["other"]}
 
 
 def accessors_after_training(stage):
@@ -162,10 +160,11 @@ def test_reduced_gradients_match_fp64_at_32_microbatches(ranks, stage):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_collectives_of_a_deepspeed_step(ranks, stage):
-    """8 micro-batches, no rounds: one fp32 reduce-scatter per bucket, at the accumulation boundary."""
+    """8 micro-batches: one fp32 reduce-scatter per bucket at the boundary (ZeRO-1) or every micro-batch
+    (ZeRO-2, reduce_every=1 by default, like stock ZeRO-2)."""
     for rec in ranks.run(2, collectives_of_a_step, stage, timeout=120):
         assert rec["buckets"] > 1
-        assert rec["rs"] == ["torch.float32"] * rec["buckets"]
+        assert rec["rs"] == ["torch.float32"] * rec["buckets"] * (1 if stage == 1 else 8)
         assert rec["ag"] == ["torch.bfloat16"] * rec["buckets"]
         assert rec["ar"] == [1], rec  # the gradient norm only
         assert rec["other"] == []

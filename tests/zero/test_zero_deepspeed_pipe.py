@@ -149,3 +149,55 @@ def test_pipeline_checkpoint_resume_is_bit_exact(ranks, tmp_path, stage):
     for a, b in zip(straight, resumed):
         assert a.keys() == b.keys()
         assert all(len(a[n]) == len(b[n]) == 4 and all(torch.equal(x, y) for x, y in zip(a[n], b[n])) for n in a)
+
+
+def pipeline_overlap(stage, overlap, reduce_every):
+    """Train with overlap_comm on or off; record, at the first post-backward epilogue, how many bucket
+    reductions had been handed to torch.distributed (ZeRO-2: no tied-weight collectives before it)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from l3plugin.debug import record_collectives
+
+    plugin = {"fp32_reduce_zero": True, "bucket_numel": 20}  # several buckets per stage
+    if stage == 2:
+        plugin["reduce_every"] = reduce_every
+    deepspeed = quiet_deepspeed()
+    import l3plugin.deepspeed  # noqa: F401
+    from deepspeed.pipe import PipelineModule
+
+    torch.manual_seed(0)
+    module = PipelineModule(layers=layers(), num_stages=2, loss_fn=loss_fn, partition_method="uniform")
+    cfg = ds_config(stage, gas=GAS, plugin=plugin, clip=CLIP)
+    cfg["zero_optimization"]["overlap_comm"] = overlap
+    engine, *_ = deepspeed.initialize(model=module, config=cfg, model_parameters=module.parameters())
+    counts, held = [], []  # held: full-size buffers or running reductions left after each backward pass
+    epilogue = engine.optimizer.after_backward
+    zero = engine.optimizer.zero
+    dp_ranks = dist.get_process_group_ranks(zero.group)
+    bucket_sizes = {b.spec.padded_numel for b in zero.buckets}
+
+    def watched():  # the pipeline's own collectives (P2P, loss) run in other groups or sizes
+        counts.append(sum(1 for c in log if c.op in ("all_reduce", "reduce_scatter_tensor") and c.group == dp_ranks
+                          and c.numel in bucket_sizes and c.dtype == torch.float32))
+        epilogue()
+        held.append(sum(b.full is not None or b.in_flight is not None for b in zero.buckets))
+
+    engine.optimizer.after_backward = watched
+    with record_collectives() as log:
+        train(engine, STEPS)
+    return {"fp32": {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()},
+            "bf16": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+            "first_count": counts[0], "held": held, "buckets": len(engine.optimizer.zero.buckets)}
+
+
+@pytest.mark.parametrize("stage,reduce_every", [(1, 1), (2, 1), (2, 4)])
+def test_pipeline_overlap_is_bit_identical(ranks, stage, reduce_every):
+    blocking = ranks.run(4, pipeline_overlap, stage, False, reduce_every, timeout=180)
+    overlapped = ranks.run(4, pipeline_overlap, stage, True, reduce_every, timeout=180)
+    for b, o in zip(blocking, overlapped):
+        assert all(torch.equal(b[k][n], o[k][n]) for k in ("fp32", "bf16") for n in b[k])
+        if stage == 2 and reduce_every == 1:  # the first backward's buckets went out during that backward
+            assert o["first_count"] == o["buckets"] > 1 and b["first_count"] == 0
+            assert o["held"] == [0] * len(o["held"])  # real ZeRO-2: only fp32 shards between backward passes
+        if stage == 1:  # ZeRO-1: full-size buffers until the step's last backward pass
+            assert o["held"][:GAS - 1] == [o["buckets"]] * (GAS - 1)

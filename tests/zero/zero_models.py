@@ -86,3 +86,17 @@ def relative_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     g = torch.cat([t.double().reshape(-1) for t in got])
     r = torch.cat([t.double().reshape(-1) for t in ref])
     return ((g - r).norm() / r.norm()).item()
+
+
+def collectives_by_kind(log, buckets) -> dict:
+    """A recorded step's collectives: gradient reductions (reduce-scatters; on gloo a bucket's reduce-scatter
+    is an all-reduce of the whole padded bucket), parameter all-gathers, other all-reduces, anything else."""
+    bucket_sizes = {b.spec.padded_numel for b in buckets}
+
+    def is_reduction(c):
+        return c.op == "reduce_scatter_tensor" or (c.op == "all_reduce" and c.numel in bucket_sizes)
+
+    return {"rs": [(str(c.dtype), c.numel) for c in log if is_reduction(c)],
+            "ag": [(str(c.dtype), c.numel) for c in log.of("all_gather_into_tensor")],
+            "ar": [c.numel for c in log.of("all_reduce") if not is_reduction(c)],
+            "other": sorted({c.op for c in log} - {"reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"})}

@@ -1,0 +1,226 @@
+"""Overlapped (asynchronous, bucketed) reduce-scatters and real ZeRO-2 under DeepSpeed's engines.
+
+- overlap on and off give bit-identical gradients, fp32 masters and bf16 parameters (same arithmetic, same
+  order), for ZeRO-1, ZeRO-2 every micro-batch and ZeRO-2 every N micro-batches, in DeepSpeedEngine,
+  PipelineEngine and the framework-neutral core driven round by round;
+- with overlap, the reductions are handed to torch.distributed *during* backward (before the engine's
+  post-backward epilogue runs); without it, none are;
+- ZeRO-2 holds no full-size gradient buffer between micro-batches (only the fp32 shard); with
+  reduce_every=N it holds one inside each window of N; ZeRO-1 holds it across the step;
+- bad options name the option, the value and the valid range; a collective a peer never joins ends in a
+  rank-named error after wait_timeout instead of blocking.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_models import batch, ds_config, engine_for, loss_of, make_mlp
+from zero_models import Fp64Reference, all_params, chunk_params, make_chunks, relative_error, run_rounds
+
+BUCKET = 100  # the MLP (13x24, 24x24, 24x1 + biases, 961 elements) spreads over several buckets
+REDUCTIONS = ("reduce_scatter_tensor", "all_reduce")  # gloo carries a bucket's reduce-scatter as an all-reduce
+
+
+def plugin(**options):
+    return {"fp32_reduce_zero": True, "bucket_numel": BUCKET, **options}
+
+
+def config(stage, overlap, gas=4, **options):
+    cfg = ds_config(stage, gas=gas, plugin=plugin(**options), clip=1.0)
+    cfg["zero_optimization"]["overlap_comm"] = overlap
+    return cfg
+
+
+# -- workers ---------------------------------------------------------------------------------------------
+def train_and_watch(stage, overlap, gas=4, steps=2, **options):
+    """Train ``steps`` steps; per micro-batch record how many bucket reductions were handed to
+    torch.distributed before the engine's post-backward epilogue began, and the gradient state held
+    between micro-batches. Returns final fp32 masters, bf16 params, gradient (before the last step)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    from l3plugin.debug import record_collectives
+
+    engine = engine_for(config(stage, overlap, gas, **options))
+    zero = engine.optimizer.zero
+    counts_at_epilogue = []
+    log = None
+    epilogue = engine.optimizer.after_backward
+
+    def watched_epilogue():
+        counts_at_epilogue.append(sum(1 for c in log if c.op in REDUCTIONS and c.numel > 1))
+        epilogue()
+
+    engine.optimizer.after_backward = watched_epilogue
+    between, grads = [], None
+    rank = dist.get_rank()
+    for step in range(steps):
+        for mb in range(gas):
+            with record_collectives() as log:
+                engine.backward(loss_of(engine(batch(rank, step, mb))))
+            if mb < gas - 1:
+                engine.step()
+                between.append({"full": sum(b.full is not None for b in zero.buckets),
+                                "in_flight": sum(b.in_flight is not None for b in zero.buckets),
+                                "bytes": zero.memory.current})
+        if step == steps - 1:
+            grads = [safe_get_full_grad(p) for p in engine.module.parameters()]
+        engine.step()
+    return {"masters": [safe_get_full_fp32_param(p) for p in engine.module.parameters()],
+            "params": [p.detach().clone() for p in engine.module.parameters()], "grads": grads,
+            "counts": counts_at_epilogue, "between": between, "buckets": len(zero.buckets),
+            "shard_bytes": sum(4 * b.spec.shard_numel for b in zero.buckets),
+            "full_bytes": sum(4 * b.spec.padded_numel for b in zero.buckets)}
+
+
+def fp64_error(stage, gas=8, **options):
+    """Relative error vs fp64 of the reduced gradient after ``gas`` micro-batches."""
+    from deepspeed.utils import safe_get_full_grad
+
+    engine = engine_for(config(stage, True, gas, **options))
+    ref_model = make_mlp().bfloat16()
+    ref = Fp64Reference(ref_model.parameters())
+    for mb in range(gas):
+        x = batch(dist.get_rank(), 0, mb)
+        (loss_of(ref_model(x)) / gas).backward()
+        engine.backward(loss_of(engine(x)))
+        if mb < gas - 1:
+            engine.step()
+    return relative_error([safe_get_full_grad(p) for p in engine.module.parameters()], ref.mean_over_ranks())
+
+
+def core_rounds(stage, overlap):
+    """The framework-neutral core driven round by round (the Megatron-Core path): end_of_round starts the
+    reduce-scatter and returns; the result is waited at the next accumulation into the bucket or in step."""
+    from l3plugin.zero import FP32ReduceZero
+
+    chunks = make_chunks()
+    zero = FP32ReduceZero(torch.optim.AdamW(all_params(chunks), lr=1e-3), stage=stage, bucket_numel=300,
+                          chunks=chunk_params(chunks), overlap=overlap)
+    in_flight_after_rounds = []
+    for step in range(2):
+        run_rounds(chunks, zero, step=step, num_mb=8, k=2)
+        in_flight_after_rounds.append(sum(b.in_flight is not None for b in zero.buckets))
+        zero.step()
+    return {"params": [p.detach().clone() for p in all_params(chunks)],
+            "masters": [b.master.detach().clone() for b in zero.buckets], "in_flight": in_flight_after_rounds}
+
+
+def peer_never_joins(timeout):
+    """Rank 1 skips the reduction rank 0 waits for: rank 0 must fail after ``timeout`` s, naming itself."""
+    from l3plugin.zero import FP32ReduceZero
+
+    chunks = make_chunks(num_chunks=1)
+    zero = FP32ReduceZero(torch.optim.SGD(all_params(chunks), lr=0.1), wait_timeout=timeout)
+    chunks[0](torch.ones(2, 21, dtype=torch.bfloat16)).float().sum().backward()
+    if dist.get_rank() == 0:
+        zero.finish_grad_sync()
+    else:
+        time.sleep(timeout + 3)  # long enough for rank 0 to give up
+    return "returned"
+
+
+def error_of(stage, gas=4, **options):
+    try:
+        engine_for(ds_config(stage, gas=gas, plugin={"fp32_reduce_zero": True, **options}))
+    except Exception as exc:  # noqa: BLE001 - the message is what we check
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+# -- tests -----------------------------------------------------------------------------------------------
+def _same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("stage,options", [(1, {}), (2, {}), (2, {"reduce_every": 2}), (2, {"reduce_every": 3})])
+def test_overlap_is_bit_identical_and_starts_reductions_during_backward(ranks, stage, options):
+    gas = 4
+    blocking = ranks.run(2, train_and_watch, stage, False, gas, **options, timeout=120)
+    overlapped = ranks.run(2, train_and_watch, stage, True, gas, **options, timeout=120)
+    every = options.get("reduce_every", 1) if stage == 2 else gas
+    for b, o in zip(blocking, overlapped):
+        for key in ("masters", "params", "grads"):
+            assert _same(b[key], o[key]), key
+        # Micro-batches that end with a reduction: (mb + 1) % every == 0 or the last one of the step.
+        reducing = [(mb + 1) % every == 0 or mb == gas - 1 for _ in range(2) for mb in range(gas)]
+        if stage == 1:  # DeepSpeed calls the ZeRO-1 epilogue (reduce_gradients) at the boundary only
+            reducing = [r for r in reducing if r]
+        # Overlap: every bucket's reduction was handed to torch.distributed before backward ended
+        # (a dense model completes every bucket inside backward); blocking: none was.
+        assert o["counts"] == [o["buckets"] if r else 0 for r in reducing]
+        assert b["counts"] == [0] * len(reducing)
+        assert o["buckets"] > 3
+
+
+@pytest.mark.parametrize("stage,options", [(1, {}), (2, {}), (2, {"reduce_every": 2})])
+def test_gradient_memory_between_micro_batches(ranks, stage, options):
+    for r in ranks.run(2, train_and_watch, stage, True, 4, **options, timeout=120):
+        for mb, held in enumerate(r["between"]):
+            mb %= 3  # micro-batches 0..2 of each step (the 4th is followed by the step)
+            assert held["in_flight"] == 0  # nothing left running between micro-batches
+            if stage == 2 and (mb + 1) % options.get("reduce_every", 1) == 0:
+                # Real ZeRO-2: no full-size buffer, only the fp32 shard of every bucket.
+                assert held["full"] == 0 and held["bytes"] == r["shard_bytes"], (mb, held)
+            else:
+                # Inside a window (ZeRO-1: the whole step) the fp32 full-size buffers accumulate.
+                assert held["full"] == r["buckets"] and held["bytes"] >= r["full_bytes"], (mb, held)
+
+
+@pytest.mark.parametrize("stage,options", [(1, {}), (2, {}), (2, {"reduce_every": 4})])
+def test_fp32_error_vs_fp64_stays_below_1e_6(ranks, stage, options):
+    for err in ranks.run(2, fp64_error, stage, 8, **options, timeout=120):
+        assert err < 1e-6, err
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_core_rounds_overlap_is_bit_identical(ranks, stage):
+    blocking = ranks.run(2, core_rounds, stage, False, timeout=120)
+    overlapped = ranks.run(2, core_rounds, stage, True, timeout=120)
+    for b, o in zip(blocking, overlapped):
+        assert _same(b["params"], o["params"]) and _same(b["masters"], o["masters"])
+        # The last rounds' reduce-scatters are still running when the schedule returns (waited in step).
+        assert all(n > 0 for n in o["in_flight"]) and b["in_flight"] == [0, 0]
+
+
+def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks):
+    from l3plugin.testing.ranks import DistributedTestError
+
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as err:
+        ranks.run(2, peer_never_joins, 2.0, timeout=60)
+    text = str(err.value)
+    assert "rank 0 raised" in text and "CollectiveTimeout" in text
+    assert "rank 0 (group ranks [0, 1]): reduce-scatter" in text and "did not finish within 2 s" in text
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("stage,options,expected", [
+    (2, {"reduce_every": 0}, '"l3plugin.reduce_every" must be >= 1'),
+    (2, {"reduce_every": 1.5}, '"l3plugin.reduce_every" must be int, got 1.5'),
+    (2, {"reduce_every": True}, '"l3plugin.reduce_every" must be int, got True'),
+    (2, {"reduce_every": 5}, '"l3plugin.reduce_every" is 5; valid range is 1..gradient_accumulation_steps (4)'),
+    (1, {"reduce_every": 2}, '"l3plugin.reduce_every" is 2 with zero_optimization.stage 1'),
+    (2, {"bucket_numel": 0}, '"l3plugin.bucket_numel" must be >= 1, got 0'),
+    (2, {"wait_timeout": 0}, '"l3plugin.wait_timeout" must be a finite number of seconds > 0, got 0'),
+    (2, {"wait_timeout": float("nan")}, '"l3plugin.wait_timeout" must be a finite number of seconds > 0'),
+])
+def test_bad_options_name_the_option_value_and_range(ranks, stage, options, expected):
+    for message in ranks.run(2, error_of, stage, 4, **options, timeout=60):
+        assert message is not None and expected in message, message
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    ({"bucket_numel": 1.7}, "bucket_numel=1.7 must be a whole number >= 1"),
+    ({"bucket_numel": 0}, "bucket_numel=0 must be a whole number >= 1"),
+    ({"clip_grad": float("nan")}, "clip_grad=nan must be a finite number >= 0"),
+    ({"wait_timeout": -1}, "wait_timeout=-1 must be a finite number of seconds > 0"),
+    ({"overlap": "yes"}, "overlap='yes' must be True or False"),
+])
+def test_settings_reject_bad_values(kwargs, expected):
+    from l3plugin.zero import ZeroSettings
+
+    with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(".", r"\.")):
+        ZeroSettings(**kwargs)
