@@ -8,7 +8,11 @@
 
 With the key, ``deepspeed.initialize`` builds ``l3plugin.zero.FP32ReduceZero`` on DeepSpeed's own
 ``seq_data_parallel_group`` (DP x sequence-parallel): fp32 gradient accumulation, fp32 reduce-scatter,
-fp32 master shard, bf16 parameter all-gather. Without the key (or with ``"fp32_reduce_zero": false``)
+fp32 master shard, bf16 parameter all-gather. ZeRO-1 reduce-scatters once per step; ZeRO-2 every
+``reduce_every`` micro-batches (default 1, like stock ZeRO-2) and keeps only the fp32 gradient shard in
+between. Buckets are ``bucket_numel`` or ``zero_optimization.reduce_bucket_size`` elements; their
+reduce-scatters start from gradient hooks during backward unless ``zero_optimization.overlap_comm`` is
+false. Without the key (or with ``"fp32_reduce_zero": false``)
 DeepSpeed behaves exactly as stock. Options under ``"l3plugin"`` (see ``OPTIONS``) are validated.
 
 DeepSpeed has no plug-in registry, so ``install`` wraps these engine methods, each falling through to the
@@ -45,7 +49,9 @@ OPTIONS = {
 SUPPORTED = ('Supported with "l3plugin": {"fp32_reduce_zero": true}: "bf16": {"enabled": true}, '
              '"zero_optimization": {"stage": 1 or 2} without offload, an optimizer, no fp16, no MoE, '
              'no torch_autocast, no universal checkpoint; DeepSpeedEngine and PipelineEngine; gradient '
-             'accumulation and communication dtypes are chosen with "l3plugin": {"accumulate_dtype", "reduce_dtype"}')
+             'accumulation and communication dtypes are chosen with "l3plugin": {"accumulate_dtype", "reduce_dtype"}; '
+             'ZeRO-2 reduces every "reduce_every" micro-batches; zero_optimization.overlap_comm false makes '
+             'every collective blocking')
 
 
 def plugin_options(param_dict: dict) -> dict | None:

@@ -13,14 +13,25 @@ the fp32 master shard is updated by an ordinary torch optimizer. Bucket layout a
 
 The calls a framework adapter makes:
 - gradients: nothing (post-accumulate-grad hooks are installed on construction);
-- ``end_of_round(params, is_last_round)`` after the last backward of each (chunk, round): ZeRO-2
-  reduce-scatters those params' buckets now and frees the full buffers, keeping only the fp32 shard;
-  ZeRO-1 does so only when ``is_last_round`` (full fp32 gradients live across rounds and chunks);
-- ``reduce_scatter(params)`` to force it regardless of stage; ``finish_grad_sync()`` reduces every bucket
-  not reduced yet (cheap no-op when the rounds did it) - call it before reading gradients;
+- ``arm(params)`` before a backward pass that completes those params' gradients for a reduction (the
+  DeepSpeed adapter does it for every micro-batch that ends with a reduce-scatter): with ``overlap`` each
+  bucket's reduce-scatter starts from the hook that completes the bucket, while backward goes on;
+- ``end_of_round(params, is_last_round)`` after the last backward of each (chunk, round): ZeRO-2 starts
+  those params' reduce-scatters now and frees the full buffers when they complete, keeping only the fp32
+  shard; ZeRO-1 does so only when ``is_last_round`` (full fp32 gradients live across rounds and chunks);
+- ``reduce_scatter(params)`` to force it regardless of stage; ``finish_grad_sync()`` starts every reduction
+  not started yet and waits for all (cheap when the rounds did it) - call it before reading gradients;
 - ``all_reduce_param_grad(param, group)`` for weights tied across pipeline stages or replicated over
   sequence-parallel TP ranks (what Megatron's finalize_model_grads does for embeddings and layer norms);
 - ``step()`` = finish_grad_sync + clip + optimizer step + ``all_gather_params()`` + ``zero_grad()``.
+
+Overlap (``ZeroSettings.overlap``, default on): collectives are started asynchronously and waited where
+their result or their buffer is needed: a bucket's reduce-scatter before the bucket is accumulated into
+again, at the next round end (Megatron path: one round in flight at most), at the end of the backward pass
+that started it (DeepSpeed adapter: nothing is carried across micro-batches), and in ``finish_grad_sync``;
+the bf16 parameter all-gathers two buckets at a time inside ``step``. Every wait is bounded by
+``wait_timeout`` and fails with an error naming the rank, the group and the bucket. Overlap on and off do
+the same arithmetic in the same order: bit-identical results (tested).
 
 Megatron-Core wiring (flexible schedule, l3plugin/megatron/pipeline.py), as intended for the adapter:
     zero = FP32ReduceZero(torch_optimizer_over_all_chunks, group=mesh.dp_cp_group, stage=1 or 2,

@@ -122,9 +122,11 @@ def peer_never_joins(timeout):
     return "returned"
 
 
-def error_of(stage, gas=4, **options):
+def error_of(stage, gas=4, zero_config=None, **options):
+    cfg = ds_config(stage, gas=gas, plugin={"fp32_reduce_zero": True, **options})
+    cfg["zero_optimization"].update(zero_config or {})
     try:
-        engine_for(ds_config(stage, gas=gas, plugin={"fp32_reduce_zero": True, **options}))
+        engine_for(cfg)
     except Exception as exc:  # noqa: BLE001 - the message is what we check
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -210,6 +212,12 @@ def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks):
 def test_bad_options_name_the_option_value_and_range(ranks, stage, options, expected):
     for message in ranks.run(2, error_of, stage, 4, **options, timeout=60):
         assert message is not None and expected in message, message
+
+
+def test_zero_bucket_size_from_deepspeed_is_checked(ranks):
+    """Our bucket size defaults to DeepSpeed's reduce_bucket_size, which DeepSpeed itself validates."""
+    message = ranks.run(2, error_of, 2, 4, {"reduce_bucket_size": 0}, timeout=60)[0]
+    assert "reduce_bucket_size" in message and "greater than 0" in message, message
 
 
 @pytest.mark.parametrize("kwargs,expected", [
