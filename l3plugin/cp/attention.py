@@ -5,6 +5,11 @@ the CP group (one collective for both; exposed by design: K/V are small under GQ
 O(S) while attention is O(S^2)), then attend this rank's queries to the gathered K/V with the document
 and causal mask. Backward: dq locally; dK and dV of the full sequence are reduce-scattered so every rank
 gets the summed gradient of the tokens it holds.
+
+Both collectives are started asynchronously and waited with a bound (``wait_timeout``, see
+l3plugin/waits.py): a CP peer that never joins gives a ``CommTimeout`` naming this rank, the CP group and
+the operation. gloo's reduce-scatter cannot be waited with a bound (its work never reports completion),
+so on gloo the dK/dV reduce-scatter is an all-reduce of which this rank keeps its part (same sums).
 """
 
 from __future__ import annotations
@@ -13,10 +18,30 @@ import torch
 import torch.distributed as dist
 
 from l3plugin.cp.kernels import select_kernel
-from l3plugin.cp.sharding import check_cu_seqlens, document_metadata, shard_indices
+from l3plugin.cp.sharding import check_bool, check_cu_seqlens, document_metadata, shard_indices
+from l3plugin.waits import group_ranks, resolve_timeout, wait_work
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather(out, inp, group, timeout):
+    # Looked up at call time so that l3plugin.debug.record_collectives (which patches dist) sees it;
+    # torch >= 2.13 renames all_gather_into_tensor to all_gather_single.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = fn(out, inp, group=group, async_op=True)
+    wait_work(work, p2p=False, device_type=inp.device.type, timeout=timeout,
+              what=f"CP all-gather of K/V {tuple(inp.shape)} over CP group ranks {group_ranks(group)}")
+
+
+def _reduce_scatter(out, inp, group, timeout):
+    """``out`` = this rank's 1/cp of ``inp`` summed over the group (``inp`` is overwritten on gloo)."""
+    what = f"CP reduce-scatter of dK/dV {tuple(inp.shape)} over CP group ranks {group_ranks(group)}"
+    if dist.get_backend(group) == "gloo":
+        work = dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        wait_work(work, p2p=False, device_type=inp.device.type, timeout=timeout, what=what)
+        out.copy_(inp.view(dist.get_world_size(group), *out.shape)[dist.get_rank(group)])
+        return
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    work = fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    wait_work(work, p2p=False, device_type=inp.device.type, timeout=timeout, what=what)
 
 
 def _gathered_order(seq_len: int, cp_size: int) -> torch.Tensor:
@@ -28,20 +53,20 @@ class GatherKV(torch.autograd.Function):
     """k, v [s_local, h, d] in local order -> k, v [S, h, d] in sequence order; backward reduce-scatters."""
 
     @staticmethod
-    def forward(ctx, k, v, group):
+    def forward(ctx, k, v, group, timeout):
         cp = dist.get_world_size(group)
         s_local = k.size(0)
         local = torch.stack([k, v]).contiguous()  # [2, s_local, h, d]: one collective for both
         # Collectives concatenate along dim 0: [cp * 2, s_local, h, d], viewed as [cp, 2, ...].
         gathered = torch.empty((cp * 2,) + local.shape[1:], dtype=local.dtype, device=local.device)
-        _all_gather(gathered, local, group=group)
+        _all_gather(gathered, local, group, timeout)
         gathered = gathered.view((cp,) + local.shape)
         order = _gathered_order(s_local * cp, cp).to(k.device)
         # gathered[r] holds rank r's tokens; place every token at its sequence position.
         flat = gathered.transpose(0, 1).reshape(2, cp * s_local, *k.shape[1:])
         full = torch.empty_like(flat)
         full[:, order] = flat
-        ctx.group, ctx.order, ctx.cp = group, order, cp
+        ctx.group, ctx.order, ctx.cp, ctx.timeout = group, order, cp, timeout
         return full[0], full[1]
 
     @staticmethod
@@ -51,8 +76,8 @@ class GatherKV(torch.autograd.Function):
         grads = grads.reshape(2, ctx.cp, s_local, *grads.shape[2:]).transpose(0, 1).contiguous()
         mine = torch.empty(grads.shape[1:], dtype=grads.dtype, device=grads.device)
         grads = grads.view(ctx.cp * 2, *grads.shape[2:])
-        _reduce_scatter(mine, grads, group=ctx.group)  # sum over ranks of dK/dV for my tokens
-        return mine[0], mine[1], None
+        _reduce_scatter(mine, grads, ctx.group, ctx.timeout)  # sum over ranks of dK/dV for my tokens
+        return mine[0], mine[1], None, None
 
 
 def _check_inputs(q, k, v):
@@ -62,21 +87,30 @@ def _check_inputs(q, k, v):
     if k.shape != v.shape or q.size(0) != k.size(0) or q.size(2) != k.size(2):
         raise ValueError(f"mismatched shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
                          f"k and v must be equal and share s_local and head_dim with q")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}: "
+                         f"cast them to one (e.g. k.to(q.dtype))")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got q {q.device}, k {k.device}, v {v.device}")
     if q.size(1) % k.size(1):
         raise ValueError(f"heads_kv={k.size(1)} does not divide heads_q={q.size(1)} (GQA needs "
                          f"heads_q to be a multiple of heads_kv)")
 
 
 def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softmax_scale=None,
-                         kernel="auto"):
+                         kernel="auto", wait_timeout=None):
     """Attention of this rank's queries over the whole packed sequence, with document masking.
 
     q: [s_local, heads_q, head_dim]; k, v: [s_local, heads_kv, head_dim], this rank's tokens in local
     order (chunk i, then chunk 2*cp-1-i); cu_seqlens: document boundaries over the FULL sequence
     ([0, ..., S]; [0, S] is one document); group: the CP process group (None or size 1: no CP).
+    wait_timeout: seconds the K/V all-gather and the dK/dV reduce-scatter may take (None:
+    ``l3plugin.waits.resolve_timeout``, i.e. $L3PLUGIN_WAIT_TIMEOUT or 600).
     Returns [s_local, heads_q, head_dim], differentiable in q, k and v.
     """
     _check_inputs(q, k, v)
+    check_bool("causal", causal)
+    timeout = resolve_timeout(wait_timeout)
     cp = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     seq_len = q.size(0) * cp
@@ -85,7 +119,7 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
                          f"(S must be divisible by 2*cp = {2 * cp})")
     cu = check_cu_seqlens(cu_seqlens, seq_len)
     if cp > 1:
-        k_full, v_full = GatherKV.apply(k, v, group)
+        k_full, v_full = GatherKV.apply(k, v, group, timeout)
     else:
         # Without CP the local order is still (chunk 0, chunk 1) = sequence order.
         k_full, v_full = k, v

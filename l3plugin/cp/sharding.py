@@ -20,6 +20,13 @@ from dataclasses import dataclass
 import torch
 
 
+def check_bool(name: str, value) -> bool:
+    # "no" or 0 would otherwise count as their truth value, silently (a non-empty string is true).
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is invalid: must be True or False")
+    return value
+
+
 def _check_split(seq_len: int, cp_size: int, cp_rank: int) -> int:
     for name, value, low in (("seq_len", seq_len, 1), ("cp_size", cp_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -47,7 +54,15 @@ def shard_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
 
 def check_cu_seqlens(cu_seqlens, seq_len: int) -> torch.Tensor:
     """cu_seqlens as a 1-D int64 CPU tensor, after checking it describes documents covering [0, S)."""
-    cu = torch.as_tensor(cu_seqlens).detach().to("cpu", torch.int64).reshape(-1)
+    raw = torch.as_tensor(cu_seqlens).detach().to("cpu").reshape(-1)
+    if raw.dtype == torch.bool or raw.is_complex():
+        raise ValueError(f"cu_seqlens must hold integer token offsets, got dtype {raw.dtype}")
+    if raw.is_floating_point():
+        bad = [x for x in raw.tolist() if x != int(x)] if bool(raw.isfinite().all()) else raw.tolist()
+        if bad:  # converting would truncate 7.5 to 7 and move a document border without a word
+            raise ValueError(f"cu_seqlens must hold integer token offsets, got {bad[0]} in "
+                             f"{raw.tolist()[:16]}")
+    cu = raw.to(torch.int64)
     if cu.numel() < 2 or cu[0].item() != 0:
         raise ValueError(f"cu_seqlens must start at 0 and have at least 2 entries, got {cu.tolist()[:8]}")
     if cu[-1].item() != seq_len:
@@ -76,12 +91,20 @@ def shard_batch(batch: dict, cp_size: int, cp_rank: int, seq_dim: int = 1) -> di
     """This rank's part of a Megatron batch (tokens, labels, loss_mask, position_ids, ...).
 
     Every tensor whose ``seq_dim`` has the full length S is sliced to this rank's positions; other
-    entries (e.g. cu_seqlens, which stay global) are passed through unchanged.
+    entries (e.g. cu_seqlens, which stay global, or a size-1 broadcast dimension) are passed through
+    unchanged. A tensor with any other length there is refused: passing it through would pair this
+    rank's tokens with another rank's labels.
     """
-    lengths = {v.size(seq_dim) for v in batch.values() if torch.is_tensor(v) and v.dim() > seq_dim}
+    lengths = {key: v.size(seq_dim) for key, v in batch.items() if torch.is_tensor(v) and v.dim() > seq_dim}
     if not lengths:
         raise ValueError(f"no tensor in the batch has a sequence dimension {seq_dim}")
-    seq_len = max(lengths)
+    longest = max(lengths, key=lengths.get)
+    seq_len = lengths[longest]
+    for key, n in lengths.items():
+        if n not in (seq_len, 1):
+            raise ValueError(f"batch[{key!r}] has length {n} along seq_dim={seq_dim} but batch[{longest!r}] "
+                             f"has {seq_len}: every sequence tensor must have the full length S (shift "
+                             f"labels inside the sequence and pad them, do not drop a position)")
     index = shard_indices(seq_len, cp_size, cp_rank)
     out = {}
     for key, value in batch.items():
@@ -108,6 +131,7 @@ class ChunkDocuments:
 def document_metadata(cu_seqlens, seq_len: int, cp_size: int, cp_rank: int,
                       causal: bool = True) -> tuple[ChunkDocuments, ChunkDocuments]:
     """Per local chunk, the varlen metadata a GPU kernel needs (see the module docstring)."""
+    check_bool("causal", causal)
     cu = check_cu_seqlens(cu_seqlens, seq_len)
     out = []
     for start, end in local_chunks(seq_len, cp_size, cp_rank):

@@ -13,6 +13,8 @@ one order they agree on, the order of the messages in a global, dependency-respe
   an action that precedes its current one, so it has already been sent.
 Sends are non-blocking and their completion is checked lazily; a rank only ever blocks on a receive its
 next compute step needs. Devices and dtypes come from the caller (the model), never hard-coded.
+Every blocking wait is bounded (``wait_timeout``, see l3plugin/waits.py): a peer that never sends or
+receives gives a ``CommTimeout`` naming both ranks and the message instead of a 30-minute hang.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from l3plugin.schedule.plan import Message, Schedule, execution_order
+from l3plugin.waits import resolve_timeout, wait_work
 
 SEND, RECV = "send", "recv"
 
@@ -49,18 +52,21 @@ class PipelineChannels:
     """This pipeline rank's receives and sends for one execution of ``schedule``."""
 
     def __init__(self, schedule: Schedule, pp_rank: int, orders, pp_global_ranks: list[int], group, *,
-                 shape, dtype, device, prefetch: bool = True):
-        """``orders``: ``pair_orders(schedule, pp_rank)`` (callers cache it; None computes it)."""
+                 shape, dtype, device, prefetch: bool = True, wait_timeout: float | None = None):
+        """``orders``: ``pair_orders(schedule, pp_rank)`` (callers cache it; None computes it).
+        ``wait_timeout``: seconds any send or receive may take (None: ``l3plugin.waits.resolve_timeout``)."""
         self.pp_rank = pp_rank
         self.global_ranks = list(pp_global_ranks)
         self.group = group
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.prefetch = prefetch
+        self.wait_timeout = resolve_timeout(wait_timeout)
+        self._device_type = torch.device(device).type if device is not None else "cpu"
         orders = pair_orders(schedule, pp_rank) if orders is None else orders
         self._ops = {peer: deque(ops) for peer, ops in orders.items()}
         self._posted: dict[Message, tuple] = {}  # message -> (work, buffer, peer)
         self._local: dict[Message, torch.Tensor] = {}
-        self._sends: dict[Message, tuple] = {}  # message -> (work, tensor, on_complete)
+        self._sends: dict[Message, tuple] = {}  # message -> (work, tensor, on_complete, peer)
 
     def _post_recv(self, peer: int, msg: Message):
         # Activations arrive as leaf inputs whose .grad the backward step reads.
@@ -92,7 +98,7 @@ class PipelineChannels:
         if msg not in self._posted:
             self._advance(src_rank, msg)
         work, buf, _ = self._posted.pop(msg)
-        work.wait()
+        self._wait(work, f"receive of {self._describe(msg)} from", src_rank)
         queue = self._ops.get(src_rank)
         if self.prefetch and queue and queue[0][0] == RECV:
             kind, nxt = queue.popleft()  # overlap the next receive from this peer with our compute
@@ -107,7 +113,7 @@ class PipelineChannels:
         else:
             self._advance(dst_rank, msg)
             work = dist.isend(tensor.contiguous(), dst=self.global_ranks[dst_rank], group=self.group)
-        self._sends[msg] = (work, tensor, on_complete)
+        self._sends[msg] = (work, tensor, on_complete, dst_rank)
         self._reap()
 
     def wait_sent(self, msg: Message):
@@ -115,15 +121,23 @@ class PipelineChannels:
         if msg in self._sends:
             self._complete(msg)
 
+    def _describe(self, msg: Message) -> str:
+        return f"the {msg.kind} of microbatch {msg.microbatch} (stage {msg.src_stage} -> {msg.dst_stage})"
+
+    def _wait(self, work, operation: str, peer: int):
+        wait_work(work, p2p=True, device_type=self._device_type, timeout=self.wait_timeout,
+                  what=f"pipeline rank {self.pp_rank}: {operation} pipeline rank {peer} (global rank "
+                       f"{self.global_ranks[peer]})")
+
     def _complete(self, msg):
-        work, tensor, on_complete = self._sends.pop(msg)
+        work, tensor, on_complete, peer = self._sends.pop(msg)
         if work is not None:
-            work.wait()
+            self._wait(work, f"send of {self._describe(msg)} to", peer)
         if on_complete is not None:
             on_complete(tensor)
 
     def _reap(self):
-        for msg in [m for m, (work, _, _) in self._sends.items() if work is None or work.is_completed()]:
+        for msg in [m for m, (work, *_) in self._sends.items() if work is None or work.is_completed()]:
             self._complete(msg)
 
     def finish(self):

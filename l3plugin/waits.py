@@ -1,0 +1,83 @@
+"""Bounded waits for started P2P and collective operations, shared by every feature room.
+
+A process group's own timeout is 30 minutes by default, so a rank whose peer hung or died would block the
+job that long and then fail with a message that names neither side. Our waits have their own bound and
+raise ``CommTimeout`` naming this rank, the peer or group and the operation.
+
+The bound is ``timeout`` seconds when a caller passes one, else the environment variable
+``L3PLUGIN_WAIT_TIMEOUT`` (seconds; for torchrun jobs that cannot change code), else ``DEFAULT_TIMEOUT``.
+
+How each kind of work can be waited with a bound (checked on torch 2.13):
+- gloo P2P (isend/irecv): ``Work.wait(timeout)`` honours the timeout (``is_completed()`` never turns true).
+- gloo collectives: ``Work.wait`` ignores its timeout, but all-reduce and all-gather works report
+  ``is_completed()``, so we poll until the deadline. (gloo's reduce-scatter never reports completion:
+  callers all-reduce instead on gloo.)
+- NCCL and other device backends: ``Work.wait(timeout)`` honours the timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import time
+
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = 600.0  # seconds: a tenth of an hour, well under the process groups' 30-minute default
+ENV_VAR = "L3PLUGIN_WAIT_TIMEOUT"
+
+
+class CommTimeout(RuntimeError):
+    """A P2P or collective operation did not finish in time, or failed (a peer died)."""
+
+
+def _check(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} is invalid: must be a finite number of seconds > 0")
+    return float(value)
+
+
+def resolve_timeout(timeout=None, name: str = "wait_timeout") -> float:
+    """``timeout`` if given (checked), else ``$L3PLUGIN_WAIT_TIMEOUT``, else ``DEFAULT_TIMEOUT``."""
+    if timeout is not None:
+        return _check(timeout, name)
+    text = os.environ.get(ENV_VAR)
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = text
+    return _check(value, ENV_VAR)
+
+
+def group_ranks(group) -> list[int]:
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
+def wait_work(work, *, p2p: bool, device_type: str, timeout: float, what: str) -> None:
+    """Wait for ``work`` at most ``timeout`` seconds; ``what`` names the operation, its peer or group.
+
+    ``p2p``: the work comes from isend/irecv (waited with ``Work.wait(timeout)`` on every backend).
+    """
+    start = time.monotonic()
+    try:
+        if p2p or device_type != "cpu":
+            work.wait(datetime.timedelta(seconds=timeout))
+        else:
+            deadline, pause = start + timeout, 1e-5
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                time.sleep(pause)
+                pause = min(2 * pause, 2e-3)  # short waits stay cheap, long ones do not spin
+            work.wait()  # re-raises the backend's error, if any
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one rank-named error
+        elapsed = time.monotonic() - start
+        me = f"rank {dist.get_rank()}: {what}"
+        if isinstance(exc, TimeoutError) or elapsed >= timeout or "timed out" in str(exc).lower():
+            raise CommTimeout(f"{me} did not finish within {timeout:g} s (set by wait_timeout or "
+                              f"${ENV_VAR}): the peer stopped, died or posted its operations in another "
+                              f"order") from exc
+        raise CommTimeout(f"{me} failed after {elapsed:.1f} s: {exc}") from exc

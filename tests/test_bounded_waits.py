@@ -1,0 +1,107 @@
+"""Our own waits are bounded: a peer that never joins gives a rank-named error within the timeout.
+
+One test per kind of wait: the pipeline's P2P receive and send (schedule/comm.py), and CP attention's K/V
+all-gather (forward) and dK/dV reduce-scatter (backward). Rank 1 never joins; rank 0 must raise
+``CommTimeout`` naming itself, the peer or group and the operation, long before the process group's own
+timeout. The harness then rebuilds its pool.
+"""
+
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from l3plugin.waits import DEFAULT_TIMEOUT, ENV_VAR, resolve_timeout
+
+TIMEOUT = 2.0  # seconds rank 0 waits; rank 1 stays away longer than that
+AWAY = TIMEOUT + 1.0
+
+
+def timed(fn):
+    """Rank 0 reports how long it took to fail (the harness's own time includes rebuilding its pool)."""
+    start = time.monotonic()
+    try:
+        return fn()
+    except Exception as exc:
+        raise RuntimeError(f"clear error after {time.monotonic() - start:.2f} s") from exc
+
+
+def p2p_peer_never_joins(operation, timeout):
+    """Rank 0 runs its pipeline plan (p=2, m=2) until it blocks; rank 1 never posts anything."""
+    from l3plugin.schedule.comm import PipelineChannels
+    from l3plugin.schedule.plan import FORWARD, build_schedule
+
+    if dist.get_rank() == 1:
+        time.sleep(AWAY)
+        return "stayed away"
+    schedule = build_schedule(2, 1, 2, 2)
+    channels = PipelineChannels(schedule, 0, None, [0, 1], None, shape=(4, 2), dtype=torch.float32,
+                                device=torch.device("cpu"), wait_timeout=timeout)
+
+    def run():
+        for action in schedule.ranks[0].actions:
+            recv, send = schedule.action_messages(0, action)
+            if action.op == FORWARD:
+                channels.send(send, torch.ones(4, 2), 1)
+                if operation == "send":
+                    channels.wait_sent(send)
+            else:
+                channels.recv(recv, 1)
+        return "finished without its peer"
+    return timed(run)
+
+
+def cp_peer_never_joins(operation, timeout):
+    """all-gather: rank 1 never calls attention. reduce-scatter: rank 1 skips the backward."""
+    from l3plugin.cp.attention import all_gather_attention
+
+    q = torch.randn(8, 2, 4, requires_grad=True)
+    if operation == "all-gather" and dist.get_rank() == 1:
+        time.sleep(AWAY)
+        return "stayed away"
+    out = timed(lambda: all_gather_attention(q, q, q, [0, 16], group=dist.group.WORLD, wait_timeout=timeout))
+    if dist.get_rank() == 1:
+        time.sleep(AWAY)
+        return "skipped the backward"
+    return timed(lambda: out.sum().backward())
+
+
+@pytest.mark.parametrize("fn,operation,expected", [
+    (p2p_peer_never_joins, "recv", "rank 0: pipeline rank 0: receive of the grad of microbatch 0 (stage 1 -> 0) "
+                                   "from pipeline rank 1 (global rank 1) did not finish within 2 s"),
+    (p2p_peer_never_joins, "send", "rank 0: pipeline rank 0: send of the activation of microbatch 0 (stage 0 -> 1) "
+                                   "to pipeline rank 1 (global rank 1) did not finish within 2 s"),
+    (cp_peer_never_joins, "all-gather", "rank 0: CP all-gather of K/V (2, 8, 2, 4) over CP group ranks [0, 1] "
+                                        "did not finish within 2 s"),
+    (cp_peer_never_joins, "reduce-scatter", "rank 0: CP reduce-scatter of dK/dV (4, 8, 2, 4) over CP group "
+                                            "ranks [0, 1] did not finish within 2 s"),
+])
+def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks, fn, operation, expected):
+    from l3plugin.testing.ranks import DistributedTestError
+
+    with pytest.raises(DistributedTestError) as err:
+        ranks.run(2, fn, operation, TIMEOUT, timeout=60)
+    text = str(err.value)
+    assert "rank 0 raised" in text and "CommTimeout" in text, text
+    assert expected in text, text
+    assert "rank 1 raised" not in text  # the peer that stayed away is not blamed for raising
+    elapsed = float(re.search(r"clear error after ([0-9.]+) s", text).group(1))
+    assert TIMEOUT <= elapsed < TIMEOUT + 1.5, elapsed  # the bound, not the process group's 30 minutes
+    print(f"{fn.__name__}[{operation}]: clear error after {elapsed:.2f} s (wait bound {TIMEOUT:g} s)")
+
+
+def test_timeout_setting_comes_from_argument_environment_or_default(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert resolve_timeout() == DEFAULT_TIMEOUT and DEFAULT_TIMEOUT < 30 * 60
+    monkeypatch.setenv(ENV_VAR, "42.5")
+    assert resolve_timeout() == 42.5 and resolve_timeout(3) == 3.0
+    for bad in ("0", "-1", "inf", "nan", "soon"):
+        monkeypatch.setenv(ENV_VAR, bad)
+        with pytest.raises(ValueError, match=f"{ENV_VAR}=.*{bad}.* is invalid: must be a finite number of "
+                                             f"seconds > 0"):
+            resolve_timeout()
+    for bad in (0, -2.0, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(ValueError, match=r"wait_timeout=.* is invalid: must be a finite number of seconds > 0"):
+            resolve_timeout(bad)
