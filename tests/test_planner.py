@@ -161,6 +161,8 @@ def test_nothing_fits_names_the_closest_layout():
     (dict(micro_batch_size=3), r"4 sequences is not divisible by micro-batch-size=3"),
     (dict(model="llama3-1b"), r"not a known preset: valid presets are llama3-8b, llama3-70b, llama3-405b"),
     (dict(hbm_gb=0), r"hbm-gb=0 is invalid"),
+    (dict(hbm_gb=float("inf")), r"hbm-gb=inf is invalid: must be a finite number > 0 \(GiB per GPU\)"),
+    (dict(hbm_gb=float("nan")), r"hbm-gb=nan is invalid: must be a finite number > 0"),
 ])
 def test_bad_requests_say_what_to_change(kwargs, message):
     with pytest.raises(ValueError, match=message):

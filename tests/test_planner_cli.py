@@ -131,5 +131,9 @@ def test_bad_option_values_are_rejected_by_argparse(capsys):
     with pytest.raises(SystemExit):
         run(SMALL + ["--gpus-per-node", "0"], capsys)
     assert "must be an integer >= 1" in capsys.readouterr().err
+    for value in ("inf", "nan", "-1"):
+        with pytest.raises(SystemExit):
+            run(SMALL + ["--hbm-gb", value], capsys)
+        assert "--hbm-gb" in (err := capsys.readouterr().err) and "is invalid: must be a finite number > 0" in err
     with pytest.raises(SystemExit):
         run(SMALL + ["--json", "--emit", "megatron"], capsys)

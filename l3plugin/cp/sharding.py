@@ -15,6 +15,7 @@ document attends to keys up to its own position. Pure torch, no communication.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,7 @@ def check_cu_seqlens(cu_seqlens, seq_len: int) -> torch.Tensor:
     if raw.dtype == torch.bool or raw.is_complex():
         raise ValueError(f"cu_seqlens must hold integer token offsets, got dtype {raw.dtype}")
     if raw.is_floating_point():
-        bad = [x for x in raw.tolist() if x != int(x)] if bool(raw.isfinite().all()) else raw.tolist()
+        bad = [x for x in raw.tolist() if not math.isfinite(x) or x != int(x)]
         if bad:  # converting would truncate 7.5 to 7 and move a document border without a word
             raise ValueError(f"cu_seqlens must hold integer token offsets, got {bad[0]} in "
                              f"{raw.tolist()[:16]}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from l3plugin.cli import positive_int
 
@@ -14,8 +15,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} is invalid: must be > 0")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{value} is invalid: must be a finite number > 0")
     return value
 
 

@@ -66,8 +66,9 @@ class PlanRequest:
         object.__setattr__(self, "model", load_model(self.model))
         for name in ("gpus", "seq_len", "global_batch_tokens", "gpus_per_node", "micro_batch_size"):
             _check_int(name.replace("_", "-"), getattr(self, name))
-        if isinstance(self.hbm_gb, bool) or not isinstance(self.hbm_gb, (int, float)) or not self.hbm_gb > 0:
-            raise ValueError(f"hbm-gb={self.hbm_gb!r} is invalid: must be a number > 0 (GiB per GPU)")
+        hbm = self.hbm_gb
+        if isinstance(hbm, bool) or not isinstance(hbm, (int, float)) or not math.isfinite(hbm) or not hbm > 0:
+            raise ValueError(f"hbm-gb={hbm!r} is invalid: must be a finite number > 0 (GiB per GPU)")
         n, node = self.gpus, self.gpus_per_node
         if n > node and n % node:
             raise ValueError(f"gpus={n} is not divisible by gpus-per-node={node}: beyond one node use "

@@ -101,6 +101,10 @@ def bad_input_messages():
         "shapes": lambda: all_gather_attention(q, torch.randn(6, 4, 8), torch.randn(6, 4, 8), [0, 16], group=group),
         "rank-2": lambda: all_gather_attention(q[0], q[0], q[0], [0, 16], group=group),
         "kernel": lambda: all_gather_attention(q, q, q, [0, 16], group=group, kernel="fast"),
+        "dtype": lambda: all_gather_attention(q, q.double(), q.double(), [0, 16], group=group),
+        "causal": lambda: all_gather_attention(q, q, q, [0, 16], group=group, causal="no"),
+        "cu-float": lambda: all_gather_attention(q, q, q, [0, 7.5, 16], group=group),
+        "wait-timeout": lambda: all_gather_attention(q, q, q, [0, 16], group=group, wait_timeout=0),
     }
     out = {}
     for name, call in calls.items():
@@ -122,6 +126,11 @@ def test_bad_input_names_the_problem(ranks):
     assert "mismatched shapes" in messages["shapes"]
     assert "must be [s_local, heads, head_dim]" in messages["rank-2"]
     assert "kernel='fast' is unknown" in messages["kernel"]
+    assert ("q, k, v must share one dtype; got q torch.float32, k torch.float64, v torch.float64: cast them"
+            in messages["dtype"])
+    assert "causal='no' is invalid: must be True or False" in messages["causal"]
+    assert "cu_seqlens must hold integer token offsets, got 7.5" in messages["cu-float"]
+    assert "wait_timeout=0 is invalid: must be a finite number of seconds > 0" in messages["wait-timeout"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU kernels need a CUDA GPU (none here)")

@@ -32,9 +32,11 @@ def test_paper_example_documents_3_3_8_2_cp2():
     assert r1c2.cu_seqlens_kv.tolist() == [0, 3, 6, 12] and r1c2.cu_seqlens_q.tolist() == [0, 0, 0, 4]
     # Rank 0: chunk 0 = tokens 0..3, chunk 3 = tokens 12..15.
     assert r0c0.cu_seqlens_kv.tolist() == [0, 3, 4] and r0c0.cu_seqlens_q.tolist() == [0, 3, 4]
+    assert (r0c0.max_seqlen_q, r0c0.max_seqlen_kv) == (3, 3)  # the first document is the longest here
     assert r0c3.cu_seqlens_kv.tolist() == [0, 3, 6, 14, 16]
     assert r0c3.cu_seqlens_q.tolist() == [0, 0, 0, 2, 4]
     assert r0c3.cu_seqlens_q.dtype == torch.int32
+    assert (r0c3.max_seqlen_q, r0c3.max_seqlen_kv) == (2, 8)  # the last K/V document (2) is not the longest
     # Non-causal: K/V are the whole sequence, Q lengths have trailing zeros too.
     nc = document_metadata(cu, 16, 2, 1, causal=False)[0]
     assert nc.kv_len == 16 and nc.cu_seqlens_q.tolist() == [0, 0, 2, 4, 4]
@@ -51,7 +53,37 @@ def test_shard_batch_and_position_ids():
     assert local["cu_seqlens"] is cu
 
 
+@pytest.mark.parametrize("cu", [[0, 5, 6, 7, 16], [0, 1, 2, 11, 12, 16], [0, 16], [0, 2, 4, 6, 8, 10, 12, 14, 16]])
+def test_max_seqlens_are_the_maxima_over_documents(cu):
+    """GPU varlen kernels size their work by max_seqlen_*: it must be the longest document's length in
+    the chunk, wherever that document is (these layouts put it first, in the middle and alone)."""
+    for rank in range(2):
+        for causal in (True, False):
+            for meta in document_metadata(torch.tensor(cu), 16, 2, rank, causal=causal):
+                q_lens, kv_lens = torch.diff(meta.cu_seqlens_q), torch.diff(meta.cu_seqlens_kv)
+                assert meta.max_seqlen_q == int(q_lens.max()), (rank, causal, meta)
+                assert meta.max_seqlen_kv == int(kv_lens.max()), (rank, causal, meta)
+    first = document_metadata(torch.tensor([0, 5, 6, 7, 16]), 16, 2, 1)[0]  # tokens 4..7: q lengths 1, 1, 1, 1
+    assert (first.max_seqlen_q, first.max_seqlen_kv) == (1, 5)  # K/V [0, 8): lengths 5, 1, 1, 1
+
+
+def test_shard_batch_refuses_a_shorter_sequence_tensor():
+    batch = {"tokens": torch.arange(32).view(2, 16), "labels": torch.arange(30).view(2, 15),
+             "attention_mask": torch.ones(2, 1, 16, 16, dtype=torch.bool)}
+    with pytest.raises(ValueError, match=r"batch\['labels'\] has length 15 along seq_dim=1 but "
+                                         r"batch\['tokens'\] has 16: every sequence tensor must have the full"):
+        shard_batch(batch, 2, 0)
+    del batch["labels"]  # a size-1 broadcast dimension is not a sequence: passed through
+    assert shard_batch(batch, 2, 0)["attention_mask"] is batch["attention_mask"]
+
+
 @pytest.mark.parametrize("call,message", [
+    (lambda: document_metadata([0, 7.5, 16], 16, 2, 0), r"cu_seqlens must hold integer token offsets, got 7\.5"),
+    (lambda: document_metadata(torch.tensor([0.0, 7.5, 16.0]), 16, 2, 0), r"integer token offsets, got 7\.5"),
+    (lambda: document_metadata([0, float("nan"), 16], 16, 2, 0), r"integer token offsets, got nan"),
+    (lambda: document_metadata(torch.tensor([False, True]), 16, 2, 0), r"integer token offsets, got dtype torch\.bool"),
+    (lambda: document_metadata([0, 8, 16], 16, 2, 0, causal="no"), r"causal='no' is invalid: must be True or False"),
+    (lambda: document_metadata([0, 8, 16], 16, 2, 0, causal=1), r"causal=1 is invalid: must be True or False"),
     (lambda: shard_indices(18, 2, 0), "seq_len=18 is not divisible by 2\\*cp_size = 4"),
     (lambda: shard_indices(16, 2, 2), "cp_rank=2 is out of range: must be in 0..1"),
     (lambda: local_chunks(16, 0, 0), "cp_size=0 is out of range"),
