@@ -176,7 +176,7 @@ def run_with_sync_hooks(p, v, m, k):
     return record
 
 
-@pytest.mark.parametrize("p,v,m,k", [(2, 2, 7, 3), (4, 2, 6, 2)], ids=["k>p", "k<p"])
+@pytest.mark.parametrize("p,v,m,k", [(2, 2, 7, 3), (4, 2, 6, 2), (2, 2, 3, 1)], ids=["k>p", "k<p", "k=1"])
 def test_grad_sync_hooks_fire_at_chunk_and_round_ends(ranks, p, v, m, k):
     results = ranks.run(p, run_with_sync_hooks, p, v, m, k, timeout=120)
     batches = toy.make_microbatches(m, SEQ, MBS, HIDDEN)
@@ -190,6 +190,8 @@ def test_grad_sync_hooks_fire_at_chunk_and_round_ends(ranks, p, v, m, k):
         # round hook: every (chunk, round) once; the chunk's gradients then hold exactly the
         # microbatches of rounds 0..j (bitwise equal to a serial prefix).
         assert sorted((c, j) for c, j, _, _ in rec["rounds"]) == [(c, j) for c in range(v) for j in range(num_rounds)]
+        for c in range(v):  # and each chunk's rounds in order (k = 1: every microbatch opens a round)
+            assert [j for c2, j, _, _ in rec["rounds"] if c2 == c] == list(range(num_rounds)), c
         for c, j, is_last, grads in rec["rounds"]:
             assert is_last == (j == num_rounds - 1)
             _, ref = toy.serial_reference(batches[: min(m, (j + 1) * k)], num_layers=2 * p * v,
