@@ -18,21 +18,24 @@ DeepSpeed behaves exactly as stock. Options under ``"l3plugin"`` (see ``OPTIONS`
 DeepSpeed has no plug-in registry, so ``install`` wraps these engine methods, each falling through to the
 stock one unless the key is on: ``_do_sanity_check`` (validate the config first),
 ``_do_optimizer_sanity_check`` (route to ZeRO), ``_configure_zero_optimizer`` (build ours),
-``_load_zero_checkpoint`` (read every rank's partition: resume on another DP size),
+``_load_zero_checkpoint`` (read every rank's partition, ours or stock DeepSpeed's: resume on another DP
+size; or a universal checkpoint with ``checkpoint.load_universal``),
 ``zero_optimization_stage`` + ``PipelineEngine.__init__`` (PipelineEngine refuses stage 2 for DeepSpeed's
 optimizer; ours supports it), ``PipelineEngine._exec_reduce_tied_grads`` (tied weights' gradients live in
 our fp32 buckets, not in ``weight.grad``) and ``PipelineEngine._exec_backward_pass`` (end-of-backward
 reductions), both also in the schedule's instruction table.
 Engine-side details: ``zero/deepspeed_engine.py``. ``uninstall()`` restores everything.
 
-Fine-tuning without l3plugin: checkpoints use DeepSpeed's ZeRO-1/2 layout for the fp32 weights, so
-``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(dir)`` gives a plain fp32 state dict;
-``export_fp32_state_dict(engine)`` gives the same from a live engine.
+Checkpoints are stock ZeRO-1/2 checkpoints: a stock engine (same config without the key) resumes them with
+optimizer state; ``zero_to_fp32`` and ``ds_to_universal --inject_missing_state`` read them; our engine
+resumes stock ones (any DP size) and universal ones. ``export_fp32_state_dict(engine)`` gives the plain fp32
+state dict from a live engine.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 KEY = "l3plugin"
 # option -> (accepted types, default, help)
@@ -48,7 +51,7 @@ OPTIONS = {
 }
 SUPPORTED = ('Supported with "l3plugin": {"fp32_reduce_zero": true}: "bf16": {"enabled": true}, '
              '"zero_optimization": {"stage": 1 or 2} without offload, an optimizer, no fp16, no MoE, '
-             'no torch_autocast, no universal checkpoint; DeepSpeedEngine and PipelineEngine; gradient '
+             'no torch_autocast; DeepSpeedEngine and PipelineEngine; gradient '
              'accumulation and communication dtypes are chosen with "l3plugin": {"accumulate_dtype", "reduce_dtype"}; '
              'ZeRO-2 reduces every "reduce_every" micro-batches; zero_optimization.overlap_comm false makes '
              'every collective blocking')
@@ -124,9 +127,6 @@ def check_supported(engine) -> None:
     elif every is not None and every > engine.gradient_accumulation_steps():
         problems.append(f'"{KEY}.reduce_every" is {every}; valid range is 1..gradient_accumulation_steps '
                         f"({engine.gradient_accumulation_steps()})")
-    if engine.load_universal_checkpoint():
-        problems.append("checkpoint.load_universal is set; not needed: l3plugin checkpoints re-shard to any "
-                        "data-parallel size by themselves")
     if problems:
         raise ValueError("l3plugin FP32-reducing ZeRO cannot run this config: " + "; ".join(problems)
                          + ". " + SUPPORTED)
@@ -205,9 +205,13 @@ def install() -> None:
 
     @deco
     def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
-        if not _ours(self) or self.load_universal_checkpoint():
+        if not _ours(self):
             return load_zero(self, load_dir, tag, load_optimizer_states)
-        # Every rank's partition, for the DP size that saved them (it may differ from ours).
+        if self.load_universal_checkpoint():
+            self.optimizer.load_universal(os.path.join(load_dir, tag), load_optimizer_states)
+            return True
+        # Every rank's partition (ours or stock DeepSpeed's), for the DP size that saved them (it may differ
+        # from ours).
         names = self._get_all_zero_checkpoint_names(load_dir, tag, self.bfloat16_enabled())
         self.optimizer.load_partitions(names, load_optimizer_states)
         return True

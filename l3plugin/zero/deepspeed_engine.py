@@ -18,8 +18,11 @@ optimizer or BF16_Optimizer. What the engines call, and what we do:
   then ``_exec_reduce_grads`` reduce-scatters whatever is left, for stage 1 and stage 2.
 - ``step`` -> clip on the global fp32 norm, torch optimizer step on the fp32 shards, bf16 all-gather
   (bucketed; the next bucket's all-gather runs while the previous one is copied into the parameters).
-- checkpoints: ``state_dict`` is the canonical layout of ``l3plugin.zero.checkpoint`` (DeepSpeed's
-  ``zero_to_fp32`` reads it); ``load_partitions`` re-shards from any data-parallel size.
+- checkpoints: ``state_dict`` is what DeepSpeed's own ZeRO-1/2 optimizer writes (layout and keys in
+  ``l3plugin.zero.checkpoint``, plus DeepSpeed's ``ds_version``, ``LossScaler``, ``ZeroStageEnum`` and
+  ``fragment_address`` objects), so a stock engine resumes it and ``zero_to_fp32`` / ``ds_to_universal``
+  read it; ``load_partitions`` reads ours or stock's from any data-parallel size; ``load_universal`` reads a
+  universal checkpoint folder.
 - accessors: every trainable parameter gets ``_hp_mapping`` and the ``get_full_hp_param`` /
   ``set_full_hp_param`` / ``get_full_hp_grad`` / ``set_full_hp_grad`` methods that
   ``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` / ``safe_get_full_grad``
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import types
 import weakref
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -195,7 +199,25 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
         self.zero.all_gather_params()
 
     def state_dict(self):
-        return self.zero.state_dict()
+        """The partition file content stock ``DeepSpeedZeroOptimizer.state_dict`` writes (rigid form)."""
+        from deepspeed.git_version_info import version
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        sd = self.zero.state_dict()
+        sd["zero_stage"] = ZeroStageEnum(sd["zero_stage"])
+        sd["param_slice_mappings"] = [
+            OrderedDict((name, fragment_address(numel=m["numel"], start=m["start"])) for name, m in group.items())
+            for group in sd["param_slice_mappings"]]
+        return {"loss_scaler": LossScaler(scale=1.0), "dynamic_loss_scale": False, "overflow": bool(self.overflow),
+                "clip_grad": float(self.zero.settings.clip_grad), **sd, "ds_version": version}
+
+    def load_universal(self, folder, load_optimizer_states=True):
+        """Load a DeepSpeed universal checkpoint (the tag folder written by ``ds_to_universal``)."""
+        from l3plugin.zero.checkpoint import load_universal
+
+        load_universal(self.zero, folder, load_optimizer_states)
 
     def load_partitions(self, sources, load_optimizer_states=True):
         """Load the partitions saved by every data-parallel rank (paths or dicts), any DP size."""

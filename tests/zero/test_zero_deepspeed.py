@@ -225,7 +225,6 @@ BAD = [
     ({"stage": 1}, {**ON, "bucket_size": 10}, "unknown option(s) ['bucket_size']"),
     ({"stage": 1}, {**ON, "reduce_dtype": "fp16"}, 'must be "fp32" or "bf16"'),
     ({"stage": 1}, True, "must be an object"),
-    ({"stage": 1, "checkpoint": {"load_universal": True}}, ON, "re-shard to any data-parallel size"),
 ]
 
 

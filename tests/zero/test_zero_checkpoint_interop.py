@@ -1,0 +1,231 @@
+"""Checkpoints cross between l3plugin and upstream tools, each read by the UPSTREAM tool as the client:
+
+- ours -> a stock DeepSpeed engine (same config without the "l3plugin" key) resumes them with optimizer state;
+- stock DeepSpeed's -> our engine, on 1, 2 and 4 data-parallel ranks;
+- ours -> DeepSpeed's ds_to_universal (run as a script) -> our engine and a stock engine (load_universal);
+- ours -> DeepSpeed's standalone zero_to_fp32.py script;
+- a truncated or foreign file is a clear error naming it (files are read with weights_only=True).
+
+Equality is checked through DeepSpeed's public accessors (safe_get_full_fp32_param /
+safe_get_full_optimizer_state), bit for bit.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_models import ds_config, engine_for, train
+
+ON = {"fp32_reduce_zero": True}
+TIMEOUT = 180
+
+
+def _config(stage, plugin, **extra):
+    return ds_config(stage, plugin=plugin, scheduler=True, clip=1.0, **extra)
+
+
+def _snapshot(engine, stock=False):
+    """{name: [fp32 master, exp_avg, exp_avg_sq]} through DeepSpeed's accessors, plus counters."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if stock and not engine.optimizer._hp_optimizer_states_linked:
+        # A stock engine links its optimizer-state fragments lazily (at its first step); do it now so the
+        # accessors read the loaded state.
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
+    out = {}
+    for name, p in engine.module.named_parameters():
+        states = [safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")]
+        out[name] = [safe_get_full_fp32_param(p).clone()] + [None if s is None else s.clone() for s in states]
+        out[name].append(p.detach().clone())
+    step = None
+    for state in engine.optimizer.optimizer.state.values():
+        if "step" in state:
+            step = float(state["step"])
+    return {"params": out, "lr": engine.get_lr(), "global_steps": engine.global_steps, "adam_step": step,
+            "optimizer": type(engine.optimizer).__name__}
+
+
+def _same(a, b):
+    bad = [n for n in a["params"] if len(a["params"][n]) != len(b["params"].get(n, []))
+           or not all(x is not None and y is not None and torch.equal(x, y)
+                      for x, y in zip(a["params"][n], b["params"][n]))]
+    return bad
+
+
+def _stock():
+    import l3plugin.deepspeed as l3ds
+
+    class Stock:
+        def __enter__(self):
+            l3ds.uninstall()
+
+        def __exit__(self, *exc):
+            l3ds.install()
+    return Stock()
+
+
+def save_leg(stage, save_dir, ours, steps=2):
+    """Train ``steps`` optimizer steps with our engine (ours=True) or stock DeepSpeed, save, snapshot."""
+    if ours:
+        engine = engine_for(_config(stage, ON))
+        train(engine, steps)
+        engine.save_checkpoint(save_dir, tag="t")
+        return _snapshot(engine)
+    with _stock():
+        engine = engine_for(_config(stage, None))
+        train(engine, steps)
+        engine.save_checkpoint(save_dir, tag="t")
+        return _snapshot(engine, stock=True)
+
+
+def load_leg(stage, load_dir, ours, tag="t", universal=False, then_train=1):
+    """Build a fresh engine (other seed), load, snapshot; train ``then_train`` more steps; snapshot."""
+    extra = {"checkpoint": {"load_universal": True}} if universal else {}
+    if ours:
+        engine = engine_for(_config(stage, ON, **extra), seed=7)
+        path, _ = engine.load_checkpoint(load_dir, tag=tag)
+        loaded = _snapshot(engine)
+        train(engine, then_train, first_step=2)
+        return {"path": path, "loaded": loaded, "after": _snapshot(engine)}
+    with _stock():
+        engine = engine_for(_config(stage, None, **extra), seed=7)
+        path, _ = engine.load_checkpoint(load_dir, tag=tag)
+        loaded = _snapshot(engine, stock=True)
+        train(engine, then_train, first_step=2)
+        return {"path": path, "loaded": loaded, "after": _snapshot(engine, stock=True)}
+
+
+def load_error(stage, load_dir):
+    try:
+        engine_for(_config(stage, ON), seed=7).load_checkpoint(load_dir, tag="t")
+    except Exception as exc:  # noqa: BLE001 - the message is what we check
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _assert_resumed(saved, legs, expect_optimizer):
+    for leg in legs:
+        assert leg["path"] is not None
+        loaded = leg["loaded"]
+        assert loaded["optimizer"] == expect_optimizer
+        assert _same(saved, loaded) == [], "fp32 master / Adam moments / bf16 weights differ after loading"
+        assert loaded["lr"] == saved["lr"] and loaded["global_steps"] == saved["global_steps"] == 2
+        assert loaded["adam_step"] == saved["adam_step"] == 2.0
+        after = leg["after"]
+        assert after["global_steps"] == 3 and after["adam_step"] == 3.0
+        assert after["lr"] != saved["lr"]  # WarmupLR goes on from step 2
+        assert _same(loaded, after) != []  # and the weights moved
+
+
+# -- ours -> stock ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stock_engine_resumes_our_checkpoint(ranks, tmp_path, stage):
+    saved = ranks.run(2, save_leg, stage, str(tmp_path), True, timeout=TIMEOUT)[0]
+    assert saved["optimizer"] == "DeepSpeedFP32ReduceZero"
+    stock = ranks.run(2, load_leg, stage, str(tmp_path), False, timeout=TIMEOUT)
+    _assert_resumed(saved, stock, "DeepSpeedZeroOptimizer")
+    # The stock continuation and ours agree (not bit-exact: stock reduces in bf16).
+    ours = ranks.run(2, load_leg, stage, str(tmp_path), True, timeout=TIMEOUT)[0]
+    assert ours["after"]["lr"] == stock[0]["after"]["lr"]
+    for name, (fp32, *_rest) in ours["after"]["params"].items():
+        other = stock[0]["after"]["params"][name][0]
+        assert torch.allclose(fp32, other, rtol=0, atol=2e-3), name
+
+
+# -- stock -> ours, any DP size -----------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [1, 2])
+def test_our_engine_resumes_stock_checkpoint_on_any_dp_size(ranks, tmp_path, stage):
+    saved = ranks.run(2, save_leg, stage, str(tmp_path), False, timeout=TIMEOUT)[0]
+    assert saved["optimizer"] == "DeepSpeedZeroOptimizer"
+    for world in (1, 2, 4) if stage == 2 else (2,):
+        legs = ranks.run(world, load_leg, stage, str(tmp_path), True, timeout=TIMEOUT)
+        _assert_resumed(saved, legs, "DeepSpeedFP32ReduceZero")
+
+
+# -- universal ------------------------------------------------------------------------------------------------
+def _ds_to_universal(folder):
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", os.path.join(folder, "t"),
+           "--output_folder", os.path.join(folder, "t_universal"), "--inject_missing_state",
+           "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return os.path.join(folder, "t_universal")
+
+
+def test_universal_checkpoint_from_ours_loads_in_ours_and_stock(ranks, tmp_path):
+    saved = ranks.run(2, save_leg, 2, str(tmp_path), True, timeout=TIMEOUT)[0]
+    universal = _ds_to_universal(str(tmp_path))
+    assert os.path.isfile(os.path.join(universal, "zero", "2.weight", "exp_avg.pt"))
+    for world in (4, 1):  # changing the DP size is what universal checkpoints are for
+        legs = ranks.run(world, load_leg, 2, str(tmp_path), True, "t_universal", True, timeout=TIMEOUT)
+        _assert_resumed(saved, legs, "DeepSpeedFP32ReduceZero")
+    stock = ranks.run(2, load_leg, 2, str(tmp_path), False, "t_universal", True, timeout=TIMEOUT)
+    _assert_resumed(saved, stock, "DeepSpeedZeroOptimizer")
+
+
+def test_universal_checkpoint_from_stock_loads_in_ours(ranks, tmp_path):
+    saved = ranks.run(2, save_leg, 1, str(tmp_path), False, timeout=TIMEOUT)[0]
+    _ds_to_universal(str(tmp_path))
+    legs = ranks.run(4, load_leg, 1, str(tmp_path), True, "t_universal", True, timeout=TIMEOUT)
+    _assert_resumed(saved, legs, "DeepSpeedFP32ReduceZero")
+
+
+# -- zero_to_fp32.py, the standalone script ----------------------------------------------------------------
+def export_leg(stage, save_dir):
+    import l3plugin.deepspeed as l3ds
+
+    engine = engine_for(_config(stage, ON))
+    train(engine, 2)
+    engine.save_checkpoint(save_dir, tag="t")
+    return l3ds.export_fp32_state_dict(engine)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_standalone_zero_to_fp32_script_reads_ours(ranks, tmp_path, stage):
+    exported = ranks.run(2, export_leg, stage, str(tmp_path), timeout=TIMEOUT)[0]
+    script = tmp_path / "zero_to_fp32.py"  # copied there by DeepSpeed's save_checkpoint
+    assert script.is_file()
+    if importlib.util.find_spec("huggingface_hub") is not None:  # the script's CLI needs it (shard splitting)
+        cmd = [sys.executable, str(script), str(tmp_path), str(tmp_path / "out"), "--tag", "t"]
+    else:  # the same file's converter, unsharded (max_shard_size=None needs no huggingface_hub)
+        cmd = [sys.executable, "-c", "import runpy, sys; ns = runpy.run_path(sys.argv[1]); "
+               "ns['convert_zero_checkpoint_to_fp32_state_dict'](sys.argv[2], sys.argv[3], tag='t', "
+               "max_shard_size=None)", str(script), str(tmp_path), str(tmp_path / "out")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rebuilt = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    assert set(rebuilt) == set(exported)
+    assert all(torch.equal(rebuilt[k], exported[k]) for k in exported)
+
+
+# -- bad files ------------------------------------------------------------------------------------------------
+def test_truncated_partition_is_a_clear_error(ranks, tmp_path):
+    ranks.run(2, save_leg, 2, str(tmp_path), True, timeout=TIMEOUT)
+    victim = tmp_path / "t" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = victim.read_bytes()
+    victim.write_bytes(data[:len(data) // 2])
+    message = ranks.run(2, load_error, 2, str(tmp_path), timeout=TIMEOUT)[0]
+    assert message is not None and str(victim) in message and "truncated" in message, message
+
+
+def test_foreign_and_unsafe_files_are_clear_errors(tmp_path):
+    import datetime
+
+    from l3plugin.zero.checkpoint import load_file, load_sharded_state_dict
+
+    unsafe = tmp_path / "unsafe.pt"
+    torch.save({"when": datetime.date(2024, 1, 1)}, unsafe)  # a pickled global not on the allow-list
+    with pytest.raises(ValueError, match="unsafe.pt.*datetime"):
+        load_file(unsafe)
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"model": {"w": torch.zeros(2)}}, foreign)
+    with pytest.raises(ValueError, match="foreign.pt is not a ZeRO-1/2 optimizer partition"):
+        load_sharded_state_dict(object(), [foreign])
+    with pytest.raises(FileNotFoundError, match="missing.pt"):
+        load_file(tmp_path / "missing.pt")
