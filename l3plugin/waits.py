@@ -7,12 +7,9 @@ raise ``CommTimeout`` naming this rank, the peer or group and the operation.
 The bound is ``timeout`` seconds when a caller passes one, else the environment variable
 ``L3PLUGIN_WAIT_TIMEOUT`` (seconds; for torchrun jobs that cannot change code), else ``DEFAULT_TIMEOUT``.
 
-How each kind of work can be waited with a bound (checked on torch 2.13):
-- gloo P2P (isend/irecv): ``Work.wait(timeout)`` honours the timeout (``is_completed()`` never turns true).
-- gloo collectives: ``Work.wait`` ignores its timeout, but all-reduce and all-gather works report
-  ``is_completed()``, so we poll until the deadline. (gloo's reduce-scatter never reports completion:
-  callers all-reduce instead on gloo.)
-- NCCL and other device backends: ``Work.wait(timeout)`` honours the timeout.
+How work is waited: ``Work.wait(timeout)``, which honours the timeout for gloo P2P (isend/irecv), gloo
+all-reduce and all-gather, and NCCL (checked on torch 2.13). Not for gloo's reduce-scatter, whose work
+ignores the timeout and never reports completion: on gloo, callers all-reduce instead.
 """
 
 from __future__ import annotations
@@ -63,16 +60,7 @@ def wait_work(work, *, p2p: bool, device_type: str, timeout: float, what: str) -
     """
     start = time.monotonic()
     try:
-        if p2p or device_type != "cpu":
-            work.wait(datetime.timedelta(seconds=timeout))
-        else:
-            deadline, pause = start + timeout, 1e-5
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                time.sleep(pause)
-                pause = min(2 * pause, 2e-3)  # short waits stay cheap, long ones do not spin
-            work.wait()  # re-raises the backend's error, if any
+        work.wait(datetime.timedelta(seconds=timeout))
     except Exception as exc:  # noqa: BLE001 - every failure becomes one rank-named error
         elapsed = time.monotonic() - start
         me = f"rank {dist.get_rank()}: {what}"

@@ -1,9 +1,9 @@
 """The collectives of the FP32-reducing ZeRO optimizer: started asynchronously, waited with a bound.
 
-Every collective is started with ``async_op=True`` and returns an ``InFlight``; ``wait`` gives its output.
-The blocking helpers are start + wait. Waits are bounded (``timeout`` seconds) and a collective that does
-not finish raises ``CollectiveTimeout`` naming this rank, the group, the operation and what it carried,
-instead of blocking until the process group's own timeout (30 minutes by default).
+Every collective is started with ``async_op=True`` and returns an ``InFlight``; ``wait`` gives its result.
+The blocking helpers are start + wait. Waits are bounded (``l3plugin.waits``): a collective that does not
+finish raises ``CommTimeout`` naming this rank, the group, the operation and what it carried, instead of
+blocking until the process group's own timeout (30 minutes by default).
 
 All calls look ``torch.distributed`` functions up at call time, so ``l3plugin.debug.record_collectives``
 (which patches them) sees every call. Devices come from the tensors; nothing here assumes CUDA.
@@ -11,25 +11,16 @@ All calls look ``torch.distributed`` functions up at call time, so ``l3plugin.de
 
 from __future__ import annotations
 
-import datetime
-import time
-
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT = 600.0  # seconds; well under the process groups' 30-minute default
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective did not finish in time, or failed (a peer died): says which rank, group and operation."""
+from l3plugin.waits import DEFAULT_TIMEOUT, group_ranks, wait_work
 
 
 def _describe(op: str, tensor: torch.Tensor, group, what: str) -> str:
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    size = tensor.numel() * tensor.element_size()
     label = f" ({what})" if what else ""
-    return (f"rank {dist.get_rank()} (group ranks {ranks}): {op}{label} of {tensor.numel()} "
-            f"{str(tensor.dtype).replace('torch.', '')} elements ({size / 2**20:.1f} MiB)")
+    return (f"{op}{label} of {tensor.numel()} {str(tensor.dtype).replace('torch.', '')} elements "
+            f"({tensor.numel() * tensor.element_size() / 2**20:.1f} MiB) in group ranks {group_ranks(group)}")
 
 
 class InFlight:
@@ -41,23 +32,8 @@ class InFlight:
 
     def wait(self, timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
         if self.work is not None:
-            try:
-                if self.source.device.type == "cpu":
-                    # gloo ignores Work.wait's timeout: poll until the deadline instead.
-                    deadline, pause = time.monotonic() + timeout, 1e-5
-                    while not self.work.is_completed():
-                        if time.monotonic() > deadline:
-                            raise CollectiveTimeout(f"{self.description} did not finish within {timeout:g} s: a "
-                                                    "peer rank stopped, died or issued collectives in another order")
-                        time.sleep(pause)
-                        pause = min(2 * pause, 2e-3)
-                    self.work.wait()  # re-raises the backend's error, if any
-                else:  # NCCL and others honour the timeout (and wait without blocking the host)
-                    self.work.wait(datetime.timedelta(seconds=timeout))
-            except CollectiveTimeout:
-                raise
-            except Exception as exc:
-                raise CollectiveTimeout(f"{self.description} failed: {exc}") from exc
+            wait_work(self.work, p2p=False, device_type=self.source.device.type, timeout=timeout,
+                      what=self.description)
             self.work = None
         if callable(self._result):
             self._result = self._result()
@@ -67,8 +43,8 @@ class InFlight:
 
 def _reduce_scatter_by_all_reduce(group) -> bool:
     """gloo's reduce-scatter sends as much as its all-reduce, takes about twice as long (25M fp32 elements, 2
-    ranks: 188 ms vs 93 ms) and its asynchronous work never reports completion (so it cannot be waited with
-    a bound): on gloo the bucket is all-reduced in place and this rank keeps its slice."""
+    ranks: 188 ms vs 93 ms) and its asynchronous work ignores wait timeouts and never reports completion:
+    on gloo the bucket is all-reduced in place and this rank keeps its slice."""
     return dist.get_backend(group) == "gloo"
 
 

@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from l3plugin.zero import comm
+from l3plugin.waits import resolve_timeout
 from l3plugin.zero.buffers import GradBucket, GradBufferMemory, ParamSlot, plan_buckets
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -77,7 +78,8 @@ class ZeroSettings:
     clip_grad: float = 0.0  # max global L2 norm of the fp32 gradient; 0 = no clipping
     gradient_scale: float | None = None  # multiplies the summed gradient; None = 1 / group size (average)
     overlap: bool = True  # start reduce-scatters as soon as a bucket is final and wait late; False: blocking
-    wait_timeout: float = comm.DEFAULT_TIMEOUT  # seconds a collective may take before a rank-named error
+    wait_timeout: float | None = None  # seconds a collective may take before a rank-named error;
+    # None: $L3PLUGIN_WAIT_TIMEOUT or 600 (l3plugin.waits)
 
     def __post_init__(self):
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
@@ -99,8 +101,8 @@ class ZeroSettings:
             raise ValueError(f"clip_grad={self.clip_grad!r} must be a finite number >= 0 (0 disables clipping)")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r} must be True or False")
-        if not (isinstance(self.wait_timeout, (int, float)) and 0 < self.wait_timeout < math.inf):
-            raise ValueError(f"wait_timeout={self.wait_timeout!r} must be a finite number of seconds > 0")
+        if self.wait_timeout is not None:
+            resolve_timeout(self.wait_timeout, "wait_timeout")
 
 
 class FP32ReduceZero:
@@ -121,6 +123,7 @@ class FP32ReduceZero:
         elif setting_kwargs:
             raise TypeError("pass either settings= or keyword settings, not both")
         self.settings = settings
+        self.wait_timeout = resolve_timeout(settings.wait_timeout)
         self.optimizer = optimizer
         self.group = group if group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
@@ -237,7 +240,7 @@ class FP32ReduceZero:
     @torch.no_grad()
     def _complete(self, bucket: GradBucket) -> None:
         flight, bucket.in_flight = bucket.in_flight, None
-        shard = self.memory.alloc(flight.wait(self.settings.wait_timeout).to(self.settings.accumulate_dtype))
+        shard = self.memory.alloc(flight.wait(self.wait_timeout).to(self.settings.accumulate_dtype))
         bucket.free_full()  # the shard existed next to the full buffer: counted in the peak above
         scale = self.settings.gradient_scale
         shard.mul_(1.0 / self.world_size if scale is None else scale)
@@ -295,13 +298,13 @@ class FP32ReduceZero:
         if bucket.in_flight is not None:
             self._complete(bucket)
         if bucket.shard_grad is None:
-            comm.all_reduce_sum(bucket.param_view(slot), group, self.settings.wait_timeout)
+            comm.all_reduce_sum(bucket.param_view(slot), group, self.wait_timeout)
             return
         if bucket.full is not None:
             raise RuntimeError("gradient of a tied/replicated parameter is partly reduce-scattered: call "
                                "all_reduce_param_grad before the first or after the last reduce-scatter")
         full = self.full_grad(param)
-        comm.all_reduce_sum(full, group, self.settings.wait_timeout)
+        comm.all_reduce_sum(full, group, self.wait_timeout)
         self.set_full_grad(param, full)
 
     @property
@@ -328,9 +331,9 @@ class FP32ReduceZero:
             g = g.float()
             for s, e in [(0, g.numel())] if keep is None else keep:
                 total += g[s:e].pow(2).sum()
-        comm.all_reduce_sum(total, self.group, self.settings.wait_timeout, "gradient norm")
+        comm.all_reduce_sum(total, self.group, self.wait_timeout, "gradient norm")
         if self.norm_group is not None:
-            comm.all_reduce_sum(total, self.norm_group, self.settings.wait_timeout, "gradient norm")
+            comm.all_reduce_sum(total, self.norm_group, self.wait_timeout, "gradient norm")
         return total.sqrt()
 
     @torch.no_grad()
@@ -382,7 +385,7 @@ class FP32ReduceZero:
         for i, bucket in enumerate(self.buckets):
             flight = ahead if ahead is not None else start(bucket)
             ahead = start(self.buckets[i + 1]) if self.settings.overlap and i + 1 < len(self.buckets) else None
-            full = flight.wait(self.settings.wait_timeout)
+            full = flight.wait(self.wait_timeout)
             for slot, p in zip(bucket.spec.slots, bucket.params):
                 p.copy_(full[slot.offset:slot.offset + slot.numel].view_as(p))
 
@@ -408,7 +411,7 @@ class FP32ReduceZero:
         s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if s < e:
             out[s - slot.offset:e - slot.offset] = shard[s - lo:e - lo]
-        comm.all_reduce_sum(out, self.group, self.settings.wait_timeout)  # each element is non-zero on exactly one rank
+        comm.all_reduce_sum(out, self.group, self.wait_timeout)  # each element is non-zero on exactly one rank
         return out.view(slot.shape)
 
     def _local_part(self, param, shard: torch.Tensor, value: torch.Tensor) -> None:
