@@ -160,6 +160,34 @@ def _check_layout(trace: TraceSet, clf: _Classifier):
                     f"used another rank order (Megatron's default is tp-cp-ep-dp-pp) or other sizes")
 
 
+def _check_groups_fit(matched, clf: _Classifier):
+    """Refuse a mesh under which the traces' collective groups are not mesh groups.
+
+    Under the right sizes every collective runs on a whole group of the mesh (TP, CP, CP x DP, ...). A
+    group that is only part of the mesh group spanning its members means the sizes are wrong (e.g.
+    --tp 2 --cp 4 for a tp=4 x cp=2 job makes each TP group of 4 look like half a TP x CP group of 8).
+    Only groups within one pipeline (varying PP alone, e.g. Megatron's embedding group of the first and
+    last stage) are legitimately partial.
+    """
+    for by_rank in matched:
+        event = next(iter(by_rank.values()))
+        if event.is_p2p:
+            continue
+        ranks = sorted(by_rank)
+        varying = clf.varying(ranks)
+        if not varying or varying == ["pp"]:
+            continue
+        label = "-".join(varying)
+        enclosing = list(clf.mesh_group(label, ranks[0]))
+        if ranks != enclosing:
+            m = clf.mesh
+            raise ValueError(
+                f"the traces' {event.op} group {ranks} is not a group of the mesh tp={m.tp} cp={m.cp} pp={m.pp} "
+                f"dp={m.dp} in the order [TP, CP, PP, DP] (its members differ in {label.upper()}, whose group "
+                f"there is {enclosing}): the mesh sizes do not match the job; pass the --tp/--cp/--pp/--dp "
+                f"the job used")
+
+
 def analyze_traces(trace: TraceSet, mesh: MeshShape) -> SlowRankReport:
     if mesh.world_size != trace.world_size:
         raise ValueError(f"mesh tp*cp*pp*dp = {mesh.world_size} but the traces come from {trace.world_size} ranks")
@@ -169,6 +197,7 @@ def analyze_traces(trace: TraceSet, mesh: MeshShape) -> SlowRankReport:
     if not matched:
         raise ValueError("no call was seen by all of its members: nothing to analyse "
                          "(do the traces cover the same steps?)")
+    _check_groups_fit(matched, clf)
     calls = [_call_waits(by_rank, clf) for by_rank in matched]
     warnings = list(trace.warnings)
     if incomplete:

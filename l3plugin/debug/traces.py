@@ -132,6 +132,24 @@ def _int_list(obj, key, where) -> list[int]:
     return value
 
 
+def _text_lines(path: str) -> list[str]:
+    """The lines of a text trace (newlines kept), or a ValueError naming the file (and line) that is not."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:  # e.g. a directory named rank0.jsonl, or no permission
+        raise ValueError(f"{path}: cannot read the trace ({exc.strerror or exc})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        lineno = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path}:{lineno}: byte {exc.start} is not UTF-8 text: a binary or corrupted file, "
+                         f"not a record_collectives trace") from None
+    lines = text.split("\n")  # records end with "\n" only (str.splitlines would also cut at \r, \x1c, ...)
+    tail = lines.pop()
+    return [line + "\n" for line in lines] + ([tail] if tail else [])
+
+
 def read_recorder_trace(path: str, expected_rank: int | None = None):
     """Parse one ``rank{R}.jsonl``: returns (metadata dict, [CommEvent], notes).
 
@@ -140,50 +158,49 @@ def read_recorder_trace(path: str, expected_rank: int | None = None):
     """
     meta, events, end, dropped = None, [], None, 0
     seen = set()
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            where = f"{path}:{lineno}"
-            if end is not None:
-                raise ValueError(f"{where}: data after the end record; the file was appended to or corrupted")
-            if not line.endswith("\n"):
-                raise ValueError(f"{where}: last line is cut off (no newline): the trace is truncated")
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not valid JSON ({exc.msg}); the file is truncated or corrupted") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            kind = rec.get("kind")
-            if lineno == 1:
-                if kind != "meta" or rec.get("format") != RECORDER_FORMAT:
-                    raise ValueError(f"{where}: first line must be the {RECORDER_FORMAT} metadata record; "
-                                     f"this is not a record_collectives trace")
-                if rec.get("version") != RECORDER_VERSION:
-                    raise ValueError(f"{where}: trace format version {rec.get('version')!r} is not supported "
-                                     f"(this reader knows version {RECORDER_VERSION})")
-                if _need(rec, "rank", int, where) != expected_rank and expected_rank is not None:
-                    raise ValueError(f"{where}: metadata says rank {rec['rank']} but the file name says "
-                                     f"rank {expected_rank}")
-                _need(rec, "world_size", int, where)
-                _check_mesh(rec, where)
-                meta = rec
-            elif kind == "op":
-                ev = _op_record(rec, meta["rank"], where, seen)
-                if ev is None:
-                    dropped += 1
-                else:
-                    events.append(ev)
-            elif kind == "end":
-                end = rec
-                if _need(rec, "records", int, where) != len(events) + dropped:
-                    raise ValueError(f"{where}: end record counts {rec['records']} calls but the file holds "
-                                     f"{len(events) + dropped}: records are missing")
-                _check_mesh(rec, where)
-                for key in ("mesh", "groups"):  # learned only at exit (parallel_state set up inside)
-                    if meta.get(key) is None and rec.get(key) is not None:
-                        meta[key] = rec[key]
+    for lineno, line in enumerate(_text_lines(path), start=1):
+        where = f"{path}:{lineno}"
+        if end is not None:
+            raise ValueError(f"{where}: data after the end record; the file was appended to or corrupted")
+        if not line.endswith("\n"):
+            raise ValueError(f"{where}: last line is cut off (no newline): the trace is truncated")
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON ({exc.msg}); the file is truncated or corrupted") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        kind = rec.get("kind")
+        if lineno == 1:
+            if kind != "meta" or rec.get("format") != RECORDER_FORMAT:
+                raise ValueError(f"{where}: first line must be the {RECORDER_FORMAT} metadata record; "
+                                 f"this is not a record_collectives trace")
+            if rec.get("version") != RECORDER_VERSION:
+                raise ValueError(f"{where}: trace format version {rec.get('version')!r} is not supported "
+                                 f"(this reader knows version {RECORDER_VERSION})")
+            if _need(rec, "rank", int, where) != expected_rank and expected_rank is not None:
+                raise ValueError(f"{where}: metadata says rank {rec['rank']} but the file name says "
+                                 f"rank {expected_rank}")
+            _need(rec, "world_size", int, where)
+            _check_mesh(rec, where)
+            meta = rec
+        elif kind == "op":
+            ev = _op_record(rec, meta["rank"], where, seen)
+            if ev is None:
+                dropped += 1
             else:
-                raise ValueError(f"{where}: unknown record kind {kind!r}")
+                events.append(ev)
+        elif kind == "end":
+            end = rec
+            if _need(rec, "records", int, where) != len(events) + dropped:
+                raise ValueError(f"{where}: end record counts {rec['records']} calls but the file holds "
+                                 f"{len(events) + dropped}: records are missing")
+            _check_mesh(rec, where)
+            for key in ("mesh", "groups"):  # learned only at exit (parallel_state set up inside)
+                if meta.get(key) is None and rec.get(key) is not None:
+                    meta[key] = rec[key]
+        else:
+            raise ValueError(f"{where}: unknown record kind {kind!r}")
     if meta is None:
         raise ValueError(f"{path}: empty file: not a record_collectives trace")
     if end is None:
@@ -385,6 +402,10 @@ def _list_traces(trace_dir: str, kind: str):
     if kind not in ("recorder", "kineto"):
         raise ValueError(f"unknown trace kind {kind!r}: use auto, recorder or kineto")
     files = jsonl if kind == "recorder" else chrome
+    for name in files:
+        if os.path.isdir(os.path.join(trace_dir, name)):
+            raise ValueError(f"{os.path.join(trace_dir, name)}: is a directory, not a trace file; move it out "
+                             f"of {trace_dir}")
     if not files:
         raise ValueError(f"{trace_dir}: no trace files (expected rank<R>.jsonl from record_collectives or "
                          f"profiler *.json / *.json.gz chrome traces)")

@@ -268,3 +268,34 @@ def test_empty_directory_and_wrong_sizes(tmp_path):
     write_recorder_traces(tmp_path, figure8_calls())
     with pytest.raises(ValueError, match="world size 8 != tp"):
         analyze_trace_dir(str(tmp_path), tp=4, cp=2, dp=2)
+
+
+def test_binary_file_directory_and_contradicting_mesh_flags_give_clear_errors(tmp_path):
+    write_recorder_traces(tmp_path, figure8_calls())
+    good = (tmp_path / "rank3.jsonl").read_bytes()
+    (tmp_path / "rank3.jsonl").write_bytes(good[:200] + b"\n\xff\xfe\x00garbage\x9c" + good[200:])
+    with pytest.raises(ValueError, match=r"rank3\.jsonl:\d+: byte 201 is not UTF-8 text: a binary or corrupted file"):
+        analyze_trace_dir(str(tmp_path), tp=4, cp=2)
+    (tmp_path / "rank3.jsonl").write_bytes(good)
+
+    (tmp_path / "rank5.jsonl").unlink()
+    (tmp_path / "rank5.jsonl").mkdir()
+    with pytest.raises(ValueError, match=r"rank5\.jsonl: is a directory, not a trace file; move it out of"):
+        analyze_trace_dir(str(tmp_path), tp=4, cp=2)
+    (tmp_path / "rank5.jsonl").rmdir()
+
+    write_recorder_traces(tmp_path, figure8_calls())  # tp=4 x cp=2, no mesh metadata in the traces
+    assert analyze_trace_dir(str(tmp_path), tp=4, cp=2).slowest_rank == 6
+    # (--tp 4 --dp 2 builds the very same groups, only named DP: traces without metadata cannot tell.)
+    for flags in (dict(tp=2, cp=4), dict(tp=2, dp=4), dict(tp=8), dict(cp=2, dp=4)):
+        with pytest.raises(ValueError, match=r"the traces' all_\w+ group \[[0-9, ]+\] is not a group of the mesh "
+                                             r"tp=\d cp=\d pp=1 dp=\d .*the mesh sizes do not match the job"):
+            analyze_trace_dir(str(tmp_path), **flags)
+
+
+def test_cli_names_the_file_of_a_binary_trace(tmp_path, capsys):
+    write_recorder_traces(tmp_path, figure8_calls())
+    (tmp_path / "rank0.jsonl").write_bytes(bytes(range(256)))
+    assert _cli([str(tmp_path), "--tp", "4", "--cp", "2"]) == 2
+    # line 2: byte 10 of the file is a newline
+    assert "rank0.jsonl:2: byte 128 is not UTF-8 text" in capsys.readouterr().err
