@@ -27,6 +27,12 @@ optimizer or BF16_Optimizer. What the engines call, and what we do:
   ``set_full_hp_param`` / ``get_full_hp_grad`` / ``set_full_hp_grad`` methods that
   ``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` / ``safe_get_full_grad``
   (and the ``safe_set_*`` twins) look up. Like DeepSpeed's they are collectives over the DP group.
+  ``safe_get_full_grad`` answers like stock's (measured on DeepSpeed 0.19.8, 2 ranks): after the last
+  backward of a step, the reduced gradient (fp32); between micro-batches of ZeRO-1, this rank's gradient
+  accumulated so far, not reduced (stock returns ``param.grad``, bf16; ours is the fp32 accumulation); between
+  micro-batches of ZeRO-2, the reduced gradient so far (stock raises here); before any backward and after
+  ``step``, stock's ``ValueError("Gradients are only available immediately after backward and before engine
+  step")``. ``get_global_grad_norm`` is ``inf`` after an overflow (a skipped step), as stock.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ def _set_full_hp_param(param, value, optim_state_key=None):
 
 
 def _get_full_hp_grad(param):
-    return param._hp_mapping.owner.zero.full_grad(param)
+    return param._hp_mapping.owner.full_grad(param)
 
 
 def _set_full_hp_grad(param, value):
@@ -183,8 +189,26 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
     def step(self, closure=None):
         self._micro_batch, self._reduce_this_backward = 0, False
         norm = self.zero.step(closure)
-        self._global_grad_norm = norm.item()
         self.overflow = self.zero.overflow
+        self._global_grad_norm = float("inf") if self.overflow else norm.item()  # stock reports inf too
+
+    NO_GRAD = "Gradients are only available immediately after backward and before engine step"  # stock's words
+
+    def full_grad(self, param):
+        """What ``deepspeed.utils.safe_get_full_grad`` returns for ``param`` (see the module docstring)."""
+        zero = self.zero
+        slot = zero.slots[param]
+        bucket = zero.buckets[slot.bucket]
+        if bucket.in_flight is not None:
+            zero.wait_reductions([param])
+        if bucket.full is None and bucket.shard_grad is None:
+            raise ValueError(f"{self.NO_GRAD} (l3plugin: no gradient since the last step)")
+        if bucket.shard_grad is None:  # accumulating, nothing reduced yet: this rank's local sum, like stock
+            return bucket.full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        if bucket.full is not None:
+            raise ValueError(f"{self.NO_GRAD} (l3plugin: between reductions with reduce_every > 1 the gradient "
+                             "is partly reduced; read it after the last backward of the step)")
+        return zero.full_grad(param)
 
     def zero_grad(self, set_to_none=True):
         self.zero.zero_grad(set_to_none)
