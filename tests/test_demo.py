@@ -13,7 +13,7 @@ def parallel_losses(opts, steps):
 
 def test_demo_training_matches_single_process(ranks):
     args = argparse.Namespace(tp=2, cp=2, pp=2, dp=1, vpp=2, group_size=3, microbatches=5, layers=6,
-                              seq_len=64, zero_stage=2, dtype="fp32")
+                              seq_len=64, zero_stage=2, dtype="fp32", timeout=300.0)
     opts = options(args)
     assert opts["layer_counts"] == [1, 2, 2, 1] and opts["layout"] == "Et|tt|tt|tL"
     losses = ranks.run(8, parallel_losses, opts, 2, timeout=300)

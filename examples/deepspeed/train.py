@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from datetime import timedelta
 
 import torch
 
@@ -29,7 +30,10 @@ def main():
         # On CPU DeepSpeed JIT-compiles a shared-memory all-reduce op (~2 min, used only for inference)
         # on first init; this CPU example does not need it.
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    # An explicit timeout: a hung peer fails the job in minutes, not the default 30 (l3plugin's ZeRO
+    # collectives are bounded separately by "l3plugin": {"wait_timeout": seconds}, 600 by default).
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                               timeout=timedelta(minutes=10))
     config = json.load(open(args.config))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),

@@ -10,6 +10,7 @@ m=5 microbatches with k=3 is a configuration stock Megatron-Core refuses (last g
 import argparse
 import functools
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -65,10 +66,13 @@ def forward_step(data_iterator, model):
 
 def main():
     args = parse()
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    # An explicit timeout: a hung peer fails the job in minutes, not the default 30. l3plugin's own
+    # waits (pipeline P2P, CP collectives) are bounded separately by $L3PLUGIN_WAIT_TIMEOUT (600 s).
+    timeout_minutes = 10
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=timeout_minutes))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    mesh = init_mesh(tp=args.tp, cp=args.cp, pp=args.pp, vpp=args.vpp)
+    mesh = init_mesh(tp=args.tp, cp=args.cp, pp=args.pp, vpp=args.vpp, distributed_timeout_minutes=timeout_minutes)
     l3plugin.megatron.install("flexible")  # l3plugin: get_forward_backward_func -> flexible schedule
     config = TransformerConfig(
         num_layers=2 * args.pp * args.vpp, hidden_size=64, num_attention_heads=4, num_query_groups=2,

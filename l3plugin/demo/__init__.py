@@ -11,6 +11,7 @@ model, data and optimizer in one process and compare the losses. Results go to `
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -53,7 +54,8 @@ def options(args) -> dict:
     return {"tp": args.tp, "cp": args.cp, "pp": args.pp, "dp": args.dp, "vpp": vpp,
             "group_size": args.group_size, "microbatches": args.microbatches, "seq_len": args.seq_len,
             "vocab": 256, "lr": 3e-3, "clip": 1.0, "zero_stage": args.zero_stage, "layout": layout,
-            "layer_counts": counts, "model": dict(MODEL, num_layers=num_layers, dtype=dtype)}
+            "layer_counts": counts, "model": dict(MODEL, num_layers=num_layers, dtype=dtype),
+            "timeout_s": args.timeout}
 
 
 def _pictures(opts, losses, reference, results: Path):
@@ -90,6 +92,7 @@ def _pictures(opts, losses, reference, results: Path):
 def run_demo(args) -> int:
     from l3plugin.demo import train
     from l3plugin.demo.mesh_check import check_reports, mesh_report
+    from l3plugin import waits
     from l3plugin.testing.ranks import RankPool
 
     opts = options(args)
@@ -99,6 +102,9 @@ def run_demo(args) -> int:
     t0 = time.monotonic()
     print(f"[1/5] starting {shape.world_size} CPU ranks over gloo (tp={shape.tp} cp={shape.cp} pp={shape.pp} "
           f"dp={shape.dp}) ...", flush=True)
+    # Our pipeline and CP waits give a rank-named error at half a step's timeout, before the harness
+    # gives up on the step (the workers inherit this environment).
+    os.environ.setdefault(waits.ENV_VAR, str(args.timeout / 2))
     with RankPool(shape.world_size, preload=("megatron.core",), keep_state=True) as pool:
         print(f"[2/5] mesh: Megatron parallel_state in the order TP, CP, PP, DP "
               f"({time.monotonic() - t0:.0f} s)", flush=True)

@@ -54,7 +54,10 @@ def setup(opts: dict) -> dict:
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
     from l3plugin.mesh import init_mesh
 
-    mesh = init_mesh(tp=opts["tp"], cp=opts["cp"], pp=opts["pp"], dp=opts["dp"], vpp=opts["vpp"])
+    # Process groups with an explicit timeout (the harness's world group has one too); ZeRO's waits are
+    # bounded below it (the pipeline's and CP's by $L3PLUGIN_WAIT_TIMEOUT, which run_demo sets).
+    mesh = init_mesh(tp=opts["tp"], cp=opts["cp"], pp=opts["pp"], dp=opts["dp"], vpp=opts["vpp"],
+                     distributed_timeout_minutes=opts["timeout_s"] / 60)
     c = mesh.coords
     config = model.llama_config(tp=opts["tp"], cp=opts["cp"], pp=opts["pp"], vpp=opts["vpp"],
                                 k=opts["group_size"], layout=opts["layout"], **opts["model"])
@@ -66,7 +69,8 @@ def setup(opts: dict) -> dict:
               for v in range(opts["vpp"] or 1)]
     params = [p for ch in chunks for p in ch.parameters()]
     zero = megatron_zero(chunks, torch.optim.AdamW(params, lr=opts["lr"], weight_decay=0.0),
-                         stage=opts["zero_stage"], clip_grad=opts["clip"], gradient_scale=1.0)
+                         stage=opts["zero_stage"], clip_grad=opts["clip"], gradient_scale=1.0,
+                         wait_timeout=opts["timeout_s"] / 2)
     attach_to_schedule(config, zero)
     _STATE.update(mesh=mesh, config=config, chunks=chunks, zero=zero, opts=opts)
     return {"rank": mesh.rank, "coords": c, "layers": [len(ch.decoder.layers) for ch in chunks]}
