@@ -7,14 +7,65 @@
 return ``forward_backward_pipelining_flexible`` when the flexible schedule is selected and pp > 1:
 ``megatron.core.pipeline_parallel.get_forward_backward_func``, ``...schedules.get_forward_backward_func``
 and ``megatron.training.training.get_forward_backward_func`` (imported there as a module global).
+
+A script that bound the selector by name before ``install()`` ran (``from megatron.core.pipeline_parallel
+import get_forward_backward_func`` at its top) keeps Megatron's own selector. That selector returns the stock
+pipelined schedules it reads from ``schedules``' module globals at call time, so ``install()`` also puts a
+guard there: while the flexible schedule is selected, a call that reaches the stock pipelined schedule runs
+the flexible one instead and warns once (``EarlyBoundSelectorWarning``) naming the fix. ``install()`` also
+warns right away about modules whose global ``get_forward_backward_func`` is still Megatron's.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+import warnings
 
 SCHEDULES = ("default", "flexible")
-_state = {"stock": None, "schedule": None}
+_state = {"stock": None, "schedule": None, "guarded": {}, "warned": False}
+_PIPELINED = ("forward_backward_pipelining_with_interleaving", "forward_backward_pipelining_without_interleaving")
+
+
+class EarlyBoundSelectorWarning(UserWarning):
+    """The stock get_forward_backward_func was bound by name before l3plugin.megatron.install() ran."""
+
+
+FIX = ("call l3plugin.megatron.install() before importing get_forward_backward_func by name, or call it "
+       "through the module (megatron.core.pipeline_parallel.get_forward_backward_func(...))")
+
+
+def _guard(name, stock_fn):
+    @functools.wraps(stock_fn)
+    def guarded(*args, **kwargs):
+        if selected_schedule() != "flexible":
+            return stock_fn(*args, **kwargs)
+        if not _state["warned"]:
+            _state["warned"] = True
+            warnings.warn(f"Megatron's stock {name} was reached through a get_forward_backward_func bound before "
+                          "l3plugin.megatron.install(); the flexible schedule runs instead (it was selected). "
+                          f"To silence this, {FIX}.", EarlyBoundSelectorWarning, stacklevel=2)
+        from l3plugin.megatron.pipeline import forward_backward_pipelining_flexible
+
+        return forward_backward_pipelining_flexible(*args, **kwargs)
+    guarded.l3plugin_guard = True
+    return guarded
+
+
+def _early_bound(stock) -> list[str]:
+    """Modules (other than Megatron's own) whose global get_forward_backward_func is Megatron's selector."""
+    own = {"megatron.core.pipeline_parallel", "megatron.core.pipeline_parallel.schedules",
+           "megatron.training.training"}
+    out = []
+    for name, module in list(sys.modules.items()):
+        if name in own or module is None:
+            continue
+        try:
+            if vars(module).get("get_forward_backward_func") is stock:
+                out.append(name)
+        except TypeError:  # modules without __dict__
+            continue
+    return sorted(out)
 
 
 def add_arguments(parser):
@@ -74,6 +125,17 @@ def install(schedule: str | None = None):
     for module in targets:
         if module is not None and hasattr(module, "get_forward_backward_func"):
             module.get_forward_backward_func = get_forward_backward_func
+    for name in _PIPELINED:  # what an early-bound stock selector returns, read from these globals at call time
+        fn = getattr(schedules, name)
+        if not getattr(fn, "l3plugin_guard", False):
+            _state["guarded"][name] = fn
+            setattr(schedules, name, _guard(name, fn))
+    early = _early_bound(_state["stock"])
+    if early and schedule != "default":
+        warnings.warn(f"{', '.join(early)} bound Megatron's get_forward_backward_func before "
+                      "l3plugin.megatron.install(): calls through that name reach Megatron's selector (l3plugin "
+                      f"redirects its pipelined schedules to the flexible one when selected, with a warning); {FIX}",
+                      EarlyBoundSelectorWarning, stacklevel=2)
 
 
 def uninstall():
@@ -86,4 +148,6 @@ def uninstall():
     for module in (pipeline_parallel, schedules, sys.modules.get("megatron.training.training")):
         if module is not None and getattr(module, "get_forward_backward_func", None) is get_forward_backward_func:
             module.get_forward_backward_func = _state["stock"]
-    _state["stock"], _state["schedule"] = None, None
+    for name, fn in _state["guarded"].items():
+        setattr(schedules, name, fn)
+    _state.update(stock=None, schedule=None, guarded={}, warned=False)

@@ -25,7 +25,14 @@ ON = {"fp32_reduce_zero": True}
 TIMEOUT = 180
 
 
+# Stock DeepSpeed picks DeepSpeedZeroOptimizer for bf16 ZeRO-1/2, and BF16_Optimizer for bf16 ZeRO-1 with fp32
+# gradient accumulation ("bf16_opt" below): both write the same ZeRO-1/2 partition layout.
+BF16_OPT = {"data_types": {"grad_accum_dtype": "fp32"}}
+
+
 def _config(stage, plugin, **extra):
+    if stage == "bf16_opt":
+        stage, extra = 1, {**BF16_OPT, **extra}
     return ds_config(stage, plugin=plugin, scheduler=True, clip=1.0, **extra)
 
 
@@ -123,12 +130,15 @@ def _assert_resumed(saved, legs, expect_optimizer):
 
 
 # -- ours -> stock ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("stage", [1, 2])
+STOCK = {1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", "bf16_opt": "BF16_Optimizer"}
+
+
+@pytest.mark.parametrize("stage", [1, 2, "bf16_opt"])
 def test_stock_engine_resumes_our_checkpoint(ranks, tmp_path, stage):
     saved = ranks.run(2, save_leg, stage, str(tmp_path), True, timeout=TIMEOUT)[0]
     assert saved["optimizer"] == "DeepSpeedFP32ReduceZero"
     stock = ranks.run(2, load_leg, stage, str(tmp_path), False, timeout=TIMEOUT)
-    _assert_resumed(saved, stock, "DeepSpeedZeroOptimizer")
+    _assert_resumed(saved, stock, STOCK[stage])
     # The stock continuation and ours agree (not bit-exact: stock reduces in bf16).
     ours = ranks.run(2, load_leg, stage, str(tmp_path), True, timeout=TIMEOUT)[0]
     assert ours["after"]["lr"] == stock[0]["after"]["lr"]
@@ -138,10 +148,10 @@ def test_stock_engine_resumes_our_checkpoint(ranks, tmp_path, stage):
 
 
 # -- stock -> ours, any DP size -----------------------------------------------------------------------------
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, "bf16_opt"])
 def test_our_engine_resumes_stock_checkpoint_on_any_dp_size(ranks, tmp_path, stage):
     saved = ranks.run(2, save_leg, stage, str(tmp_path), False, timeout=TIMEOUT)[0]
-    assert saved["optimizer"] == "DeepSpeedZeroOptimizer"
+    assert saved["optimizer"] == STOCK[stage]
     for world in (1, 2, 4) if stage == 2 else (2,):
         legs = ranks.run(world, load_leg, stage, str(tmp_path), True, timeout=TIMEOUT)
         _assert_resumed(saved, legs, "DeepSpeedFP32ReduceZero")
