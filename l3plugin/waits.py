@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import sys
 import time
 
 import torch.distributed as dist
@@ -53,6 +54,29 @@ def group_ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
 
 
+def _exit_when_uncaught() -> None:
+    """Make an uncaught CommTimeout end the process right after its traceback is printed.
+
+    The collective that timed out still occupies a backend thread, and interpreter shutdown waits for
+    it (measured with gloo under torchrun: the rank that raised stayed alive until the process group's
+    own timeout, and so did the job). Exiting at once lets torchrun see the failure and stop the others.
+    Installed only once a wait has failed; a caller that catches the error is not affected.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_l3plugin", False):
+        return
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        if issubclass(kind, CommTimeout):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    hook._l3plugin = True
+    sys.excepthook = hook
+
+
 def wait_work(work, *, p2p: bool, device_type: str, timeout: float, what: str) -> None:
     """Wait for ``work`` at most ``timeout`` seconds; ``what`` names the operation, its peer or group.
 
@@ -63,6 +87,7 @@ def wait_work(work, *, p2p: bool, device_type: str, timeout: float, what: str) -
         work.wait(datetime.timedelta(seconds=timeout))
     except Exception as exc:  # noqa: BLE001 - every failure becomes one rank-named error
         elapsed = time.monotonic() - start
+        _exit_when_uncaught()
         me = f"rank {dist.get_rank()}: {what}"
         if isinstance(exc, TimeoutError) or elapsed >= timeout or "timed out" in str(exc).lower():
             raise CommTimeout(f"{me} did not finish within {timeout:g} s (set by wait_timeout or "

@@ -105,3 +105,36 @@ def test_timeout_setting_comes_from_argument_environment_or_default(monkeypatch)
     for bad in (0, -2.0, float("nan"), float("inf"), True, "5"):
         with pytest.raises(ValueError, match=r"wait_timeout=.* is invalid: must be a finite number of seconds > 0"):
             resolve_timeout(bad)
+
+
+UNCAUGHT = """
+import threading, time, torch.distributed as dist
+from l3plugin.waits import wait_work
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+# A non-daemon thread that never ends stands for the backend thread still stuck in the collective:
+# interpreter shutdown would wait for it.
+threading.Thread(target=time.sleep, args=(600,)).start()
+
+class StuckWork:
+    def wait(self, timeout):
+        raise RuntimeError("Timed out waiting 100ms for recv operation to complete")
+
+wait_work(StuckWork(), p2p=True, device_type="cpu", timeout=0.1, what="receive from rank 1")
+"""
+
+
+def test_an_uncaught_timeout_ends_the_process(tmp_path):
+    """Under torchrun the failing rank must exit so that the agent stops the job (measured: without this,
+    the rank that raised stayed alive until the process group's own timeout)."""
+    import subprocess
+    import sys
+
+    from l3plugin.testing.ranks import _free_port
+
+    script = tmp_path / "uncaught.py"
+    script.write_text(UNCAUGHT.format(port=_free_port()))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "CommTimeout: rank 0: receive from rank 1 did not finish within 0.1 s" in done.stderr
+    assert time.monotonic() - start < 60  # not the 600 s the stuck thread would hold the process

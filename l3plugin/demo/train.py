@@ -9,6 +9,7 @@ import functools
 import torch
 
 from l3plugin.demo import data, model
+from l3plugin.waits import group_ranks, resolve_timeout, wait_work
 
 _STATE: dict = {}
 
@@ -94,8 +95,10 @@ def train_step(step: int) -> dict:
     grad_norm = s["zero"].step()
     loss = torch.tensor(sum(float(d["loss_sum"]) for d in out), dtype=torch.float64)
     # Last pipeline stage holds the losses; sum them over CP and DP, then share along the pipeline.
-    dist.all_reduce(loss, group=mesh.dp_cp_group)
-    dist.all_reduce(loss, group=mesh.pp_group)  # other stages contribute 0
+    for group, name in ((mesh.dp_cp_group, "DP x CP"), (mesh.pp_group, "PP")):  # other stages contribute 0
+        work = dist.all_reduce(loss, group=group, async_op=True)
+        wait_work(work, p2p=False, device_type=loss.device.type, timeout=resolve_timeout(),
+                  what=f"loss all-reduce over the {name} group {group_ranks(group)}")
     return {"loss": float(loss) / global_tokens, "grad_norm": float(grad_norm)}
 
 
