@@ -4,6 +4,7 @@
 - stock DeepSpeed's -> our engine, on 1, 2 and 4 data-parallel ranks;
 - ours -> DeepSpeed's ds_to_universal (run as a script) -> our engine and a stock engine (load_universal);
 - ours -> DeepSpeed's standalone zero_to_fp32.py script;
+- PipelineEngine (pp=2 x dp=2, tied weight, ZeRO-1) checkpoints, both directions;
 - a truncated or foreign file is a clear error naming it (files are read with weights_only=True).
 
 Equality is checked through DeepSpeed's public accessors (safe_get_full_fp32_param /
@@ -239,3 +240,49 @@ def test_foreign_and_unsafe_files_are_clear_errors(tmp_path):
         load_sharded_state_dict(object(), [foreign])
     with pytest.raises(FileNotFoundError, match="missing.pt"):
         load_file(tmp_path / "missing.pt")
+
+
+# -- PipelineEngine (pp=2 x dp=2, a weight tied across the stages), ZeRO-1: stock refuses ZeRO-2 there --------
+def pipe_leg(save_dir, load_dir, ours):
+    """Train one step and save (save_dir), or load (load_dir); return the snapshot through the accessors."""
+    import test_zero_deepspeed_pipe as pipe
+
+    def run():
+        engine = pipe.pipe_engine(1, ON if ours else None, seed=0 if save_dir else 3)
+        if load_dir:
+            assert engine.load_checkpoint(load_dir, tag="t")[0] is not None
+            if not ours:
+                engine.optimizer._lazy_init_hp_params_optimizer_state()  # see _snapshot
+        else:
+            pipe.train(engine, 1)
+            engine.save_checkpoint(save_dir, tag="t")
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        snap = {n: [p.detach().clone(), safe_get_full_fp32_param(p)]
+                + [safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")]
+                for n, p in engine.module.named_parameters()}
+        return {"optimizer": type(engine.optimizer).__name__, "steps": engine.global_steps, "snapshot": snap}
+    try:
+        if ours:
+            return run()
+        with _stock():
+            return run()
+    finally:  # PipelineEngine leaves its grid as DeepSpeed's global mpu: later engines on these workers
+        from deepspeed.utils import groups  # would take it for theirs
+
+        groups.mpu = None
+
+
+@pytest.mark.parametrize("direction", ["ours_to_stock", "stock_to_ours"])
+def test_pipeline_engine_checkpoints_cross(ranks, tmp_path, direction):
+    ours_saves = direction == "ours_to_stock"
+    saved = ranks.run(4, pipe_leg, str(tmp_path), None, ours_saves, timeout=TIMEOUT)
+    loaded = ranks.run(4, pipe_leg, None, str(tmp_path), not ours_saves, timeout=TIMEOUT)
+    assert {r["optimizer"] for r in loaded} == {"DeepSpeedZeroOptimizer" if ours_saves else "DeepSpeedFP32ReduceZero"}
+    for a, b in zip(saved, loaded):
+        assert b["steps"] == a["steps"] == 1
+        assert a["snapshot"].keys() == b["snapshot"].keys()
+        for name in a["snapshot"]:
+            assert all(x is not None and y is not None and torch.equal(x, y)
+                       for x, y in zip(a["snapshot"][name], b["snapshot"][name])), name
+            assert len(a["snapshot"][name]) == len(b["snapshot"][name]) == 4  # bf16, fp32, exp_avg, exp_avg_sq
