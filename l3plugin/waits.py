@@ -77,11 +77,8 @@ def _exit_when_uncaught() -> None:
     sys.excepthook = hook
 
 
-def wait_work(work, *, p2p: bool, device_type: str, timeout: float, what: str) -> None:
-    """Wait for ``work`` at most ``timeout`` seconds; ``what`` names the operation, its peer or group.
-
-    ``p2p``: the work comes from isend/irecv (waited with ``Work.wait(timeout)`` on every backend).
-    """
+def wait_work(work, *, timeout: float, what: str) -> None:
+    """Wait for ``work`` at most ``timeout`` seconds; ``what`` names the operation, its peer or group."""
     start = time.monotonic()
     try:
         work.wait(datetime.timedelta(seconds=timeout))

@@ -119,7 +119,7 @@ class StuckWork:
     def wait(self, timeout):
         raise RuntimeError("Timed out waiting 100ms for recv operation to complete")
 
-wait_work(StuckWork(), p2p=True, device_type="cpu", timeout=0.1, what="receive from rank 1")
+wait_work(StuckWork(), timeout=0.1, what="receive from rank 1")
 """
 
 

@@ -27,7 +27,7 @@ def _all_gather(out, inp, group, timeout):
     # torch >= 2.13 renames all_gather_into_tensor to all_gather_single.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = fn(out, inp, group=group, async_op=True)
-    wait_work(work, p2p=False, device_type=inp.device.type, timeout=timeout,
+    wait_work(work, timeout=timeout,
               what=f"CP all-gather of K/V {tuple(inp.shape)} over CP group ranks {group_ranks(group)}")
 
 
@@ -36,12 +36,12 @@ def _reduce_scatter(out, inp, group, timeout):
     what = f"CP reduce-scatter of dK/dV {tuple(inp.shape)} over CP group ranks {group_ranks(group)}"
     if dist.get_backend(group) == "gloo":
         work = dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        wait_work(work, p2p=False, device_type=inp.device.type, timeout=timeout, what=what)
+        wait_work(work, timeout=timeout, what=what)
         out.copy_(inp.view(dist.get_world_size(group), *out.shape)[dist.get_rank(group)])
         return
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     work = fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    wait_work(work, p2p=False, device_type=inp.device.type, timeout=timeout, what=what)
+    wait_work(work, timeout=timeout, what=what)
 
 
 def _gathered_order(seq_len: int, cp_size: int) -> torch.Tensor:

@@ -97,7 +97,7 @@ def train_step(step: int) -> dict:
     # Last pipeline stage holds the losses; sum them over CP and DP, then share along the pipeline.
     for group, name in ((mesh.dp_cp_group, "DP x CP"), (mesh.pp_group, "PP")):  # other stages contribute 0
         work = dist.all_reduce(loss, group=group, async_op=True)
-        wait_work(work, p2p=False, device_type=loss.device.type, timeout=resolve_timeout(),
+        wait_work(work, timeout=resolve_timeout(),
                   what=f"loss all-reduce over the {name} group {group_ranks(group)}")
     return {"loss": float(loss) / global_tokens, "grad_norm": float(grad_norm)}
 

@@ -61,7 +61,6 @@ class PipelineChannels:
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.prefetch = prefetch
         self.wait_timeout = resolve_timeout(wait_timeout)
-        self._device_type = torch.device(device).type if device is not None else "cpu"
         orders = pair_orders(schedule, pp_rank) if orders is None else orders
         self._ops = {peer: deque(ops) for peer, ops in orders.items()}
         self._posted: dict[Message, tuple] = {}  # message -> (work, buffer, peer)
@@ -125,7 +124,7 @@ class PipelineChannels:
         return f"the {msg.kind} of microbatch {msg.microbatch} (stage {msg.src_stage} -> {msg.dst_stage})"
 
     def _wait(self, work, operation: str, peer: int):
-        wait_work(work, p2p=True, device_type=self._device_type, timeout=self.wait_timeout,
+        wait_work(work, timeout=self.wait_timeout,
                   what=f"pipeline rank {self.pp_rank}: {operation} pipeline rank {peer} (global rank "
                        f"{self.global_ranks[peer]})")
 

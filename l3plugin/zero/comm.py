@@ -32,8 +32,7 @@ class InFlight:
 
     def wait(self, timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
         if self.work is not None:
-            wait_work(self.work, p2p=False, device_type=self.source.device.type, timeout=timeout,
-                      what=self.description)
+            wait_work(self.work, timeout=timeout, what=self.description)
             self.work = None
         if callable(self._result):
             self._result = self._result()
