@@ -253,6 +253,7 @@ class FP32ReduceZero:
             bucket = self.buckets[index]
             if self._needs_reduce(bucket):
                 self._launch(bucket)
+            bucket.armed = False  # armed but with nothing to reduce: must not start later by itself
         self._launch_order = [i for i in self._launch_order if i not in wanted]
 
     def wait_reductions(self, params=None) -> None:
@@ -393,6 +394,7 @@ class FP32ReduceZero:
         self.wait_reductions()  # a started collective is never abandoned: other ranks take part in it
         for bucket in self.buckets:
             bucket.clear_grads()
+            bucket.armed = False
         self._launch_order = []
         for p in self.params:
             p.grad = None
