@@ -58,6 +58,9 @@ def _reset_framework_state():
         from l3plugin.mesh import destroy_mesh
 
         destroy_mesh()
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:  # a PipelineEngine leaves its grid as DeepSpeed's global mpu; later engines take it
+        groups.mpu = None
 
 
 def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, collective_timeout,
