@@ -1,48 +1,82 @@
-"""DeepSpeed ZeRO variants side by side on CPU ranks: stock stage 1 and 2, stock BF16_Optimizer with fp32
-communication, and l3plugin's FP32-reducing ZeRO-1/2, on the same bf16 model and the same data.
+"""Stock DeepSpeed ZeRO-1/2 against l3plugin's FP32-reducing ZeRO-1/2, measured side by side on 2 CPU ranks (gloo).
 
-    .venv/bin/python bench/zero.py                         # 2 and 4 ranks, defaults below
-    .venv/bin/python bench/zero.py --worlds 2 --layers 4   # quicker
+    .venv/bin/python bench/zero.py            # ~25M-param bf16 model, gas 4 and 8, 5 rounds
+    .venv/bin/python bench/zero.py --quick    # tiny model, 2 rounds: a smoke run
 
-Prints a table, asserts nothing. Columns, per rank:
-- step ms: one optimizer step of --gas micro-batches (median of --steps steps after a warm-up step; the
-  machine is shared, so expect noise);
-- +RSS MB: peak resident memory growth of the rank from building the engine to the end of the timed steps
-  (fresh processes per row; CPU has no allocator statistics, so this includes allocator slack);
-- grad MB: l3plugin's own peak of gradient buffers (fp32 full buckets + reduced shards), from its counter;
-- wire MB: bytes this rank sends in one step with ring collectives (all-reduce 2(W-1)/W x input,
-  reduce-scatter (W-1)/W x input, all-gather (W-1) x input); then the calls per operation and dtype with
-  their input MB;
-- grad err: relative error of the reduced gradient (DeepSpeed's safe_get_full_grad after the last
-  micro-batch's backward) against an fp64 accumulation of the same bf16 micro-batch gradients, step 0.
+Every variant uses zero_optimization {reduce_bucket_size, allgather_bucket_size: --bucket, overlap_comm (true
+unless the name says "no overlap"), contiguous_gradients: true} and torch AdamW; "ours" adds the top-level key
+"l3plugin": {"fp32_reduce_zero": true, "reduce_every": N (ZeRO-2)}. One RankPool(2) serves the whole run. Per
+gas, each variant's engine is built once in the workers and kept (ENGINES); then every round runs every variant
+once, in the order of VARIANTS (each "ours" next to the run it is compared with; reversed every other round).
+Everything printed is measured; nothing is computed from a model of the hardware. Asserts nothing. Columns:
+
+- step ms: wall time of one optimizer step (--gas x forward, engine.backward, engine.step), slower rank, median.
+- ratio: per round, step time / that of the stock variant of the same stage (ours ZeRO-1 vs stock ZeRO-1, every
+  ZeRO-2 variant vs stock ZeRO-2) in the same round; the median of these per-round ratios (their range).
+- exposed ms: per round, step time minus the time of the same step of the same engine, run right after it
+  inside l3plugin.debug.local_collectives (every collective replaced by a local copy); median.
+- exp/coll: per round, exposed ms / exposed ms of the same configuration with overlap_comm false (blocking
+  collectives: its exposed time is the time spent in collectives); median (range). The fraction of the communication
+  that overlap fails to hide (ours only: stock has no such twin here).
+- CPU busy: per round, the CPU seconds both ranks' processes spent in the normal step (every thread: compute
+  and gloo's workers; time.process_time) over (CPU cores x step wall time); median. Near 1.0 the cores were never
+  idle, so communication, which on gloo is CPU work (copies, sums, loopback TCP), can only overlap compute by
+  taking cores from it.
+- grad B/param: live-tensor census after micro-batch 1's engine.step() and before micro-batch 2's forward, in the
+  engine's second step: the tensors of gc.get_objects() plus every module parameter's .grad (autograd keeps an
+  untouched .grad on the C++ side, where gc does not see it), unique storages by data_ptr, storage bytes summed;
+  minus the storages alive before this engine was built (other engines, data), the module parameters, the base
+  torch optimizer's parameters and state, DeepSpeed's single_partition_of_fp32_groups and bit16_groups_flat.
+  Bytes per model parameter, larger rank. --census-detail prints what remained.
+- in bwd/all: gradient reductions (reduce-scatter, all-reduce, reduce of more than one element; scalars are
+  norms and overflow flags) started while a loss.backward() ran, i.e. from autograd's gradient hooks,
+  overlapping the rest of backward, and how many the step made (rank 0, the recorded third step).
+- grad err: relative L2 error of safe_get_full_grad after the first step's last backward, against an fp64 sum of
+  the same bf16 micro-batch gradients (a bf16 replica of the model, same data) averaged over the ranks.
+- coll MB/step: input bytes handed to collectives in the recorded step (l3plugin.debug.record_collectives, rank 0)
+  per op (RS reduce-scatter, AR all-reduce, AG all-gather, R reduce) and dtype. On gloo, l3plugin reduce-scatters
+  by an all-reduce (gloo's reduce-scatter is slower; l3plugin/zero/comm.py): ours shows AR there.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import resource
+import gc
+import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from l3plugin.testing.ranks import RankPool  # noqa: E402
 
-VARIANTS = [
-    ("stock ZeRO-1 (bf16 accum, bf16 comm)", 1, None, {}),
-    ("stock ZeRO-2 (bf16 accum, bf16 comm)", 2, None, {}),
-    ("stock BF16_Optimizer ZeRO-1 (fp32 accum+comm)", 1, None,
-     {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}),
-    ("l3plugin ZeRO-1 (fp32 accum, fp32 reduce-scatter)", 1, {"fp32_reduce_zero": True}, {}),
-    ("l3plugin ZeRO-2 (no rounds: reduces at the boundary)", 2, {"fp32_reduce_zero": True}, {}),
-]
+# name: (stage, l3plugin options or None for stock, overlap_comm, extra DeepSpeed config); "half" = gas // 2
+VARIANTS = {
+    "stock ZeRO-1": (1, None, True, {}),
+    "ours ZeRO-1": (1, {}, True, {}),
+    "ours ZeRO-1 no overlap": (1, {}, False, {}),
+    "stock ZeRO-2": (2, None, True, {}),
+    "ours ZeRO-2 reduce_every=1": (2, {"reduce_every": 1}, True, {}),
+    "ours ZeRO-2 reduce_every=1 no overlap": (2, {"reduce_every": 1}, False, {}),
+    "stock ZeRO-2 fp32 grad_accum": (2, None, True, {"data_types": {"grad_accum_dtype": "fp32"}}),
+    "ours ZeRO-2 reduce_every=gas/2": (2, {"reduce_every": "half"}, True, {}),
+}
+STOCK_OF_STAGE = {1: "stock ZeRO-1", 2: "stock ZeRO-2"}
+NO_OVERLAP_TWIN = {"ours ZeRO-1": "ours ZeRO-1 no overlap",
+                   "ours ZeRO-2 reduce_every=1": "ours ZeRO-2 reduce_every=1 no overlap"}
+REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter", "all_reduce", "all_reduce_coalesced", "reduce")
+SHORT_OP = {"reduce_scatter_tensor": "RS", "reduce_scatter": "RS", "all_reduce": "AR", "all_gather_into_tensor": "AG",
+            "all_gather": "AG", "reduce": "R", "broadcast": "B"}
+
+# -- worker side: these run inside the RankPool processes --------------------------------------------------
+ENGINES: dict = {}  # variant name -> DeepSpeed engine, for the current gas
+BATCHES: list = []  # this rank's micro-batches (the same data every step)
 
 
-def _deepspeed():
+def quiet_deepspeed():
     import logging
 
     import deepspeed
@@ -50,11 +84,19 @@ def _deepspeed():
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # ~120 s JIT compile, inference only
     deepspeed.utils.logger.setLevel(logging.ERROR)
     deepspeed.init_distributed(dist_backend="gloo")
-    import l3plugin.deepspeed  # noqa: F401
+    import l3plugin.deepspeed  # noqa: F401  (installs the "l3plugin" config key)
     return deepspeed
 
 
-def _model(width, layers):
+def cached_comm_functions():
+    """DeepSpeed cached these torch functions at init: patch its copies too (recording, local copies)."""
+    from deepspeed.comm import comm as ds_comm
+
+    return [(ds_comm.cdb, "all_gather_function", "all_gather_into_tensor"),
+            (ds_comm.cdb, "reduce_scatter_function", "reduce_scatter_tensor")]
+
+
+def make_model(width, layers):
     import torch
 
     torch.manual_seed(0)
@@ -64,129 +106,264 @@ def _model(width, layers):
     return torch.nn.Sequential(*mods, torch.nn.Linear(width, 1))
 
 
-def _batch(rank, step, mb, width):
-    import torch
-
-    g = torch.Generator().manual_seed(100_000 * rank + 1000 * step + mb)
-    return torch.randn(4, width, generator=g).bfloat16()
-
-
-def _engine(stage, plugin, extra, width, layers, gas):
-    deepspeed = _deepspeed()
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "bf16": {"enabled": True},
-           "zero_optimization": {"stage": stage},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-           "steps_per_print": 10**9, **extra}
-    if plugin:
-        cfg["l3plugin"] = plugin
-    model = _model(width, layers)
-    with contextlib.redirect_stdout(io.StringIO()):  # BF16_Optimizer prints memory reports
-        engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    return engine
-
-
-def _loss(out):
+def loss_of(out):
     return out.float().pow(2).mean()
 
 
-def timed_run(stage, plugin, extra, width, layers, gas, steps):
-    """Step time, peak RSS growth, gradient-buffer peak and the collectives of one step, on this rank."""
-    import torch.distributed as dist
-    from deepspeed.comm import comm as ds_comm
+def build_engine(name, gas, micro_batch, width, layers, bucket):
+    stage, plugin, overlap, extra = VARIANTS[name]
+    cfg = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": gas,
+           "bf16": {"enabled": True}, "steps_per_print": 10**9,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                                 "overlap_comm": overlap, "contiguous_gradients": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, **extra}
+    if plugin is not None:
+        cfg["l3plugin"] = {"fp32_reduce_zero": True, **plugin}
+        if plugin.get("reduce_every") == "half":
+            cfg["l3plugin"]["reduce_every"] = max(1, gas // 2)
+    model = make_model(width, layers)
+    engine, *_ = quiet_deepspeed().initialize(model=model, config=cfg, model_parameters=model.parameters())
+    return engine
 
-    from l3plugin.zero.comm import record_collectives
 
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    engine = _engine(stage, plugin, extra, width, layers, gas)
-    rank = dist.get_rank()
-    cdb = ds_comm.cdb  # DeepSpeed cached these torch functions: spy on its copies too
-    extra_targets = [(cdb, "all_gather_function", "all_gather_into_tensor"),
-                     (cdb, "reduce_scatter_function", "reduce_scatter_tensor")]
-    times, log = [], None
-    for step in range(steps + 1):
-        dist.barrier()
+def train_step(engine, after_first_micro_batch=None):
+    for i, x in enumerate(BATCHES):
+        engine.backward(loss_of(engine(x)))
+        engine.step()  # only counts, except after the last micro-batch
+        if i == 0 and after_first_micro_batch is not None:
+            after_first_micro_batch()
+
+
+def measure_compute(width, layers, micro_batch):
+    """(ms of forward+backward of one micro-batch of the plain bf16 model, median of 5; its parameter count)."""
+    import torch
+
+    model, x, times = make_model(width, layers).bfloat16(), torch.randn(micro_batch, width).bfloat16(), []
+    for _ in range(6):
         start = time.perf_counter()
-        with record_collectives(extra_targets) as rec:
-            for mb in range(gas):
-                engine.backward(_loss(engine(_batch(rank, step, mb, width))))
-                engine.step()
-        if step:
-            times.append(time.perf_counter() - start)
-            log = rec
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    zero = getattr(engine.optimizer, "zero", None)
-    by_op = {}
-    for c in log:
-        key = f"{c.op.replace('_into_tensor', '').replace('_tensor', '')} {str(c.dtype).replace('torch.', '')}"
-        calls, size = by_op.get(key, (0, 0))
-        by_op[key] = (calls + 1, size + c.bytes)
-    return {"optimizer": type(engine.optimizer).__name__, "step_ms": 1000 * statistics.median(times),
-            "rss_mb": (rss - rss0) / 1024, "grad_mb": zero.memory.peak / 2**20 if zero else None,
-            "comm": by_op, "wire_mb": log.wire_bytes / 2**20}
+        loss_of(model(x)).backward()
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return 1000 * statistics.median(times[1:]), sum(p.numel() for p in model.parameters())
 
 
-def gradient_error(stage, plugin, extra, width, layers, gas):
-    """Relative error of the reduced gradient vs fp64 at step 0 (safe_get_full_grad before the step)."""
+def live_tensors(modules=()):
+    """{storage data_ptr: (storage bytes, the largest tensor on it)} of every live tensor (see module doc)."""
+    import torch
+
+    gc.collect()
+    found = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on some deprecated torch objects warns
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for t in tensors + [p.grad for m in modules for p in m.parameters() if p.grad is not None]:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, meta, ...
+            continue
+        ptr = storage.data_ptr()
+        if ptr and (ptr not in found or t.numel() > found[ptr][1].numel()):
+            found[ptr] = (storage.nbytes(), t)
+    return found
+
+
+def known_state(engine):
+    """Storages that are not gradient state: parameters, optimizer parameters and state, flat fp32/bf16 groups."""
+    import torch
+
+    known = list(engine.module.parameters())
+    base = getattr(engine.optimizer, "optimizer", None)
+    if base is not None:
+        known += [p for group in base.param_groups for p in group["params"]]
+        known += [v for state in base.state.values() for v in state.values() if torch.is_tensor(v)]
+    for attr in ("single_partition_of_fp32_groups", "bit16_groups_flat"):
+        known += list(getattr(engine.optimizer, attr, None) or [])
+    return {t.untyped_storage().data_ptr() for t in known}
+
+
+def gradient_error(engine, gas, width, layers):
+    """Run the engine's first step next to an fp64 reference of the rank-averaged gradient; the relative error."""
     import torch
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
 
-    engine = _engine(stage, plugin, extra, width, layers, gas)
-    replica = _model(width, layers).bfloat16()
-    acc = {p: torch.zeros(p.shape, dtype=torch.float64) for p in replica.parameters()}
+    replica = make_model(width, layers).bfloat16()
+    reference = {p: torch.zeros(p.shape, dtype=torch.float64) for p in replica.parameters()}
 
-    def hook(p):
-        acc[p].add_(p.grad.double())
+    def accumulate(p):
+        reference[p].add_(p.grad.double())
         p.grad = None
 
-    for p in replica.parameters():
-        p.register_post_accumulate_grad_hook(hook)
-    rank = dist.get_rank()
-    for mb in range(gas):
-        x = _batch(rank, 0, mb, width)
-        (_loss(replica(x)) / gas).backward()
-        engine.backward(_loss(engine(x)))
-        if mb < gas - 1:
-            engine.step()
+    hooks = [p.register_post_accumulate_grad_hook(accumulate) for p in replica.parameters()]
     num = den = 0.0
-    for p, q in zip(engine.module.parameters(), replica.parameters()):
-        ref = acc[q]
-        dist.all_reduce(ref)
-        ref /= dist.get_world_size()
-        got = safe_get_full_grad(p).double()
-        num += (got - ref).pow(2).sum().item()
-        den += ref.pow(2).sum().item()
+    for i, x in enumerate(BATCHES):
+        (loss_of(replica(x)) / gas).backward()
+        engine.backward(loss_of(engine(x)))
+        if i == gas - 1:
+            for p, q in zip(engine.module.parameters(), replica.parameters()):
+                ref = reference[q]
+                dist.all_reduce(ref)
+                ref /= dist.get_world_size()
+                num += (safe_get_full_grad(p).double() - ref).pow(2).sum().item()
+                den += ref.pow(2).sum().item()
+        engine.step()
+    for hook in hooks:  # held by autograd, a hook would keep the replica and the reference alive
+        hook.remove()
     return (num / den) ** 0.5
 
 
+def prepare_variant(name, gas, micro_batch, width, layers, bucket):
+    """Build the engine; step 1 measures the gradient error, step 2 the census, step 3 is recorded. Keep it."""
+    import torch
+    import torch.distributed as dist
+
+    from l3plugin.debug import record_collectives
+
+    if len(BATCHES) != gas or BATCHES[0].shape != (micro_batch, width):
+        seed = 1000 * dist.get_rank()
+        BATCHES[:] = [torch.randn(micro_batch, width, generator=torch.Generator().manual_seed(seed + i)).bfloat16()
+                      for i in range(gas)]
+    before = live_tensors([e.module for e in ENGINES.values()])  # held until the census: no address reuse
+    engine = build_engine(name, gas, micro_batch, width, layers, bucket)
+    error = gradient_error(engine, gas, width, layers)
+
+    census = {}
+
+    def take_census():
+        excluded = set(before) | known_state(engine) | {x.untyped_storage().data_ptr() for x in BATCHES}
+        census.update({ptr: v for ptr, v in live_tensors([engine.module]).items() if ptr not in excluded})
+
+    train_step(engine, after_first_micro_batch=take_census)
+    detail = {}  # "dtype(shape)" of the largest tensor on a storage -> [storages, bytes]
+    for nbytes, t in census.values():
+        counts = detail.setdefault(f"{str(t.dtype).replace('torch.', '')}{tuple(t.shape)}", [0, 0])
+        counts[0], counts[1] = counts[0] + 1, counts[1] + nbytes
+    grad_bytes = sum(nbytes for nbytes, _ in census.values())
+    del before, census
+
+    in_backward = set()  # log indices of the collectives started while a loss.backward() ran
+    original_backward = torch.Tensor.backward
+
+    def marked_backward(self, *args, **kwargs):
+        first = len(log)
+        result = original_backward(self, *args, **kwargs)
+        in_backward.update(range(first, len(log)))
+        return result
+
+    with record_collectives(extra_targets=cached_comm_functions()) as log:
+        torch.Tensor.backward = marked_backward
+        try:
+            train_step(engine)
+        finally:
+            torch.Tensor.backward = original_backward
+    reductions = {i for i, c in enumerate(log) if c.op in REDUCTIONS and c.numel > 1}
+    comm = {}  # "op dtype" -> input bytes
+    for c in log:
+        dtype = str(c.dtype).replace("torch.", "").replace("bfloat", "bf").replace("float", "fp")
+        key = f"{SHORT_OP.get(c.op, c.op)} {dtype}"
+        comm[key] = comm.get(key, 0) + c.bytes
+    ENGINES[name] = engine
+    return {"optimizer": type(engine.optimizer).__name__, "grad_error": error, "grad_bytes": grad_bytes,
+            "detail": detail, "comm": comm, "reductions": len(reductions),
+            "in_backward": len(reductions & in_backward)}
+
+
+def timed_round(name):
+    """(step seconds, the same step with every collective replaced by a local copy, CPU seconds this process
+    (all its threads: compute and the gloo workers) spent in the normal step) of one engine, this rank."""
+    import torch.distributed as dist
+
+    from l3plugin.debug import local_collectives
+
+    engine = ENGINES[name]
+    dist.barrier()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    train_step(engine)
+    normal, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    dist.barrier()
+    with local_collectives(extra_targets=cached_comm_functions()):
+        start = time.perf_counter()
+        train_step(engine)
+        local = time.perf_counter() - start
+    return normal, local, cpu
+
+
+def free_engines():
+    ENGINES.clear()
+    BATCHES.clear()
+    gc.collect()
+
+
+# -- parent side ------------------------------------------------------------------------------------------
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--gas", type=int, nargs="+", default=[4, 8], help="gradient accumulation steps")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (every variant once per round)")
+    parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--gas", type=int, default=32, help="micro-batches per step")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
+    parser.add_argument("--micro-batch", type=int, default=64, help="samples per micro-batch per rank")
+    parser.add_argument("--bucket", type=float, default=1e6, help="reduce/allgather bucket size (elements)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds: a smoke run")
+    parser.add_argument("--census-detail", action="store_true", help="print what the gradient census counted")
     args = parser.parse_args()
-    params = args.layers * (args.width ** 2 + args.width) + args.width + 1
-    print(f"model: {args.layers} x Linear({args.width}, {args.width}) + head = {params / 1e6:.2f} M bf16 params; "
-          f"{args.gas} micro-batches of 4 per step; AdamW (torch); CPU, gloo, 1 thread per rank\n")
-    header = (f"{'ranks':>5}  {'variant':<52} {'optimizer':<24} {'step ms':>8} {'+RSS MB':>8} {'grad MB':>8} "
-              f"{'wire MB':>8} {'grad err':>9}  collectives per step (calls, input MB)")
-    print(header)
-    print("-" * len(header))
-    for world in args.worlds:
-        for name, stage, plugin, extra in VARIANTS:
-            with RankPool(world) as pool:  # fresh processes: the RSS high-water mark starts clean
-                timing = pool.run(timed_run, stage, plugin, extra, args.width, args.layers, args.gas,
-                                  args.steps, timeout=1800)[0]
-                err = pool.run(gradient_error, stage, plugin, extra, args.width, args.layers, args.gas,
-                               timeout=1800)[0]
-            comm = ", ".join(f"{op}: {n}, {b / 2**20:.1f}" for op, (n, b) in sorted(timing["comm"].items()))
-            grad_mb = "-" if timing["grad_mb"] is None else f"{timing['grad_mb']:.1f}"
-            print(f"{world:>5}  {name:<52} {timing['optimizer']:<24} {timing['step_ms']:>8.0f} "
-                  f"{timing['rss_mb']:>8.0f} {grad_mb:>8} {timing['wire_mb']:>8.1f} {err:>9.1e}  {comm}",
-                  flush=True)
-        print()
+    if args.quick:
+        args.width, args.layers, args.micro_batch, args.rounds, args.bucket = 256, 2, 16, 2, 2e4
+    bucket = int(args.bucket)
+    began = time.perf_counter()
+    with RankPool(2) as pool:
+        compute = pool.run(measure_compute, args.width, args.layers, args.micro_batch, timeout=300)
+        params = compute[0][1]
+        print(f"model: {args.layers} x (Linear({args.width}, {args.width}) + Tanh) + Linear({args.width}, 1) = "
+              f"{params / 1e6:.1f}M bf16 params; AdamW (torch); 2 gloo ranks, 1 thread each; buckets {bucket:,} "
+              f"elements; {args.rounds} rounds\nmicro-batch {args.micro_batch} samples per rank: forward+backward "
+              f"{max(ms for ms, _ in compute):.0f} ms (plain bf16 model, both ranks at once, slower rank); "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+        for gas in args.gas:
+            info = {name: pool.run(prepare_variant, name, gas, args.micro_batch, args.width, args.layers, bucket,
+                                   timeout=1800) for name in VARIANTS}
+            step = {name: [] for name in VARIANTS}
+            exposed = {name: [] for name in VARIANTS}
+            busy = {name: [] for name in VARIANTS}
+            for round_index in range(args.rounds):
+                for name in list(VARIANTS)[::1 if round_index % 2 == 0 else -1]:
+                    per_rank = pool.run(timed_round, name, timeout=1800)
+                    normal, local = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
+                    step[name].append(normal)
+                    exposed[name].append(normal - local)
+                    # Both ranks' CPU seconds over what the machine's cores offer in the step's wall time.
+                    busy[name].append(sum(r[2] for r in per_rank) / (os.cpu_count() * normal))
+            pool.run(free_engines, timeout=300)
+            print_table(gas, args, params, info, step, exposed, busy)
+            print(f"(load average {os.getloadavg()[0]:.1f} at the end of gas {gas})", flush=True)
+    print(f"\ntotal run time {time.perf_counter() - began:.0f} s")
+
+
+def ratio_text(top, bottom):
+    """Median of the per-round ratios, with their range: the machine is shared, the spread says how much."""
+    ratios = [a / b for a, b in zip(top, bottom)]
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def print_table(gas, args, params, info, step, exposed, busy):
+    header = (f"{'gas ' + str(gas):<38} {'optimizer':<24} {'step ms':>7} {'ratio (range)':>16} {'exposed ms':>10} "
+              f"{'exp/coll (range)':>17} {'CPU busy':>8} {'grad B/param':>12} {'in bwd/all':>10} {'grad err':>8}  coll MB/step")
+    print(f"\n{header}\n{'-' * len(header)}")
+    for name, (stage, _, _, _) in VARIANTS.items():
+        rank0, baseline, twin = info[name][0], STOCK_OF_STAGE[stage], NO_OVERLAP_TWIN.get(name)
+        ratio = ratio_text(step[name], step[baseline]) if name != baseline else "-"
+        fraction = ratio_text(exposed[name], exposed[twin]) if twin else "-"
+        grad = max(r["grad_bytes"] for r in info[name]) / params
+        comm = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in sorted(rank0["comm"].items()))
+        print(f"{name:<38} {rank0['optimizer']:<24} {1000 * statistics.median(step[name]):>7.0f} {ratio:>16} "
+              f"{1000 * statistics.median(exposed[name]):>10.0f} {fraction:>17} {statistics.median(busy[name]):>8.2f} "
+              f"{grad:>12.2f} "
+              f"{rank0['in_backward']:>5}/{rank0['reductions']:<4} {rank0['grad_error']:>8.1e}  {comm}", flush=True)
+    if args.census_detail:
+        for name in VARIANTS:
+            for rank, r in enumerate(info[name]):
+                rows = sorted(r["detail"].items(), key=lambda kv: -kv[1][1])
+                print(f"  census {name}, rank {rank}: " + "; ".join(
+                    f"{n} x {label} = {b / 1e6:.2f} MB" for label, (n, b) in rows[:8]))
 
 
 if __name__ == "__main__":

@@ -81,9 +81,10 @@ def plugin_options(param_dict: dict) -> dict | None:
     if opts["reduce_every"] is not None and opts["reduce_every"] < 1:
         raise ValueError(f'"{KEY}.reduce_every" must be >= 1 (micro-batches between ZeRO-2 reduce-scatters), '
                          f'got {opts["reduce_every"]}')
-    timeout = opts["wait_timeout"]
-    if timeout is not None and not 0 < timeout < float("inf"):
-        raise ValueError(f'"{KEY}.wait_timeout" must be a finite number of seconds > 0, got {timeout}')
+    if opts["wait_timeout"] is not None:
+        from l3plugin.waits import resolve_timeout
+
+        resolve_timeout(opts["wait_timeout"], f'"{KEY}.wait_timeout"')
     return opts if opts["fp32_reduce_zero"] else None
 
 

@@ -244,7 +244,8 @@ def _local_call(call: Call):
         elif op == "reduce_scatter":
             arg("output").copy_(arg("input_list")[rank])
         elif op == "all_gather_into_tensor":
-            source = arg("input_tensor")
+            # DeepSpeed gathers in place (the input is this rank's slice of the output): copy it out first.
+            source = arg("input_tensor").clone()
             arg("output_tensor").view(-1, source.numel()).copy_(source.reshape(1, -1))
         elif op == "all_gather":
             for out in arg("tensor_list"):

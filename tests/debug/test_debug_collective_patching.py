@@ -251,6 +251,10 @@ def test_local_collectives_without_a_process_group():
         dist.reduce_scatter_tensor(out, torch.arange(6.0))
         assert dist.barrier(async_op=True).wait()
     assert out.tolist() == [0.0, 1.0, 2.0]
+    gathered = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 0.0])
+    with local_collectives():  # in place, as DeepSpeed gathers: the input is this rank's slice of the output
+        dist.all_gather_into_tensor(gathered, gathered[:3])
+    assert gathered.tolist() == [1.0, 2.0, 3.0, 1.0, 2.0, 3.0]
     with pytest.raises(ValueError):  # the real one needs a process group
         dist.barrier()
 

@@ -207,8 +207,8 @@ def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks):
     (2, {"reduce_every": 5}, '"l3plugin.reduce_every" is 5; valid range is 1..gradient_accumulation_steps (4)'),
     (1, {"reduce_every": 2}, '"l3plugin.reduce_every" is 2 with zero_optimization.stage 1'),
     (2, {"bucket_numel": 0}, '"l3plugin.bucket_numel" must be >= 1, got 0'),
-    (2, {"wait_timeout": 0}, '"l3plugin.wait_timeout" must be a finite number of seconds > 0, got 0'),
-    (2, {"wait_timeout": float("nan")}, '"l3plugin.wait_timeout" must be a finite number of seconds > 0'),
+    (2, {"wait_timeout": 0}, '"l3plugin.wait_timeout"=0 is invalid: must be a finite number of seconds > 0'),
+    (2, {"wait_timeout": float("nan")}, '"l3plugin.wait_timeout"=nan is invalid: must be a finite number of'),
 ])
 def test_bad_options_name_the_option_value_and_range(ranks, stage, options, expected):
     for message in ranks.run(2, error_of, stage, 4, **options, timeout=60):
