@@ -14,7 +14,8 @@ Everything printed is measured; nothing is computed from a model of the hardware
 - ratio: per round, step time / that of the stock variant of the same stage (ours ZeRO-1 vs stock ZeRO-1, every
   ZeRO-2 variant vs stock ZeRO-2) in the same round; the median of these per-round ratios (their range).
 - exposed ms: per round, step time minus the time of the same step of the same engine, run right after it
-  inside l3plugin.debug.local_collectives (every collective replaced by a local copy); median.
+  inside l3plugin.debug.local_collectives(p2p=True) (every collective and point-to-point message replaced by
+  a local copy; receives get zeros); median.
 - exp/coll: per round, exposed ms / exposed ms of the same configuration with overlap_comm false (blocking
   collectives: its exposed time is the time spent in collectives); median (range). The fraction of the communication
   that overlap fails to hide (ours only: stock has no such twin here).
@@ -28,14 +29,15 @@ Everything printed is measured; nothing is computed from a model of the hardware
   minus the storages alive before this engine was built (other engines, data), the module parameters, the base
   torch optimizer's parameters and state, DeepSpeed's single_partition_of_fp32_groups and bit16_groups_flat.
   Bytes per model parameter, larger rank. --census-detail prints what remained.
-- in bwd/all: gradient reductions (reduce-scatter, all-reduce, reduce of more than one element; scalars are
-  norms and overflow flags) started while a loss.backward() ran, i.e. from autograd's gradient hooks,
+- in bwd/all: gradient reductions (reduce-scatter, all-reduce, reduce of more than one element, and on gloo
+  l3plugin's point-to-point exchange sends; scalars are norms and overflow flags) started while a loss.backward() ran, i.e. from autograd's gradient hooks,
   overlapping the rest of backward, and how many the step made (rank 0, the recorded third step).
 - grad err: relative L2 error of safe_get_full_grad after the first step's last backward, against an fp64 sum of
   the same bf16 micro-batch gradients (a bf16 replica of the model, same data) averaged over the ranks.
 - coll MB/step: input bytes handed to collectives in the recorded step (l3plugin.debug.record_collectives, rank 0)
-  per op (RS reduce-scatter, AR all-reduce, AG all-gather, R reduce) and dtype. On gloo, l3plugin reduce-scatters
-  by an all-reduce (gloo's reduce-scatter is slower; l3plugin/zero/comm.py): ours shows AR there.
+  per op (RS reduce-scatter, AR all-reduce, AG all-gather, R reduce, P2P point-to-point sends) and dtype. On
+  gloo, l3plugin reduce-scatters by a point-to-point exchange (gloo's reduce-scatter is an all-reduce underneath
+  and slower; l3plugin/zero/comm.py): ours shows P2P there.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ VARIANTS = {
 STOCK_OF_STAGE = {1: "stock ZeRO-1", 2: "stock ZeRO-2"}
 NO_OVERLAP_TWIN = {"ours ZeRO-1": "ours ZeRO-1 no overlap",
                    "ours ZeRO-2 reduce_every=1": "ours ZeRO-2 reduce_every=1 no overlap"}
-REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter", "all_reduce", "all_reduce_coalesced", "reduce")
-SHORT_OP = {"reduce_scatter_tensor": "RS", "reduce_scatter": "RS", "all_reduce": "AR", "all_gather_into_tensor": "AG",
+# isend: on gloo l3plugin's reduce-scatter is a point-to-point exchange (one isend per peer and bucket)
+REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter", "all_reduce", "all_reduce_coalesced", "reduce", "isend")
+SHORT_OP = {"isend": "P2P", "reduce_scatter_tensor": "RS", "reduce_scatter": "RS", "all_reduce": "AR", "all_gather_into_tensor": "AG",
             "all_gather": "AG", "reduce": "R", "broadcast": "B"}
 
 # -- worker side: these run inside the RankPool processes --------------------------------------------------
@@ -259,6 +262,8 @@ def prepare_variant(name, gas, micro_batch, width, layers, bucket):
     reductions = {i for i, c in enumerate(log) if c.op in REDUCTIONS and c.numel > 1}
     comm = {}  # "op dtype" -> input bytes
     for c in log:
+        if not c.bytes:  # receives hand over nothing: what they get is counted at the sender
+            continue
         dtype = str(c.dtype).replace("torch.", "").replace("bfloat", "bf").replace("float", "fp")
         key = f"{SHORT_OP.get(c.op, c.op)} {dtype}"
         comm[key] = comm.get(key, 0) + c.bytes
@@ -281,7 +286,7 @@ def timed_round(name):
     train_step(engine)
     normal, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     dist.barrier()
-    with local_collectives(extra_targets=cached_comm_functions()):
+    with local_collectives(extra_targets=cached_comm_functions(), p2p=True):
         start = time.perf_counter()
         train_step(engine)
         local = time.perf_counter() - start

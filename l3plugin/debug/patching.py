@@ -258,12 +258,19 @@ def _local_call(call: Call):
             for out, source in zip(arg("output_tensor_list"), arg("input_tensor_list")):
                 if out.numel() == source.numel():
                     out.copy_(source.reshape(out.shape))
-        # all_reduce, all_reduce_coalesced, reduce, broadcast, barrier: the tensors stay as they are.
+        elif op in ("recv", "irecv"):  # only with p2p=True: the peer's data never comes; zeros stand in
+            arg("tensor").zero_()
+        # all_reduce, all_reduce_coalesced, reduce, broadcast, barrier: the tensors stay as they are;
+        # send, isend: nothing leaves.
+    if call.spec.always_async:
+        return DoneWork(outputs)
+    if op == "recv":
+        return arg("src")
     return DoneWork(outputs) if arg("async_op", False) else None
 
 
 @contextlib.contextmanager
-def local_collectives(extra_targets=()):
+def local_collectives(extra_targets=(), p2p: bool = False):
     """Replace every collective by a local copy with no communication, for "exposed communication" benchmarks.
 
         with local_collectives(extra_targets):
@@ -284,9 +291,12 @@ def local_collectives(extra_targets=()):
     some ranks (or a single process without torch.distributed initialised) take part. The rank used for
     slicing is the rank within the call's group.
 
-    P2P (send, recv, isend, irecv, batch_isend_irecv) is NOT replaced: it still goes to the backend, so
-    a pipeline-parallel step keeps its pipeline communication. ``extra_targets``: as in the module doc
-    (P2P ones are ignored here). Cannot be nested with ``record_collectives``.
+    P2P (send, recv, isend, irecv, batch_isend_irecv) is NOT replaced unless ``p2p=True``: it still goes to
+    the backend, so a pipeline-parallel step keeps its pipeline communication. With ``p2p=True`` (for code
+    that builds collectives from point-to-point messages, like l3plugin's ZeRO reduce-scatter on gloo) sends
+    do nothing and receives fill their buffer with zeros; batch_isend_irecv is still not replaced.
+    ``extra_targets``: as in the module doc. Cannot be nested with ``record_collectives``.
     """
-    with patched(_local_call, extra_targets, kinds=("coll",)):
+    kinds = ("coll", "send", "recv") if p2p else ("coll",)
+    with patched(_local_call, extra_targets, kinds=kinds):
         yield

@@ -233,7 +233,8 @@ class FP32ReduceZero:
     def _launch(self, bucket: GradBucket) -> None:
         bucket.armed = False
         bucket.in_flight = comm.start_reduce_scatter_sum(bucket.full_buffer(), self.group, self.settings.reduce_dtype,
-                                                         what=f"gradient bucket {bucket.spec.index}")
+                                                         what=f"gradient bucket {bucket.spec.index}",
+                                                         tag=bucket.spec.index)
         if not self.settings.overlap:
             self._complete(bucket)
 

@@ -255,6 +255,11 @@ def test_local_collectives_without_a_process_group():
     with local_collectives():  # in place, as DeepSpeed gathers: the input is this rank's slice of the output
         dist.all_gather_into_tensor(gathered, gathered[:3])
     assert gathered.tolist() == [1.0, 2.0, 3.0, 1.0, 2.0, 3.0]
+    received = torch.ones(3)
+    with local_collectives(p2p=True):  # point-to-point too: sends vanish, receives get zeros
+        assert dist.isend(torch.ones(3), dst=1).wait()
+        assert dist.irecv(received, src=1).is_completed()
+    assert received.tolist() == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError):  # the real one needs a process group
         dist.barrier()
 

@@ -36,7 +36,8 @@ def zero_step(stage, p, v, m, k, overlap=True):
             num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
         in_flight = sum(b.in_flight is not None for b in zero.buckets)  # still running when the schedule returns
         zero.step()
-    ops = [(c.op, str(c.dtype), c.numel) for c in log]
+    dp_ranks = dist.get_process_group_ranks(zero.group)
+    ops = [(c.op, str(c.dtype), c.numel, "dp" if c.group == dp_ranks else "other") for c in log]
     weights = {lid: layer.weight.detach().clone() for c in chunks for lid, layer in zip(c.layer_ids, c.layers)}
     return {"ops": ops, "buckets": len(zero.buckets), "weights": weights, "in_flight": in_flight}
 
@@ -46,12 +47,13 @@ def test_reduce_scatter_timing_follows_the_rounds(ranks, stage):
     p, v, m, k = 2, 2, 7, 3  # rounds per chunk: ceil(7/3) = 3
     results = ranks.run(4, zero_step, stage, p, v, m, k, timeout=120)
     for r in results:
-        # On gloo a bucket's reduce-scatter is an all-reduce of the padded bucket (l3plugin.zero.comm).
-        rs = [op for op in r["ops"] if op[0] == "reduce_scatter_tensor" or (op[0] == "all_reduce" and op[2] > 1)]
-        assert all(dtype == "torch.float32" for _, dtype, _ in rs)
+        # On gloo a bucket's reduce-scatter is a point-to-point exchange in the DP group (l3plugin.zero.comm):
+        # with DP = 2, one isend per bucket.
+        rs = [op for op in r["ops"] if op[0] == "reduce_scatter_tensor" or (op[0] == "isend" and op[3] == "dp")]
+        assert all(dtype == "torch.float32" for _, dtype, _, _ in rs)
         assert len(rs) == r["buckets"] * (3 if stage == 2 else 1)
-        assert not any(op == "all_reduce" and dtype != "torch.float32" for op, dtype, _ in r["ops"])
-        assert any(op == "all_gather_into_tensor" for op, _, _ in r["ops"])
+        assert not any(op == "all_reduce" and dtype != "torch.float32" for op, dtype, _, _ in r["ops"])
+        assert any(op == "all_gather_into_tensor" for op, _, _, _ in r["ops"])
     # The same pipeline position on both DP ranks holds identical parameters.
     for a, b in ((0, 2), (1, 3)):
         assert all(torch.equal(results[a]["weights"][lid], results[b]["weights"][lid]) for lid in results[a]["weights"])

@@ -174,11 +174,11 @@ def pipeline_overlap(stage, overlap, reduce_every):
     epilogue = engine.optimizer.after_backward
     zero = engine.optimizer.zero
     dp_ranks = dist.get_process_group_ranks(zero.group)
-    bucket_sizes = {b.spec.padded_numel for b in zero.buckets}
+    slice_sizes = {b.spec.shard_numel for b in zero.buckets}  # gloo: one isend of a 1/W slice per bucket
 
     def watched():  # the pipeline's own collectives (P2P, loss) run in other groups or sizes
-        counts.append(sum(1 for c in log if c.op in ("all_reduce", "reduce_scatter_tensor") and c.group == dp_ranks
-                          and c.numel in bucket_sizes and c.dtype == torch.float32))
+        counts.append(sum(1 for c in log if c.op in ("isend", "reduce_scatter_tensor") and c.group == dp_ranks
+                          and c.numel in slice_sizes and c.dtype == torch.float32))
         epilogue()
         held.append(sum(b.full is not None or b.in_flight is not None for b in zero.buckets))
 

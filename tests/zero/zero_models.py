@@ -89,14 +89,16 @@ def relative_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
 
 
 def collectives_by_kind(log, buckets) -> dict:
-    """A recorded step's collectives: gradient reductions (reduce-scatters; on gloo a bucket's reduce-scatter
-    is an all-reduce of the whole padded bucket), parameter all-gathers, other all-reduces, anything else."""
-    bucket_sizes = {b.spec.padded_numel for b in buckets}
+    """A recorded step's collectives: gradient reductions (a reduce-scatter; on gloo a point-to-point exchange,
+    one isend per peer of a 1/W slice of the padded bucket, counted once per bucket and peer), parameter
+    all-gathers, other all-reduces, anything else."""
+    slice_sizes = {b.spec.shard_numel for b in buckets}
 
     def is_reduction(c):
-        return c.op == "reduce_scatter_tensor" or (c.op == "all_reduce" and c.numel in bucket_sizes)
+        return c.op == "reduce_scatter_tensor" or (c.op == "isend" and c.numel in slice_sizes)
 
     return {"rs": [(str(c.dtype), c.numel) for c in log if is_reduction(c)],
             "ag": [(str(c.dtype), c.numel) for c in log.of("all_gather_into_tensor")],
-            "ar": [c.numel for c in log.of("all_reduce") if not is_reduction(c)],
-            "other": sorted({c.op for c in log} - {"reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"})}
+            "ar": [c.numel for c in log.of("all_reduce")],
+            "other": sorted({c.op for c in log} - {"reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce",
+                                                   "isend", "irecv"})}
