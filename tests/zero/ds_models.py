@@ -66,3 +66,23 @@ def train(engine, steps, first_step=0):
         for mb in range(gas):
             engine.backward(loss_of(engine(batch(rank, step, mb))))
             engine.step()
+
+
+def reduced_grad_error(engine, gas) -> float:
+    """Relative error vs fp64 of the reduced gradient (``safe_get_full_grad`` after the last of ``gas``
+    micro-batches) of an engine built from ``make_mlp()``, against a bf16 replica accumulated in fp64."""
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad
+
+    from zero_models import Fp64Reference, relative_error
+
+    ref_model = make_mlp().bfloat16()
+    ref = Fp64Reference(ref_model.parameters())
+    for mb in range(gas):
+        x = batch(dist.get_rank(), 0, mb)
+        (loss_of(ref_model(x)) / gas).backward()
+        engine.backward(loss_of(engine(x)))
+        if mb < gas - 1:
+            engine.step()  # DeepSpeed's idiom: step() every micro-batch, it only counts until the boundary
+    return relative_error([safe_get_full_grad(p).float() for p in engine.module.parameters()],
+                          ref.mean_over_ranks())

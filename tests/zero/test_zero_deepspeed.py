@@ -4,30 +4,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_models import batch, ds_config, engine_for, loss_of, make_mlp, train
-from zero_models import Fp64Reference, collectives_by_kind, relative_error
+from ds_models import batch, ds_config, engine_for, loss_of, make_mlp, reduced_grad_error, train
+from zero_models import collectives_by_kind
 
 ON = {"fp32_reduce_zero": True}
 
 
 def grad_errors(stage, gas=32):
     """Error vs fp64 of the reduced gradient (safe_get_full_grad after the last backward), fp32 and bf16."""
-    from deepspeed.utils import safe_get_full_grad
-
     out = {}
     for name, plugin in (("fp32", ON), ("bf16", {**ON, "accumulate_dtype": "bf16", "reduce_dtype": "bf16"}),
                          ("stock", None)):
         engine = engine_for(ds_config(stage, gas=gas, plugin=plugin))
-        ref_model = make_mlp().bfloat16()
-        ref = Fp64Reference(ref_model.parameters())
-        for mb in range(gas):
-            x = batch(dist.get_rank(), 0, mb)
-            (loss_of(ref_model(x)) / gas).backward()
-            engine.backward(loss_of(engine(x)))
-            if mb < gas - 1:
-                engine.step()  # DeepSpeed's idiom: step() every micro-batch, it only counts until the boundary
-        got = [safe_get_full_grad(p).float() for p in engine.module.parameters()]
-        out[name] = relative_error(got, ref.mean_over_ranks())
+        out[name] = reduced_grad_error(engine, gas)
         out[name + "_optimizer"] = type(engine.optimizer).__name__
     return out
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_models import batch, ds_config, engine_for, loss_of, make_mlp
-from zero_models import Fp64Reference, all_params, chunk_params, make_chunks, relative_error, run_rounds
+from ds_models import batch, ds_config, engine_for, loss_of, reduced_grad_error
+from zero_models import all_params, chunk_params, make_chunks, run_rounds
 
 BUCKET = 100  # the MLP (13x24, 24x24, 24x1 + biases, 961 elements) spreads over several buckets
 REDUCTIONS = ("reduce_scatter_tensor", "isend")  # gloo: a bucket's reduce-scatter is a point-to-point exchange
@@ -77,18 +77,7 @@ def train_and_watch(stage, overlap, gas=4, steps=2, **options):
 
 def fp64_error(stage, gas=8, **options):
     """Relative error vs fp64 of the reduced gradient after ``gas`` micro-batches."""
-    from deepspeed.utils import safe_get_full_grad
-
-    engine = engine_for(config(stage, True, gas, **options))
-    ref_model = make_mlp().bfloat16()
-    ref = Fp64Reference(ref_model.parameters())
-    for mb in range(gas):
-        x = batch(dist.get_rank(), 0, mb)
-        (loss_of(ref_model(x)) / gas).backward()
-        engine.backward(loss_of(engine(x)))
-        if mb < gas - 1:
-            engine.step()
-    return relative_error([safe_get_full_grad(p) for p in engine.module.parameters()], ref.mean_over_ranks())
+    return reduced_grad_error(engine_for(config(stage, True, gas, **options)), gas)
 
 
 def core_rounds(stage, overlap):
