@@ -18,7 +18,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ds_models import ds_config, engine_for, train
 
