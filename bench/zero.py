@@ -37,7 +37,7 @@ Everything printed is measured; nothing is computed from a model of the hardware
 - coll MB/step: input bytes handed to collectives in the recorded step (l3plugin.debug.record_collectives, rank 0)
   per op (RS reduce-scatter, AR all-reduce, AG all-gather, R reduce, P2P point-to-point sends) and dtype. On
   gloo, l3plugin reduce-scatters by a point-to-point exchange (gloo's reduce-scatter is an all-reduce underneath
-  and slower; l3plugin/zero/comm.py): ours shows P2P there.
+  and slower; l3plugin/comm.py): ours shows P2P there.
 """
 
 from __future__ import annotations

@@ -73,10 +73,11 @@ def cp_peer_never_joins(operation, timeout):
                                    "from pipeline rank 1 (global rank 1) did not finish within 2 s"),
     (p2p_peer_never_joins, "send", "rank 0: pipeline rank 0: send of the activation of microbatch 0 (stage 0 -> 1) "
                                    "to pipeline rank 1 (global rank 1) did not finish within 2 s"),
-    (cp_peer_never_joins, "all-gather", "rank 0: CP all-gather of K/V (2, 8, 2, 4) over CP group ranks [0, 1] "
-                                        "did not finish within 2 s"),
-    (cp_peer_never_joins, "reduce-scatter", "rank 0: CP reduce-scatter of dK/dV (4, 8, 2, 4) over CP group "
-                                            "ranks [0, 1] did not finish within 2 s"),
+    (cp_peer_never_joins, "all-gather", "rank 0: all-gather (CP K/V (2, 8, 2, 4)) of 128 float32 elements "
+                                        "(0.0 MiB) in group ranks [0, 1] did not finish within 2 s"),
+    (cp_peer_never_joins, "reduce-scatter", "rank 0: reduce-scatter (point-to-point exchange on gloo) (CP dK/dV "
+                                            "(2, 8, 2, 4)) of 256 float32 elements (0.0 MiB) in group ranks [0, 1] "
+                                            "did not finish within 2 s"),
 ])
 def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks, fn, operation, expected):
     from l3plugin.testing.ranks import DistributedTestError

@@ -6,10 +6,10 @@ O(S) while attention is O(S^2)), then attend this rank's queries to the gathered
 and causal mask. Backward: dq locally; dK and dV of the full sequence are reduce-scattered so every rank
 gets the summed gradient of the tokens it holds.
 
-Both collectives are started asynchronously and waited with a bound (``wait_timeout``, see
-l3plugin/waits.py): a CP peer that never joins gives a ``CommTimeout`` naming this rank, the CP group and
-the operation. gloo's reduce-scatter cannot be waited with a bound (its work never reports completion),
-so on gloo the dK/dV reduce-scatter is an all-reduce of which this rank keeps its part (same sums).
+Both collectives come from l3plugin/comm.py, shared with ZeRO: started asynchronously and waited with a
+bound (``wait_timeout``, see l3plugin/waits.py), so a CP peer that never joins gives a ``CommTimeout``
+naming this rank, the CP group and the operation; on gloo the dK/dV reduce-scatter is a point-to-point
+exchange (gloo's own reduce-scatter cannot be waited with a bound).
 """
 
 from __future__ import annotations
@@ -19,29 +19,8 @@ import torch.distributed as dist
 
 from l3plugin.cp.kernels import select_kernel
 from l3plugin.cp.sharding import check_bool, check_cu_seqlens, document_metadata, shard_indices
-from l3plugin.waits import group_ranks, resolve_timeout, wait_work
-
-
-def _all_gather(out, inp, group, timeout):
-    # Looked up at call time so that l3plugin.debug.record_collectives (which patches dist) sees it;
-    # torch >= 2.13 renames all_gather_into_tensor to all_gather_single.
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = fn(out, inp, group=group, async_op=True)
-    wait_work(work, timeout=timeout,
-              what=f"CP all-gather of K/V {tuple(inp.shape)} over CP group ranks {group_ranks(group)}")
-
-
-def _reduce_scatter(out, inp, group, timeout):
-    """``out`` = this rank's 1/cp of ``inp`` summed over the group (``inp`` is overwritten on gloo)."""
-    what = f"CP reduce-scatter of dK/dV {tuple(inp.shape)} over CP group ranks {group_ranks(group)}"
-    if dist.get_backend(group) == "gloo":
-        work = dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        wait_work(work, timeout=timeout, what=what)
-        out.copy_(inp.view(dist.get_world_size(group), *out.shape)[dist.get_rank(group)])
-        return
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    work = fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    wait_work(work, timeout=timeout, what=what)
+from l3plugin import comm
+from l3plugin.waits import resolve_timeout
 
 
 def _gathered_order(seq_len: int, cp_size: int) -> torch.Tensor:
@@ -57,9 +36,8 @@ class GatherKV(torch.autograd.Function):
         cp = dist.get_world_size(group)
         s_local = k.size(0)
         local = torch.stack([k, v]).contiguous()  # [2, s_local, h, d]: one collective for both
-        # Collectives concatenate along dim 0: [cp * 2, s_local, h, d], viewed as [cp, 2, ...].
-        gathered = torch.empty((cp * 2,) + local.shape[1:], dtype=local.dtype, device=local.device)
-        _all_gather(gathered, local, group, timeout)
+        # The gather concatenates rank by rank: [cp * 2 * s_local * h * d], viewed as [cp, 2, ...].
+        gathered = comm.start_all_gather(local, group, what=f"CP K/V {tuple(local.shape)}").wait(timeout)
         gathered = gathered.view((cp,) + local.shape)
         order = _gathered_order(s_local * cp, cp).to(k.device)
         # gathered[r] holds rank r's tokens; place every token at its sequence position.
@@ -74,9 +52,9 @@ class GatherKV(torch.autograd.Function):
         grads = torch.stack([dk_full, dv_full])[:, ctx.order]  # rank-major order
         s_local = grads.size(1) // ctx.cp
         grads = grads.reshape(2, ctx.cp, s_local, *grads.shape[2:]).transpose(0, 1).contiguous()
-        mine = torch.empty(grads.shape[1:], dtype=grads.dtype, device=grads.device)
-        grads = grads.view(ctx.cp * 2, *grads.shape[2:])
-        _reduce_scatter(mine, grads, ctx.group, ctx.timeout)  # sum over ranks of dK/dV for my tokens
+        mine_shape = grads.shape[1:]
+        mine = comm.start_reduce_scatter_sum(  # sum over ranks of dK/dV for my tokens
+            grads.view(-1), ctx.group, grads.dtype, what=f"CP dK/dV {tuple(mine_shape)}").wait(ctx.timeout).view(mine_shape)
         return mine[0], mine[1], None, None
 
 

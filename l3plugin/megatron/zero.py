@@ -76,7 +76,7 @@ def _param_metadata(zero, model_sharded_state_dict):
 
 def _full_states(zero, keys):
     """{key: {param: whole fp32 tensor of the param's local shape}} (one all-gather per bucket and key)."""
-    from l3plugin.zero import comm
+    from l3plugin import comm
 
     out = {k: {} for k in ["param", *keys]}
     for bucket in zero.buckets:

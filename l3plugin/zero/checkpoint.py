@@ -37,7 +37,7 @@ from collections import OrderedDict
 
 import torch
 
-from l3plugin.zero import comm
+from l3plugin import comm
 
 FORMAT = 2
 KEY = "l3plugin_zero"

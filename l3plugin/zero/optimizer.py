@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from l3plugin.zero import comm
+from l3plugin import comm
 from l3plugin.waits import resolve_timeout
 from l3plugin.zero.buffers import GradBucket, GradBufferMemory, ParamSlot, plan_buckets
 

@@ -1,4 +1,5 @@
-"""The collectives of the FP32-reducing ZeRO optimizer: started asynchronously, waited with a bound.
+"""Collectives shared by the feature rooms (ZeRO's gradient buckets, CP's K/V): started asynchronously,
+waited with a bound.
 
 Every collective is started with ``async_op=True`` and returns an ``InFlight``; ``wait`` gives its result.
 The blocking helpers are start + wait. Waits are bounded (``l3plugin.waits``): a collective that does not
@@ -102,7 +103,7 @@ def start_reduce_scatter_sum(full: torch.Tensor, group, reduce_dtype: torch.dtyp
 def start_all_gather(shard: torch.Tensor, group, what: str = "") -> InFlight:
     """Start gathering every rank's ``shard`` (same size everywhere) into one tensor, in rank order."""
     world = dist.get_world_size(group)
-    shard = shard.contiguous()
+    shard = shard.contiguous().view(-1)  # gathered flat: callers view the result as they need
     out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
     if world == 1:
         out.copy_(shard)
