@@ -9,21 +9,7 @@ import argparse
 import json
 import sys
 
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is invalid: must be an integer >= 1")
-    return value
-
-
-def add_mesh_sizes(parser: argparse.ArgumentParser, *, tp=1, cp=1, pp=1, dp=1):
-    for dim, default in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp)):
-        parser.add_argument(f"--{dim}", type=positive_int, default=default,
-                            help=f"{dim.upper()} size (default {default})")
+from l3plugin.cli_args import add_mesh_sizes
 
 
 def _cmd_mesh(args) -> int:

@@ -151,7 +151,7 @@ def run_demo(args) -> int:
 
 
 def add_demo_parser(sub):
-    from l3plugin.cli import add_mesh_sizes, positive_int
+    from l3plugin.cli_args import add_mesh_sizes, positive_int
 
     demo = sub.add_parser("demo", help="the main job: a tiny Llama trained with 4D parallelism on CPU",
                           description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from l3plugin.cli import positive_int
+from l3plugin.cli_args import positive_int
 
 from .models import PRESETS
 
