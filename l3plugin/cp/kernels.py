@@ -147,12 +147,12 @@ def flash_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=No
 
 @functools.lru_cache(maxsize=1)
 def _te_attention_class():
-    from l3plugin.te import te_unavailable_reason
-
-    if te_unavailable_reason() is not None:
+    """TE's DotProductAttention, or None. Checked here, not through l3plugin.te (an adapter: feature rooms
+    never import adapters); a half-installed TE raises RuntimeError, not ImportError, at import."""
+    try:
+        import transformer_engine.pytorch as te
+    except Exception:  # noqa: BLE001 - any failure means: no usable TE
         return None
-    import transformer_engine.pytorch as te
-
     return te.DotProductAttention
 
 
