@@ -2,7 +2,7 @@
 waited with a bound.
 
 Every collective is started with ``async_op=True`` and returns an ``InFlight``; ``wait`` gives its result.
-The blocking helpers are start + wait. Waits are bounded (``l3plugin.waits``): a collective that does not
+The blocking helpers (``all_gather_shards``, ``all_reduce_sum``) are start + wait. Waits are bounded (``l3plugin.waits``): a collective that does not
 finish raises ``CommTimeout`` naming this rank, the group, the operation and what it carried, instead of
 blocking until the process group's own timeout (30 minutes by default).
 
@@ -111,11 +111,6 @@ def start_all_gather(shard: torch.Tensor, group, what: str = "") -> InFlight:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = fn(out, shard, group=group, async_op=True)
     return InFlight(work, out, shard, _describe("all-gather", shard, group, what))
-
-
-def reduce_scatter_sum(full: torch.Tensor, group, reduce_dtype: torch.dtype,
-                       timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
-    return start_reduce_scatter_sum(full, group, reduce_dtype).wait(timeout)
 
 
 def all_gather_shards(shard: torch.Tensor, group, timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
