@@ -1,6 +1,7 @@
 """All-gather context-parallel attention with document masking (paper §4).
 
-Each CP rank holds two chunks of the packed sequence (see sharding.py). Forward: all-gather K and V over
+Each CP rank holds some ranges of the packed sequence, all ranks the same number of tokens: its CP
+layout (layout.py: the paper's two chunks by default, or document-balanced pieces). Forward: all-gather K and V over
 the CP group (one collective for both; exposed by design: K/V are small under GQA and the gather is
 O(S) while attention is O(S^2)), then attend this rank's queries to the gathered K/V with the document
 and causal mask. Backward: dq locally; dK and dV of the full sequence are reduce-scattered so every rank
@@ -18,28 +19,25 @@ import torch
 import torch.distributed as dist
 
 from l3plugin.cp.kernels import select_kernel
-from l3plugin.cp.sharding import check_bool, check_cu_seqlens, document_metadata, shard_indices
+from l3plugin.cp.layout import check_bool, check_cu_seqlens, make_layout
+from l3plugin.cp.sharding import document_metadata
 from l3plugin import comm
 from l3plugin.waits import resolve_timeout
 
 
-def _gathered_order(seq_len: int, cp_size: int) -> torch.Tensor:
-    """Global positions of the rank-major concatenation of every rank's local tokens."""
-    return torch.cat([shard_indices(seq_len, cp_size, r) for r in range(cp_size)])
-
-
 class GatherKV(torch.autograd.Function):
-    """k, v [s_local, h, d] in local order -> k, v [S, h, d] in sequence order; backward reduce-scatters."""
+    """k, v [s_local, h, d] in local order -> k, v [S, h, d] in sequence order; backward reduce-scatters.
+    ``order``: global positions of the rank-major concatenation of every rank's tokens (the layout's)."""
 
     @staticmethod
-    def forward(ctx, k, v, group, timeout):
+    def forward(ctx, k, v, group, timeout, order):
         cp = dist.get_world_size(group)
         s_local = k.size(0)
         local = torch.stack([k, v]).contiguous()  # [2, s_local, h, d]: one collective for both
         # The gather concatenates rank by rank: [cp * 2 * s_local * h * d], viewed as [cp, 2, ...].
         gathered = comm.start_all_gather(local, group, what=f"CP K/V {tuple(local.shape)}").wait(timeout)
         gathered = gathered.view((cp,) + local.shape)
-        order = _gathered_order(s_local * cp, cp).to(k.device)
+        order = order.to(k.device)
         # gathered[r] holds rank r's tokens; place every token at its sequence position.
         flat = gathered.transpose(0, 1).reshape(2, cp * s_local, *k.shape[1:])
         full = torch.empty_like(flat)
@@ -55,7 +53,7 @@ class GatherKV(torch.autograd.Function):
         mine_shape = grads.shape[1:]
         mine = comm.start_reduce_scatter_sum(  # sum over ranks of dK/dV for my tokens
             grads.view(-1), ctx.group, grads.dtype, what=f"CP dK/dV {tuple(mine_shape)}").wait(ctx.timeout).view(mine_shape)
-        return mine[0], mine[1], None, None
+        return mine[0], mine[1], None, None, None
 
 
 def _check_inputs(q, k, v):
@@ -76,12 +74,14 @@ def _check_inputs(q, k, v):
 
 
 def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softmax_scale=None,
-                         kernel="auto", wait_timeout=None):
+                         kernel="auto", wait_timeout=None, layout="2cp"):
     """Attention of this rank's queries over the whole packed sequence, with document masking.
 
-    q: [s_local, heads_q, head_dim]; k, v: [s_local, heads_kv, head_dim], this rank's tokens in local
-    order (chunk i, then chunk 2*cp-1-i); cu_seqlens: document boundaries over the FULL sequence
-    ([0, ..., S]; [0, S] is one document); group: the CP process group (None or size 1: no CP).
+    q: [s_local, heads_q, head_dim]; k, v: [s_local, heads_kv, head_dim], this rank's tokens in the
+    local order of ``layout`` ("2cp": chunk i, then chunk 2*cp-1-i; "balanced"; or a CPLayout, see
+    cp/layout.py; every rank must pass the same, and shard its batch with it); cu_seqlens: document
+    boundaries over the FULL sequence ([0, ..., S]; [0, S] is one document; "balanced" derives the
+    layout from it); group: the CP process group (None or size 1: no CP).
     wait_timeout: seconds the K/V all-gather and the dK/dV reduce-scatter may take (None:
     ``l3plugin.waits.resolve_timeout``, i.e. $L3PLUGIN_WAIT_TIMEOUT or 600).
     Returns [s_local, heads_q, head_dim], differentiable in q, k and v.
@@ -92,19 +92,21 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
     cp = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     seq_len = q.size(0) * cp
-    if q.size(0) % 2:
-        raise ValueError(f"s_local={q.size(0)} must be even: each rank holds two equal chunks "
-                         f"(S must be divisible by 2*cp = {2 * cp})")
+    if layout == "2cp" and q.size(0) % 2:
+        raise ValueError(f"s_local={q.size(0)} must be even: with layout='2cp' each rank holds two equal "
+                         f"chunks (S must be divisible by 2*cp = {2 * cp})")
     cu = check_cu_seqlens(cu_seqlens, seq_len)
+    plan = make_layout(layout, seq_len, cp, cu)  # the same on every rank: built from the global cu_seqlens
     if cp > 1:
-        k_full, v_full = GatherKV.apply(k, v, group, timeout)
+        k_full, v_full = GatherKV.apply(k, v, group, timeout, plan.gathered_order())
     else:
-        # Without CP the local order is still (chunk 0, chunk 1) = sequence order.
+        # Without CP every layout holds the whole sequence in order.
         k_full, v_full = k, v
     fn = select_kernel(kernel, q)
-    chunk = q.size(0) // 2
-    outs = []
-    for i, meta in enumerate(document_metadata(cu, seq_len, cp, rank, causal=causal)):
-        outs.append(fn(q[i * chunk:(i + 1) * chunk], k_full[:meta.kv_len], v_full[:meta.kv_len], meta,
+    outs, first = [], 0
+    for meta in document_metadata(cu, seq_len, cp, rank, causal=causal, layout=plan):
+        rows = meta.end - meta.start
+        outs.append(fn(q[first:first + rows], k_full[:meta.kv_len], v_full[:meta.kv_len], meta,
                        causal=causal, softmax_scale=softmax_scale))
+        first += rows
     return torch.cat(outs)

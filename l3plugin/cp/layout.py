@@ -82,6 +82,27 @@ class CPLayout:
     cp_size: int
     ranges: tuple  # ranges[rank] = ((start, end), ...)
 
+    def __post_init__(self):
+        # A hand-built layout that misses or repeats a position would silently attend to wrong tokens.
+        check_positive_int("seq_len", self.seq_len)
+        check_positive_int("cp_size", self.cp_size)
+        ranges = tuple(tuple((int(a), int(b)) for a, b in mine) for mine in self.ranges)
+        object.__setattr__(self, "ranges", ranges)
+        problem = None
+        if len(ranges) != self.cp_size:
+            problem = f"{len(ranges)} ranks' ranges for cp_size={self.cp_size}"
+        elif len({sum(b - a for a, b in mine) for mine in ranges}) != 1:
+            problem = f"token counts per rank {[sum(b - a for a, b in mine) for mine in ranges]} differ"
+        elif any(list(mine) != sorted(mine) or any(a >= b for a, b in mine) for mine in ranges):
+            problem = "a rank's ranges are not sorted non-empty [start, end) pairs"
+        else:
+            cover = sorted(r for mine in ranges for r in mine)
+            if cover[0][0] != 0 or cover[-1][1] != self.seq_len or any(
+                    b != a for (_, b), (a, _) in zip(cover, cover[1:])):
+                problem = f"the ranges do not cover [0, {self.seq_len}) exactly once"
+        if problem:
+            raise ValueError(f"layout {self.name!r} is invalid: {problem}; ranges={self.ranges!r}"[:400])
+
     def rank_ranges(self, cp_rank: int) -> tuple:
         if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < self.cp_size:
             raise ValueError(f"cp_rank={cp_rank!r} is out of range: must be in 0..{self.cp_size - 1}")

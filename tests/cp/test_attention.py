@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from l3plugin.cp.attention import all_gather_attention
-from l3plugin.cp.sharding import shard_indices
+from l3plugin.cp.layout import CPLayout, make_layout, two_chunk_layout
 
 S = 48  # divisible by 2*cp for cp in 1..4
 
@@ -50,8 +50,13 @@ CASES = [(dtype, causal, heads, kernel)
                                ((4, 2), "cpu-flash"))]
 
 
-def cp_attention_errors(block_size):
-    """On every rank: max abs error of out, dq, dk, dv vs the reference, for every case and layout."""
+# A hand-built layout at cp=2: many ranges, out of order across ranks, one crossing the middle.
+SCRAMBLED = CPLayout("scrambled", S, 2, (((0, 5), (11, 20), (37, 47)), ((5, 11), (20, 37), (47, 48))))
+
+
+def cp_attention_errors(block_size, cp_layout="2cp"):
+    """On every rank: max abs error of out, dq, dk, dv vs the reference, for every case and document
+    layout, with this CP layout ("2cp", "balanced" or a CPLayout)."""
     import torch.distributed as dist
 
     from l3plugin.cp import kernels
@@ -59,16 +64,17 @@ def cp_attention_errors(block_size):
     kernels.DEFAULT_BLOCK = block_size
     group = dist.group.WORLD
     cp, rank = dist.get_world_size(), dist.get_rank()
-    idx = shard_indices(S, cp, rank)
     errors = {}
     for dtype, causal, (hq, hkv), kernel in CASES:
         q, k, v, g = make_inputs(dtype, hq, hkv)
         for name, cu in layouts(S).items():
+            idx = make_layout(cp_layout, S, cp, cu).indices(rank)
             ref_in = [t.detach().clone().to(torch.float64).requires_grad_() for t in (q, k, v)]
             ref_out = reference(*ref_in, cu, causal)
             ref_out.backward(g.to(torch.float64))
             local = [t[idx].detach().clone().requires_grad_() for t in (q, k, v)]
-            out = all_gather_attention(*local, torch.tensor(cu), group=group, causal=causal, kernel=kernel)
+            out = all_gather_attention(*local, torch.tensor(cu), group=group, causal=causal, kernel=kernel,
+                                       layout=cp_layout)
             out.backward(g[idx])
             pairs = [(out, ref_out[idx])] + [(a.grad, b.grad[idx]) for a, b in zip(local, ref_in)]
             errors[(str(dtype), causal, hq, hkv, kernel, name)] = max(
@@ -84,6 +90,26 @@ def test_matches_single_process_attention(ranks, cp):
         for (dtype, causal, hq, hkv, kernel, layout), err in errors.items():
             tol = 1e-12 if dtype == "torch.float64" else 1e-5
             assert err < tol, f"cp={cp} rank={rank} {dtype} causal={causal} heads={hq}/{hkv} {kernel} {layout}: {err}"
+
+
+@pytest.mark.parametrize("cp_layout", ["balanced", SCRAMBLED], ids=["balanced", "scrambled"])
+def test_other_layouts_match_single_process_attention(ranks, cp_layout):
+    """Any partition of the queries is correct after the K/V all-gather: fwd + bwd against fp64."""
+    results = ranks.run(2, cp_attention_errors, 5, cp_layout, timeout=240)
+    for rank, errors in enumerate(results):
+        assert len(errors) == len(CASES) * 4
+        for (dtype, causal, hq, hkv, kernel, layout), err in errors.items():
+            tol = 1e-12 if dtype == "torch.float64" else 1e-5
+            assert err < tol, f"{cp_layout} rank={rank} {dtype} causal={causal} heads={hq}/{hkv} {kernel} {layout}: {err}"
+
+
+def test_balanced_layouts_here_are_varied():
+    """The parity test above sees balanced layouts with one range per rank (later half on rank 0),
+    with merged ranges, and with many ranges."""
+    ranges = {name: make_layout("balanced", S, 2, cu).ranges for name, cu in layouts(S).items()}
+    assert ranges["longer-than-a-chunk"] == (((24, 48),), ((0, 24),))
+    assert ranges["one-document"] == (((0, 12), (36, 48)), ((12, 36),))
+    assert len(ranges["crossing-every-border"][0]) == 5
 
 
 def bad_input_messages():
@@ -105,6 +131,11 @@ def bad_input_messages():
         "causal": lambda: all_gather_attention(q, q, q, [0, 16], group=group, causal="no"),
         "cu-float": lambda: all_gather_attention(q, q, q, [0, 7.5, 16], group=group),
         "wait-timeout": lambda: all_gather_attention(q, q, q, [0, 16], group=group, wait_timeout=0),
+        "layout": lambda: all_gather_attention(q, q, q, [0, 16], group=group, layout="zigzag"),
+        "layout-cp": lambda: all_gather_attention(q, q, q, [0, 16], group=group,
+                                                  layout=two_chunk_layout(16, 4)),
+        "layout-seq": lambda: all_gather_attention(q, q, q, [0, 32], group=group,
+                                                   layout=make_layout("balanced", 32, 2, [0, 32])),
     }
     out = {}
     for name, call in calls.items():
@@ -131,6 +162,10 @@ def test_bad_input_names_the_problem(ranks):
     assert "causal='no' is invalid: must be True or False" in messages["causal"]
     assert "cu_seqlens must hold integer token offsets, got 7.5" in messages["cu-float"]
     assert "wait_timeout=0 is invalid: must be a finite number of seconds > 0" in messages["wait-timeout"]
+    assert "layout='zigzag' is unknown: choose one of ['2cp', 'balanced'] or pass a CPLayout" in messages["layout"]
+    assert ("layout='2cp' was built for seq_len=16, cp_size=4 but is used with seq_len=16, cp_size=2"
+            in messages["layout-cp"])
+    assert "cu_seqlens must end at the full sequence length S=16" in messages["layout-seq"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU kernels need a CUDA GPU (none here)")

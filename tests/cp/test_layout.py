@@ -122,3 +122,14 @@ def test_bad_input(call, message):
 def test_layout_is_a_value():
     layout = CPLayout("balanced", 8, 2, (((0, 2), (6, 8)), ((2, 6),)))
     assert layout.gathered_order().tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("ranges,message", [
+    ((((0, 2),), ((2, 8),)), r"token counts per rank \[2, 6\] differ"),
+    ((((0, 4),), ((2, 6),)), r"do not cover \[0, 8\) exactly once"),
+    ((((4, 8), (0, 0)), ((0, 4),)), r"not sorted non-empty"),
+    ((((0, 8),),), r"1 ranks' ranges for cp_size=2"),
+])
+def test_hand_built_layout_is_checked(ranges, message):
+    with pytest.raises(ValueError, match=message):
+        CPLayout("mine", 8, 2, ranges)

@@ -94,3 +94,58 @@ def test_shard_batch_refuses_a_shorter_sequence_tensor():
 def test_bad_input(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("layout", ["2cp", "balanced"])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_shard_batch_round_trip(layout, cp):
+    """All ranks' shards, concatenated in rank order and scattered back by the layout's gathered order,
+    are the batch; position ids per document stay those of the full sequence."""
+    from l3plugin.cp.layout import make_layout
+
+    seq_len, cu = 48, torch.tensor([0, 3, 30, 41, 48], dtype=torch.int32)
+    pos = position_ids_per_document(cu, seq_len)
+    batch = {"tokens": torch.arange(2 * seq_len).view(2, seq_len), "labels": -torch.arange(seq_len)[None],
+             "loss_mask": torch.rand(1, seq_len), "position_ids": pos[None], "cu_seqlens": cu}
+    shards = [shard_batch(batch, cp, r, layout=layout) for r in range(cp)]
+    order = make_layout(layout, seq_len, cp, cu).gathered_order()
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        assert len({s[key].size(1) for s in shards}) == 1  # equal shares
+        back = torch.empty_like(batch[key])
+        back[:, order] = torch.cat([s[key] for s in shards], dim=1)
+        assert torch.equal(back, batch[key]), key
+    for r, s in enumerate(shards):
+        idx = shard_indices(seq_len, cp, r, layout, cu)
+        assert s["position_ids"][0].tolist() == pos[idx].tolist()
+        assert s["cu_seqlens"] is cu
+
+
+def test_document_metadata_follows_the_layout():
+    from l3plugin.cp.layout import CPLayout
+
+    cu = torch.tensor([0, 3, 6, 14, 16])
+    layout = CPLayout("mine", 16, 2, (((0, 2), (6, 9), (13, 16)), ((2, 6), (9, 13))))
+    metas = document_metadata(cu, 16, 2, 0, layout=layout)
+    assert [(m.start, m.end, m.kv_len) for m in metas] == [(0, 2, 2), (6, 9, 9), (13, 16, 16)]
+    assert metas[1].cu_seqlens_kv.tolist() == [0, 3, 6, 9] and metas[1].cu_seqlens_q.tolist() == [0, 0, 0, 3]
+    assert metas[2].cu_seqlens_kv.tolist() == [0, 3, 6, 14, 16] and metas[2].cu_seqlens_q.tolist() == [0, 0, 0, 1, 3]
+    assert (metas[2].max_seqlen_q, metas[2].max_seqlen_kv) == (2, 8)
+    nc = document_metadata(cu, 16, 2, 1, causal=False, layout=layout)
+    assert [m.kv_len for m in nc] == [16, 16] and nc[0].cu_seqlens_q.tolist() == [0, 1, 4, 4, 4]
+    # The balanced layout gives one metadata per (merged) range, covering this rank's tokens.
+    for r in range(2):
+        metas = document_metadata(cu, 16, 2, r, layout="balanced")
+        assert sum(m.end - m.start for m in metas) == 8
+        assert all(int(m.cu_seqlens_q[-1]) == m.end - m.start for m in metas)
+
+
+def test_shard_batch_bad_layout():
+    batch = {"tokens": torch.arange(16)[None]}
+    with pytest.raises(ValueError, match=r"layout='balanced' needs cu_seqlens"):
+        shard_batch(batch, 2, 0, layout="balanced")
+    with pytest.raises(ValueError, match=r"layout='2CP' is unknown: choose one of \['2cp', 'balanced'\]"):
+        shard_batch(batch, 2, 0, layout="2CP")
+    with pytest.raises(ValueError, match=r"layout='2cp' was built for seq_len=32, cp_size=2 but is used "
+                                         r"with seq_len=16, cp_size=2"):
+        from l3plugin.cp.layout import two_chunk_layout
+        shard_batch(batch, 2, 0, layout=two_chunk_layout(32, 2))
