@@ -5,26 +5,33 @@ Every kernel has the same signature:
     q: [end - start, heads_q, dim] (the chunk's queries), k/v: [meta.kv_len, heads_kv, dim]
 and is differentiable through autograd. heads_kv must divide heads_q (GQA).
 
-- ``reference``: SDPA with the document (+ causal) mask, in blocks of queries that are recomputed in
-  the backward (checkpointed), so memory stays O(block * kv_len) instead of O(chunk * kv_len). Runs
-  anywhere torch runs; the default on CPU and the ground truth in tests.
+The CPU kernels (``reference``, ``cpu-flash``) do work proportional to the unmasked pairs: each block
+of queries attends only the keys of the documents it touches, up to its last query when causal (see
+``query_blocks``); fully masked keys are never computed.
+- ``reference``: SDPA with the document (+ causal) mask per piece, recomputed in the backward
+  (checkpointed), so memory stays O(block * kv_len) instead of O(chunk * kv_len). Runs anywhere torch
+  runs; the ground truth in tests.
 - ``varlen-reference``: loops over the varlen metadata exactly as a GPU varlen kernel reads it (per
   document, bottom-right causal alignment). Slow; it exists to prove the metadata on CPU.
 - ``cpu-flash``: torch's CPU flash-attention ops (``aten::_scaled_dot_product_flash_attention_for_cpu``
-  and its backward) with an additive document mask, per block of queries. Saves only the output and the
-  log-sum-exp, so it needs no recompute: the CPU default.
+  and its backward) per piece, with an additive mask only where a piece has masked pairs. Saves only the
+  output and the log-sum-exp (masks are rebuilt in the backward), so it needs no recompute: the CPU
+  default.
 - ``flash``: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16), when importable.
 - ``te``: Transformer Engine's fused attention (``DotProductAttention`` with qkv_format "thd" and a
   bottom-right-aligned padding-causal mask), when importable.
 The two GPU kernels consume exactly the metadata ``varlen-reference`` proves on CPU, but they are NOT
 verified on this project's CPU-only CI (their tests skip there).
 ``select_kernel("auto", q)`` picks flash (else te) for CUDA fp16/bf16 tensors when installed, cpu-flash
-for CPU tensors when torch has those ops, else the reference.
+for CPU tensors when torch has those ops, else the reference. Adapters add kernels with
+``register_kernel``.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +40,58 @@ from torch.utils.checkpoint import checkpoint
 from l3plugin.cp.sharding import ChunkDocuments
 
 DEFAULT_BLOCK = 512
+# One kernel call costs about as much as this many query-key pairs (torch's CPU flash ops, 8 heads of
+# 64: ~40 us per call, ~100 ns per pair forward+backward), so two document runs of a query block share
+# one call (and a mask) when that computes at most this many extra pairs.
+CALL_PAIRS = 4096
+
+
+class QueryBlock(NamedTuple):
+    """Chunk rows [q_lo, q_hi) attend keys [k_lo, k_hi) of the gathered K/V; ``docs`` documents meet."""
+
+    q_lo: int
+    q_hi: int
+    k_lo: int
+    k_hi: int
+    docs: int
+
+    @property
+    def pairs(self) -> int:
+        return (self.q_hi - self.q_lo) * (self.k_hi - self.k_lo)
+
+
+def query_blocks(meta: ChunkDocuments, rows: int, *, causal: bool, block_size: int | None = None,
+                 call_pairs: int = CALL_PAIRS) -> list[QueryBlock]:
+    """The pieces the CPU kernels compute for a chunk of ``rows`` queries: work-proportional.
+
+    Queries go in blocks of ``block_size`` (the memory bound: a block holds at most block_size x kv_len
+    scores). A block is cut at document borders into runs; each run needs only the keys of its own
+    document, up to its last query (causal) or to the document's end (non-causal). Adjacent runs share
+    one piece when that adds at most ``call_pairs`` masked pairs (tiny documents would otherwise cost a
+    call each). So the masked work computed is the causal diagonal of each piece plus those merges.
+    """
+    block_size = block_size or DEFAULT_BLOCK
+    if rows != meta.end - meta.start or not 0 <= meta.start <= meta.end <= meta.kv_len:
+        raise ValueError(f"q has {rows} rows but meta describes queries [{meta.start}, {meta.end}) of "
+                         f"kv_len={meta.kv_len}: pass the chunk's queries with its own ChunkDocuments")
+    cu = meta.cu_seqlens_kv.tolist()
+    blocks = []
+    for first in range(0, rows, block_size):
+        last = min(first + block_size, rows)
+        doc = bisect.bisect_right(cu, meta.start + first) - 1  # the document of the block's first query
+        piece, lo = None, first
+        while lo < last:
+            hi = min(last, cu[doc + 1] - meta.start)
+            run = QueryBlock(lo, hi, cu[doc], meta.start + hi if causal else cu[doc + 1], 1)
+            if piece is not None:
+                merged = QueryBlock(piece.q_lo, hi, piece.k_lo, run.k_hi, piece.docs + 1)
+                if merged.pairs <= piece.pairs + run.pairs + call_pairs:
+                    run = merged
+                else:
+                    blocks.append(piece)
+            piece, lo, doc = run, hi, doc + 1
+        blocks.append(piece)
+    return blocks
 
 
 def _sdpa(q, k, v, mask, scale):
@@ -47,64 +106,117 @@ def _document_ids(meta: ChunkDocuments, device) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1]).to(device)
 
 
-def _block_mask(doc_k, first, rows, causal):
-    """Boolean [rows, kv_len] mask of queries first..first+rows-1 (True = attend)."""
-    pos_q = torch.arange(first, first + rows, device=doc_k.device)
-    mask = doc_k[pos_q][:, None] == doc_k[None, :]
+def _block_mask(doc_k, start, block: QueryBlock, causal):
+    """Boolean [rows, keys] mask of one piece (True = attend), or None when nothing in it is masked."""
+    if block.docs == 1 and not causal:
+        return None
+    pos_q = torch.arange(start + block.q_lo, start + block.q_hi, device=doc_k.device)
+    pos_k = torch.arange(block.k_lo, block.k_hi, device=doc_k.device)
+    mask = doc_k[pos_q][:, None] == doc_k[pos_k][None, :]
     if causal:
-        mask &= torch.arange(doc_k.numel(), device=doc_k.device)[None, :] <= pos_q[:, None]
+        mask &= pos_k[None, :] <= pos_q[:, None]
     return mask
 
 
-def reference_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=None, block_size=None):
-    block_size = block_size or DEFAULT_BLOCK
-    doc_k = _document_ids(meta, q.device)
+def _plan(q, k, v, meta, causal, block_size):
+    if k.size(0) < meta.kv_len:
+        raise ValueError(f"k has {k.size(0)} rows but meta.kv_len={meta.kv_len}: pass the gathered K/V "
+                         f"[0, kv_len) of this chunk")
+    return query_blocks(meta, q.size(0), causal=causal, block_size=block_size), _document_ids(meta, q.device)
 
-    def block(q_blk, k_, v_, first):
-        return _sdpa(q_blk, k_, v_, _block_mask(doc_k, first, q_blk.size(0), causal), softmax_scale)
+
+def _empty_output(q, v):
+    # A chunk without queries (possible in layouts with uneven pieces): nothing to attend.
+    return q.new_zeros((0, q.size(1), v.size(2)))
+
+
+def reference_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=None, block_size=None):
+    blocks, doc_k = _plan(q, k, v, meta, causal, block_size)
+    if not blocks:
+        return _empty_output(q, v)
+
+    def piece(q_blk, k_, v_, block):
+        return _sdpa(q_blk, k_, v_, _block_mask(doc_k, meta.start, block, causal), softmax_scale)
 
     outs = []
-    for first in range(0, q.size(0), block_size):
-        q_blk = q[first:first + block_size]
+    for b in blocks:
+        args = (q[b.q_lo:b.q_hi], k[b.k_lo:b.k_hi], v[b.k_lo:b.k_hi], b)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            outs.append(checkpoint(block, q_blk, k, v, meta.start + first, use_reentrant=False))
+            outs.append(checkpoint(piece, *args, use_reentrant=False))  # recomputed in the backward
         else:
-            outs.append(block(q_blk, k, v, meta.start + first))
+            outs.append(piece(*args))
     return torch.cat(outs)
 
 
-class _CPUFlashBlock(torch.autograd.Function):
-    """One block of queries through torch's CPU flash-attention forward and backward ops ([1, h, s, d])."""
+class _CPUFlash(torch.autograd.Function):
+    """All pieces of a chunk through torch's CPU flash-attention forward and backward ops.
+
+    Saves q, k, v, the output and the log-sum-exp (no scores); masks are rebuilt per piece in the
+    backward. dK/dV of every piece are accumulated into one buffer, and summed over GQA groups once.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
-        ctx.save_for_backward(q, k, v, mask, out, lse)
-        ctx.scale = scale
-        return out
+    def forward(ctx, q, k, v, blocks, doc_k, start, causal, scale):
+        q4, k4, v4 = _heads_first(q, k, v)
+        outs, lses = [], []
+        for b in blocks:
+            mask = _additive(_block_mask(doc_k, start, b, causal), q.dtype)
+            out, lse = _flash_forward()(
+                q4[:, :, b.q_lo:b.q_hi], k4[:, :, b.k_lo:b.k_hi], v4[:, :, b.k_lo:b.k_hi],
+                attn_mask=mask, scale=scale)
+            outs.append(out)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.blocks, ctx.doc_k, ctx.start, ctx.causal, ctx.scale = blocks, doc_k, start, causal, scale
+        return out[0].transpose(0, 1)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=ctx.scale)
-        return dq, dk, dv, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        q4, k4, v4 = _heads_first(q, k, v)
+        g4 = grad_out.transpose(0, 1)[None]
+        dq4, dk4, dv4 = torch.zeros_like(q4), torch.zeros_like(k4), torch.zeros_like(v4)
+        for b in ctx.blocks:
+            rows, keys = slice(b.q_lo, b.q_hi), slice(b.k_lo, b.k_hi)
+            mask = _additive(_block_mask(ctx.doc_k, ctx.start, b, ctx.causal), q.dtype)
+            dq, dk, dv = _flash_backward()(
+                g4[:, :, rows], q4[:, :, rows], k4[:, :, keys], v4[:, :, keys], out[:, :, rows],
+                lse[:, :, rows], 0.0, False, attn_mask=mask, scale=ctx.scale)
+            dq4[:, :, rows] = dq
+            dk4[:, :, keys] += dk
+            dv4[:, :, keys] += dv
+        heads_kv = k.size(1)
+        dk, dv = (t[0].transpose(0, 1).reshape(t.size(2), heads_kv, -1, t.size(3)).sum(2) for t in (dk4, dv4))
+        return dq4[0].transpose(0, 1), dk, dv, None, None, None, None, None
+
+
+def _flash_forward():  # looked up per call: tests wrap these to count the pairs computed
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _flash_backward():
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _heads_first(q, k, v):
+    """[s, h, d] -> [1, h, s, d] views; the CPU ops want as many K/V heads as query heads."""
+    rep = q.size(1) // k.size(1)
+    return (q.transpose(0, 1)[None],) + tuple(t.repeat_interleave(rep, dim=1).transpose(0, 1)[None]
+                                              for t in (k, v))
+
+
+def _additive(mask, dtype):
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def cpu_flash_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=None, block_size=None):
-    block_size = block_size or DEFAULT_BLOCK
-    doc_k = _document_ids(meta, q.device)
-    rep = q.size(1) // k.size(1)
-    # [s, h, d] -> [1, h, s, d]; the CPU op wants as many K/V heads as query heads.
-    k4, v4 = (t.repeat_interleave(rep, dim=1).transpose(0, 1)[None] for t in (k, v))
-    outs = []
-    for first in range(0, q.size(0), block_size):
-        q_blk = q[first:first + block_size]
-        allowed = _block_mask(doc_k, meta.start + first, q_blk.size(0), causal)
-        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-        out = _CPUFlashBlock.apply(q_blk.transpose(0, 1)[None].contiguous(), k4, v4, mask, softmax_scale)
-        outs.append(out[0].transpose(0, 1))
-    return torch.cat(outs)
+    blocks, doc_k = _plan(q, k, v, meta, causal, block_size)
+    if not blocks:
+        return _empty_output(q, v)
+    return _CPUFlash.apply(q, k, v, blocks, doc_k, meta.start, causal, softmax_scale)
 
 
 def _has_cpu_flash() -> bool:
@@ -176,6 +288,22 @@ def te_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=None)
 
 KERNELS = {"reference": reference_kernel, "varlen-reference": varlen_reference_kernel,
            "cpu-flash": cpu_flash_kernel, "flash": flash_kernel, "te": te_kernel}
+
+
+def register_kernel(name: str, fn) -> None:
+    """Make ``fn`` selectable as ``kernel=name`` (how adapters add kernels; cp/ never imports them).
+
+    ``fn(q, k, v, meta: ChunkDocuments, *, causal, softmax_scale) -> out``, differentiable (see the module
+    docstring). Names are never replaced: a second registration under one name is an error.
+    """
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"name={name!r} is invalid: must be a non-empty string other than 'auto'")
+    if not callable(fn):
+        raise ValueError(f"fn={fn!r} is not callable: a kernel is fn(q, k, v, meta, *, causal, softmax_scale)")
+    if name in KERNELS:
+        raise ValueError(f"name={name!r} is already registered (to {KERNELS[name].__qualname__}): "
+                         f"choose another name")
+    KERNELS[name] = fn
 
 
 def select_kernel(name: str | None, q: torch.Tensor):
