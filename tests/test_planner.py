@@ -18,7 +18,7 @@ from l3plugin.schedule.simulate import simulate
 TINY = ModelSpec("tiny", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                  num_kv_heads=2, vocab_size=1000)
 # Memory is a few hundred KB for TINY: no fixed reservation, so small --hbm-gb values bite.
-BARE = Hardware(reserved_gb=0.0, fragmentation_fraction=0.0)
+BARE = Hardware(reserved_gb=0.0, usable_fraction=1.0)
 
 
 def tiny_request(**kw):
@@ -75,9 +75,15 @@ def test_tp_and_cp_shard_activations():
     tp4 = req.costs(Layout(4, 1, 1, 2, 1, 4, 4, (32,), "even"))
     cp4 = req.costs(Layout(1, 4, 1, 2, 1, 4, 4, (32,), "even"))
     assert tp4.act_layer == pytest.approx(base.act_layer / 4)
-    # CP keeps the all-gathered K/V of the whole sequence: a bit more than a quarter
+    # default --cp-kv regather: only local K/V are saved, so CP shards activations like TP ...
+    assert cp4.act_layer == pytest.approx(base.act_layer / 4)
+    # ... and backward pays a second K/V all-gather besides the dK/dV reduce-scatter
     kv_gathered = 2 * 2 * 8192 * 3 / 4 * model.kv_dim
-    assert cp4.act_layer == pytest.approx(base.act_layer / 4 + kv_gathered)
+    assert cp4.comm_bytes(0, 1)["cp"] == pytest.approx(4 * 32 * 3 * kv_gathered)
+    # --cp-kv keep (l3plugin's cp/attention.py): the all-gathered K/V of the whole sequence stay for backward
+    keep = replace(req, hardware=Hardware(cp_kv="keep")).costs(Layout(1, 4, 1, 2, 1, 4, 4, (32,), "even"))
+    assert keep.act_layer == pytest.approx(base.act_layer / 4 + kv_gathered)
+    assert keep.comm_bytes(0, 1)["cp"] == pytest.approx(4 * 32 * 2 * kv_gathered)
 
 
 @pytest.mark.parametrize("p,v,m,k", [(2, 2, 25, 2), (4, 2, 40, 4), (4, 3, 39, 4), (3, 2, 58, 6), (2, 1, 19, 2),
@@ -151,18 +157,18 @@ def test_top_n_equals_the_exhaustive_ranking():
 
 
 def test_nothing_fits_names_the_closest_layout():
-    with pytest.raises(NoPlanFits, match=r"no layout fits in hbm-gb=0\.0001 .* the closest is tp=.* GiB over"):
+    with pytest.raises(NoPlanFits, match=r"no layout fits in --gpu-memory-gb=0\.0001 .* the closest is tp=.* GiB over"):
         plan(tiny_request(hbm_gb=0.0001))
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(gpus=12), r"gpus=12 is not divisible by gpus-per-node=8: .* e\.g\. 8 or 16"),
-    (dict(global_batch_tokens=100), r"global-batch-tokens=100 is not divisible by seq-len=32: .* 96 or 128"),
-    (dict(micro_batch_size=3), r"4 sequences is not divisible by micro-batch-size=3"),
+    (dict(gpus=12), r"--gpus=12 is not divisible by --gpus-per-node=8: .* e\.g\. 8 or 16"),
+    (dict(global_batch_tokens=100), r"--global-batch-tokens=100 is not divisible by --seq-len=32: .* 96 or 128"),
+    (dict(micro_batch_size=3), r"4 sequences is not divisible by --micro-batch-size=3"),
     (dict(model="llama3-1b"), r"not a known preset: valid presets are llama3-8b, llama3-70b, llama3-405b"),
-    (dict(hbm_gb=0), r"hbm-gb=0 is invalid"),
-    (dict(hbm_gb=float("inf")), r"hbm-gb=inf is invalid: must be a finite number > 0 \(GiB per GPU\)"),
-    (dict(hbm_gb=float("nan")), r"hbm-gb=nan is invalid: must be a finite number > 0"),
+    (dict(hbm_gb=0), r"--gpu-memory-gb=0 is invalid"),
+    (dict(hbm_gb=float("inf")), r"--gpu-memory-gb=inf is invalid: must be a finite number > 0 \(GiB per GPU\)"),
+    (dict(hbm_gb=float("nan")), r"--gpu-memory-gb=nan is invalid: must be a finite number > 0"),
 ])
 def test_bad_requests_say_what_to_change(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -227,7 +233,8 @@ def test_every_plan_is_a_valid_layout_that_fits(req):
     for ev in plans:
         L = ev.layout
         assert L.tp * L.cp * L.pp * L.dp == req.gpus
-        assert L.tp <= req.gpus_per_node
+        # TP may leave the node, but then its collectives are priced at the network rate
+        assert ev.costs.tp_bw == 1e9 * (BARE.intra_node_gbps if L.tp <= req.gpus_per_node else BARE.inter_node_gbps)
         assert L.microbatches >= 1 and L.microbatches * L.dp * req.micro_batch_size == req.sequences
         assert sum(L.layers) == req.model.num_layers and len(L.layers) == L.pp * L.vpp
         assert 1 <= L.group_size <= L.microbatches

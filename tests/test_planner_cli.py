@@ -42,7 +42,10 @@ def test_text_output_ranks_and_explains(capsys):
 
 
 def test_json_lists_plans_best_first(capsys):
-    plans = json.loads(run(SMALL + ["--json", "--top", "4"], capsys))
+    data = json.loads(run(SMALL + ["--json", "--top", "4"], capsys))
+    assert set(data) == {"request", "machine", "assumptions", "answer", "plans", "staged"}
+    assert data["answer"] == "free" and data["staged"] is None  # 8K on 64 GPUs: not long context
+    plans = data["plans"]
     assert 1 <= len(plans) <= 4
     keys = {"tp", "cp", "pp", "dp", "vpp", "group_size", "microbatches_per_dp_group", "zero_stage", "schedule",
             "memory_gb", "bubble_ratio", "layers_per_stage"}
@@ -55,6 +58,17 @@ def test_json_lists_plans_best_first(capsys):
         assert set(plan["comm_gb_per_step"]) == {"tp", "cp", "pp", "dp"}
     times = [p["step_time_s"] for p in plans]
     assert times == sorted(times)
+    # the table's columns: margin to the best, step-time terms, exposed communication
+    for plan in plans:
+        assert plan["margin_vs_best"] == pytest.approx(plan["step_time_s"] / times[0] - 1, abs=1e-4)
+        terms = plan["step_terms_s"]
+        assert set(terms) == {"compute", "bubble", "tp_exposed", "cp_exposed", "dp_exposed"}
+        assert plan["exposed_comm_s"] == pytest.approx(terms["tp_exposed"] + terms["cp_exposed"]
+                                                       + terms["dp_exposed"], abs=1e-4)
+        # step = (compute + exposed TP/CP) x (1 + bubble ratio) + exposed DP
+        busy = terms["compute"] + terms["tp_exposed"] + terms["cp_exposed"]
+        assert plan["step_time_s"] == pytest.approx(busy + terms["bubble"] + terms["dp_exposed"], abs=1e-3)
+        assert terms["bubble"] == pytest.approx(busy * plan["bubble_ratio"], rel=1e-3, abs=1e-4)
 
 
 def _megatron_args(out):
@@ -114,13 +128,13 @@ def test_emit_deepspeed(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--model", "llama3-8b", "--gpus", "12", "--seq-len", "8192", "--global-batch-tokens", "81920"],
-     r"gpus=12 is not divisible by gpus-per-node=8"),
+     r"--gpus=12 is not divisible by --gpus-per-node=8"),
     (["--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch-tokens", "10000"],
-     r"global-batch-tokens=10000 is not divisible by seq-len=8192: .* e\.g\. 8192 or 16384"),
+     r"--global-batch-tokens=10000 is not divisible by --seq-len=8192: .* e\.g\. 8192 or 16384"),
     (["--model", "gpt-4", "--gpus", "8", "--seq-len", "8192", "--global-batch-tokens", "81920"],
      r"valid presets are llama3-8b, llama3-70b, llama3-405b"),
     (["--model", "llama3-405b", "--gpus", "8", "--seq-len", "8192", "--global-batch-tokens", "81920"],
-     r"no layout fits in hbm-gb=80 .* the closest is tp=\d+ cp=\d+ pp=\d+ .* GiB over"),
+     r"no layout fits in --gpu-memory-gb=80 .* the closest is tp=\d+ cp=\d+ pp=\d+ .* GiB over"),
 ])
 def test_bad_input_is_a_clear_value_error(argv, message, capsys):
     with pytest.raises(ValueError, match=message):

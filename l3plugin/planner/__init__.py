@@ -3,15 +3,19 @@
 
     models.py     presets and JSON model files       costs.py    memory / communication / time model
     schedules.py  cached schedule builds/simulations search.py   enumeration and best-first ranking
+    machine.py    the machine as flags, presets, assumptions  staged.py  the paper's long-context stage rule
     report.py     table, reasons, JSON, Megatron-LM and DeepSpeed configs
-    cli.py        ``add_plan_parser`` for ``l3plugin plan``
+    output.py     what ``l3plugin plan`` prints           cli.py     ``add_plan_parser`` for ``l3plugin plan``
 """
 
 from .cli import add_plan_parser, run_plan
-from .costs import Hardware, Layout
+from .costs import Layout
+from .machine import MACHINES, Hardware
 from .models import PRESETS, ModelSpec, load_model
 from .schedules import ScheduleCache
 from .search import NoPlanFits, PlanRequest, enumerate_layouts, evaluate, plan
+from .staged import Base, StagedPlan, load_base, staged_plan
 
-__all__ = ["Hardware", "Layout", "ModelSpec", "NoPlanFits", "PRESETS", "PlanRequest", "ScheduleCache",
-           "add_plan_parser", "enumerate_layouts", "evaluate", "load_model", "plan", "run_plan"]
+__all__ = ["Base", "Hardware", "Layout", "MACHINES", "ModelSpec", "NoPlanFits", "PRESETS", "PlanRequest",
+           "ScheduleCache", "StagedPlan", "add_plan_parser", "enumerate_layouts", "evaluate", "load_base",
+           "load_model", "plan", "run_plan", "staged_plan"]

@@ -7,16 +7,37 @@ import math
 
 from l3plugin.cli_args import positive_int
 
+from .machine import CP_KV_MODES, MACHINE_NODES, MACHINES
 from .models import PRESETS
+
+H100 = MACHINES["h100"]
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
 def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{value} is invalid: must be a finite number > 0")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _number(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{value} is invalid: must be a finite number >= 0")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:  # false for nan
+        raise argparse.ArgumentTypeError(f"{value} is invalid: must be a fraction in (0, 1]")
     return value
 
 
@@ -25,9 +46,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         "plan", help="choose TP, CP, PP, DP sizes, the schedule and the ZeRO stage (Llama 3 paper section 5)",
         description="Enumerates 4D layouts for a model, cluster and batch; estimates per-GPU memory "
                     "(bf16 weights, fp32 gradients and optimizer state per ZeRO stage, activations of the "
-                    "microbatches the schedule keeps in flight), simulates the pipeline bubble and counts "
-                    "per-dimension communication; drops layouts over HBM and ranks the rest by estimated step "
-                    "time. Order of dimensions, innermost to outermost: TP, CP, PP, DP.")
+                    "microbatches the schedule keeps in flight), simulates the pipeline bubble and prices "
+                    "per-dimension communication on the machine's links; drops layouts over memory and ranks the "
+                    "rest by estimated step time. Order of dimensions, innermost to outermost: TP, CP, PP, DP. "
+                    "--keep-tp-pp / --from plan a long-context stage the paper's way (section 5.1).",
+)
     parser.add_argument("--model", required=True,
                         help=f"preset ({', '.join(PRESETS)}) or a JSON file with num_layers, hidden_size, "
                              "ffn_hidden_size, num_attention_heads, num_kv_heads [, vocab_size, name]")
@@ -35,66 +58,83 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
     parser.add_argument("--global-batch-tokens", type=positive_int, required=True,
                         help="tokens per optimizer step (a multiple of --seq-len)")
-    parser.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
-    parser.add_argument("--hbm-gb", type=_positive_float, default=80.0, help="HBM per GPU in GiB (default 80)")
-    parser.add_argument("--micro-batch-size", type=positive_int, default=1,
-                        help="sequences per microbatch (default 1)")
+    parser.add_argument("--micro-batch-size", type=positive_int, default=1, help="sequences per microbatch (default 1)")
     parser.add_argument("--cp-policy", choices=("long-context", "any"), default="long-context",
-                        help="long-context (default, the paper's rule): CP > 1 only when even node-wide TP "
+                        help="long-context (the paper's rule): CP > 1 only when even node-wide TP "
                              "leaves DP groups fewer than p sequences, or when nothing fits without it; "
-                             "any: let the cost model weigh CP for every sequence length")
-    parser.add_argument("--top", type=positive_int, default=5,
-                        help="how many plans to list (default 5; plans estimated more than 1.5x slower than "
-                             "the best are left out)")
+                             "any: let the cost model weigh CP for every sequence length (default long-context)")
+    pins = parser.add_argument_group("pinned sizes (searched when omitted)")
+    for dim in ("tp", "pp", "cp"):
+        pins.add_argument(f"--{dim}", type=positive_int, default=None, help=f"{dim.upper()} size")
+
+    staged = parser.add_argument_group(
+        "staged planning (paper 5.1): keep TP/PP (and VPP where it fits) of a short-context plan and trade DP "
+        "for the smallest CP that gives every pipeline >= PP micro-batches")
+    source = staged.add_mutually_exclusive_group()
+    source.add_argument("--keep-tp-pp", action="store_true",
+                        help="plan the short-context stage at --base-seq-len first and keep its TP/PP")
+    source.add_argument("--from", dest="from_plan", metavar="PLAN.json",
+                        help="keep TP/PP of the plan an earlier `l3plugin plan ... --json` wrote")
+    staged.add_argument("--base-seq-len", type=positive_int, default=8192,
+                        help="sequence length of the short-context stage for --keep-tp-pp, in tokens (default 8192, the "
+                             "paper's short-context stage)")
+
+    machine = parser.add_argument_group(
+        "machine (defaults: the h100 preset, H100 SXM datasheet figures; assumptions are printed)")
+    machine.add_argument("--machine", choices=sorted(MACHINES), default="h100",
+                         help="preset the flags below default to (default h100)")
+    nodes = MACHINE_NODES["h100"]
+    machine.add_argument("--gpu-memory-gb", "--hbm-gb", dest="hbm_gb", type=_positive_float, default=None,
+                         help=f"memory per GPU in GiB (h100: {nodes[0]:g}, 80 GB HBM3)")
+    machine.add_argument("--usable-memory-fraction", type=_fraction, default=None,
+                         help=f"fraction of GPU memory usable before {H100.reserved_gb:g} GiB reserved for the "
+                              f"CUDA context and NCCL, in (0, 1] (h100: {H100.usable_fraction:g})")
+    machine.add_argument("--peak-tflops", type=_positive_float, default=None,
+                         help=f"dense BF16 peak per GPU in TFLOPs (h100: {H100.peak_tflops:g})")
+    machine.add_argument("--mfu", type=_fraction, default=None,
+                         help=f"achieved fraction of peak in forward/backward compute, in (0, 1] (h100: {H100.mfu:g})")
+    machine.add_argument("--intra-node-gbps", type=_positive_float, default=None,
+                         help=f"NVLink bandwidth per GPU in GB/s each way (h100: {H100.intra_node_gbps:g}, "
+                              f"900 GB/s bidirectional)")
+    machine.add_argument("--inter-node-gbps", type=_positive_float, default=None,
+                         help=f"network bandwidth per GPU in GB/s (h100: {H100.inter_node_gbps:g} = 400 Gb/s)")
+    machine.add_argument("--gpus-per-node", type=positive_int, default=None,
+                         help=f"GPUs per node (h100: {nodes[1]})")
+    machine.add_argument("--latency-us", type=_non_negative_float, default=None,
+                         help=f"latency per ring step or P2P message in microseconds (h100: {H100.latency_s * 1e6:g})")
+    machine.add_argument("--cp-kv", choices=CP_KV_MODES, default=None,
+                         help=f"CP backward: regather K/V (keep only local K/V) or keep the gathered K/V in memory "
+                              f"(h100: {H100.cp_kv})")
+
+    parser.add_argument("--top-k", "--top", dest="top", type=positive_int, default=5,
+                        help="how many plans to rank (default 5; plans estimated more than 1.5x slower than the best "
+                             "are left out)")
     out = parser.add_mutually_exclusive_group()
-    out.add_argument("--json", action="store_true", help="print a JSON list of plans, best first")
+    out.add_argument("--json", action="store_true",
+                     help="print JSON: request, machine, assumptions, ranked plans, the staged plan")
     out.add_argument("--emit", choices=("megatron", "deepspeed"),
-                     help="print Megatron-LM arguments or a DeepSpeed JSON config for the best plan")
+                     help="print Megatron-LM arguments or a DeepSpeed JSON config for the answer")
     parser.set_defaults(func=run_plan)
     return parser
 
 
+def request_from_args(args):
+    from .machine import machine_from_flags
+    from .search import PlanRequest
+
+    hardware = machine_from_flags(
+        args.machine, peak_tflops=args.peak_tflops, mfu=args.mfu, intra_node_gbps=args.intra_node_gbps,
+        inter_node_gbps=args.inter_node_gbps, latency_us=args.latency_us,
+        usable_memory_fraction=args.usable_memory_fraction, cp_kv=args.cp_kv)
+    memory, per_node = MACHINE_NODES[args.machine]
+    return PlanRequest(model=args.model, gpus=args.gpus, seq_len=args.seq_len,
+                       global_batch_tokens=args.global_batch_tokens,
+                       gpus_per_node=args.gpus_per_node or per_node, hbm_gb=args.hbm_gb or memory,
+                       micro_batch_size=args.micro_batch_size, hardware=hardware, cp_policy=args.cp_policy,
+                       tp=args.tp, pp=args.pp, cp=args.cp)
+
+
 def run_plan(args) -> int:
-    from .report import deepspeed_config, dumps, format_table, header, megatron_args, reasons, to_record
-    from .search import PlanRequest, ScheduleCache, plan
+    from .output import print_plan
 
-    request = PlanRequest(model=args.model, gpus=args.gpus, seq_len=args.seq_len,
-                          global_batch_tokens=args.global_batch_tokens, gpus_per_node=args.gpus_per_node,
-                          hbm_gb=args.hbm_gb, micro_batch_size=args.micro_batch_size,
-                          cp_policy=getattr(args, "cp_policy", "long-context"))
-    cache = ScheduleCache()
-    results = plan(request, top=args.top, cache=cache)
-    best = results[0]
-    if args.emit == "megatron":
-        print(megatron_args(best))
-    elif args.emit == "deepspeed":
-        print(dumps(deepspeed_config(best)))
-    elif args.json:
-        print(dumps([to_record(ev, i) for i, ev in enumerate(results, 1)]))
-    else:
-        print(header(best.request))
-        print()
-        print(format_table(best.request, results))
-        print()
-        L = best.layout
-        print(f"Why #1 (tp={L.tp} cp={L.cp} pp={L.pp} dp={L.dp}, vpp={L.vpp}, k={L.group_size}, "
-              f"ZeRO-{best.zero_stage}):")
-        for line in reasons(best, results, cache, _cp_alternative(best, cache)):
-            print(f"  - {line}")
-        print()
-        print("Estimates: step time = busiest PP rank's compute and exposed TP/CP collectives x (1 + simulated "
-              "bubble) + exposed DP traffic; assumptions in l3plugin/planner/costs.py.")
-    return 0
-
-
-def _cp_alternative(best, cache):
-    """The best plan when CP may also replace DP at short sequence lengths, if it is estimated faster."""
-    from dataclasses import replace
-
-    from .search import plan
-
-    request = best.request
-    if request.cp_allowed:
-        return None
-    alternative = plan(replace(request, cp_policy="any"), top=1, cache=cache)[0]
-    return alternative if alternative.step_seconds < 0.99 * best.step_seconds else None
+    return print_plan(args, request_from_args(args))

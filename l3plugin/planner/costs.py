@@ -1,7 +1,8 @@
 """Per-GPU memory, communication and time of one layout; the schedule supplies in-flight counts.
 
-Units: memory in GiB (2**30 bytes, as torch reports it; --hbm-gb is read the same way), communication
-volumes in GB (1e9 bytes) sent per GPU per step.
+Units: memory in GiB (2**30 bytes, as torch reports it; --gpu-memory-gb is read the same way), communication
+volumes in GB (1e9 bytes) sent per GPU per step, bandwidths in GB/s. Machine figures and assumptions:
+machine.py (the report prints them).
 
 Memory (bytes per GPU, per pipeline rank):
     P = parameters of the rank's virtual stages / TP (input embedding on stage 0, output layer and
@@ -21,27 +22,30 @@ Memory (bytes per GPU, per pipeline rank):
                               Megatron's default layer (no recomputation, flash attention, sequence
                               parallel): the two norm inputs and outputs (4h), Q, K, V (h + 2kv), the
                               attention output (h), gate and up (2f), the SwiGLU output (f); fp32
-                              softmax statistics per head
-                   CP > 1     + the all-gathered K and V of the whole sequence for the local heads,
-                              kept for backward: 2 B * 2 * micro_batch * seq * (CP-1)/CP * kv / TP
+                              softmax statistics per head. At 131K with CP 16 this is the same n as 8K
+                              with CP 1: CP shards the sequence as the paper says.
+                   CP > 1, --cp-kv keep only: + the all-gathered K and V of the whole sequence for the
+                              local heads, kept for backward: 2 B * 2 * micro_batch * seq * (CP-1)/CP * kv / TP
                    last stage + final-norm input and output (2 B n 2h / TP) and the logits, bf16 and
                               fp32 for the loss (6 B n V / TP)
                    stage 0    nothing: the embedding's backward needs only the token ids
-    Headroom (``Hardware``): 2 GiB for the CUDA context and NCCL buffers plus 5% of HBM for allocator
-    fragmentation and the transient tensors of the layer being computed; the rest is usable.
+    Headroom (``Hardware``): the usable fraction of memory minus a fixed reservation.
 
 Time of one step (seconds; only comparisons between layouts are meant to be trusted):
-    A virtual stage's forward = its FLOPs / (TP x CP x peak x efficiency) + its TP collectives (2
-    all-gathers and 2 reduce-scatters per layer with sequence parallelism, fully exposed, paper 5.2)
-    + its CP K/V all-gather (fully exposed); backward = twice the FLOPs + the mirrored collectives.
+    A virtual stage's forward = its FLOPs / (TP x CP x peak x MFU) + its TP collectives (2 all-gathers
+    and 2 reduce-scatters per layer with sequence parallelism, fully exposed, paper 5.2) + its CP K/V
+    all-gather (fully exposed); backward = twice the FLOPs + the mirrored TP collectives + CP's dK/dV
+    reduce-scatter (and, with --cp-kv regather, a second K/V all-gather). A ring collective over g ranks
+    costs (g-1) x latency + (g-1)/g x bytes / bandwidth: CP's cost grows with the sequence (bytes) and
+    with CP (steps; and per-GPU compute shrinks 1/CP while the gathered K/V do not).
     step = max over PP ranks of busy time x (1 + bubble) + exposed DP time, where the bubble ratio
     comes from simulating the schedule with the mean stage times and P2P latency = message / link
     bandwidth (so P2P that k > p hides is not counted), and DP traffic (all-gather bf16 weights +
     reduce-scatter fp32 gradients; ZeRO-2 reduce-scatters once per round) overlaps compute: exposed
     is what exceeds the compute time plus the last chunk's share, which has nothing left to hide behind.
-Links: a group whose ranks all sit in one node uses NVLink bandwidth, otherwise the network.
-Defaults (``Hardware``) describe an H100 cluster like the paper's: 989 dense BF16 TFLOPs at 50%,
-300 GB/s NVLink and 40 GB/s RoCE achieved per GPU, 20 us per collective or P2P message.
+Links: a group whose ranks all sit in one node uses NVLink bandwidth, otherwise the network: TP larger
+than a node (allowed, the paper's "expensive cross-host TP") runs its per-layer collectives at the
+network rate; CP is next outward, so TP x CP > GPUs per node puts CP on the network.
 """
 
 from __future__ import annotations
@@ -51,25 +55,9 @@ from dataclasses import dataclass
 
 from .models import ModelSpec
 
-GIB = float(2**30)
+from .machine import GIB, Hardware
+
 BF16, FP32 = 2, 4
-
-
-@dataclass(frozen=True)
-class Hardware:
-    peak_tflops: float = 989.0  # H100 SXM dense BF16
-    compute_efficiency: float = 0.5  # fraction of peak GEMMs reach end to end
-    intra_node_gbps: float = 300.0  # GB/s per GPU that NVLink collectives achieve
-    inter_node_gbps: float = 40.0  # GB/s per GPU: the paper's 50 GB/s RoCE at ~80%
-    latency_s: float = 20e-6  # per collective / P2P message
-    reserved_gb: float = 2.0  # CUDA context and NCCL communicator buffers
-    fragmentation_fraction: float = 0.05  # allocator fragmentation and transient tensors
-
-    def usable_bytes(self, hbm_gb: float) -> float:
-        return max(0.0, hbm_gb * (1.0 - self.fragmentation_fraction) - self.reserved_gb) * GIB
-
-    def headroom_text(self) -> str:
-        return f"{self.fragmentation_fraction:.0%} + {self.reserved_gb:g} GiB headroom"
 
 
 @dataclass(frozen=True)
@@ -123,8 +111,9 @@ class LayoutCosts:
         # --- activations per microbatch per GPU
         self.act_layer = (BF16 * tokens * (6 * h + 2 * m.kv_dim + 3 * m.ffn_hidden_size) / L.tp
                           + FP32 * tokens * m.num_attention_heads / L.tp)
-        if L.cp > 1:
-            self.act_layer += BF16 * 2 * micro_batch_size * seq_len * (L.cp - 1) / L.cp * m.kv_dim / L.tp
+        self.gathered_kv = BF16 * 2 * micro_batch_size * seq_len * (L.cp - 1) / L.cp * m.kv_dim / L.tp
+        if L.cp > 1 and hw.cp_kv == "keep":
+            self.act_layer += self.gathered_kv
         self.act_head = (BF16 * tokens * 2 * h + (BF16 + FP32) * tokens * m.vocab_size) / L.tp
         self.stage_act = [L.layers[s] * self.act_layer + (self.act_head if s == last else 0.0)
                           for s in range(self.num_stages)]
@@ -134,35 +123,44 @@ class LayoutCosts:
                              for s in range(self.num_stages)]
         self.rank_params = [sum(self.stage_params[s] for s in L.stages_of(r)) for r in range(L.pp)]
         self.grad_group = L.dp * L.cp
-        # --- links: TP is always inside a node; the others depend on how far apart their ranks are
+        # --- links: a group inside one node uses NVLink, otherwise the network (see the docstring)
         intra, inter = hw.intra_node_gbps * 1e9, hw.inter_node_gbps * 1e9
+        self.tp_bw = intra if L.tp <= gpus_per_node else inter
         self.cp_bw = intra if L.tp * L.cp <= gpus_per_node else inter
         self.pp_bw = intra if L.tp * L.cp * L.pp <= gpus_per_node else inter
         dp_span = L.tp * L.cp * (L.pp * L.dp if L.dp > 1 else 1)
         self.dp_bw = intra if dp_span <= gpus_per_node else inter
         # --- communication per microbatch (bytes per GPU, ring collectives move (g-1)/g)
-        tp_frac = (L.tp - 1) / L.tp
-        self.tp_bytes_per_collective = tp_frac * tokens * h * BF16
-        self.cp_bytes_per_collective = ((L.cp - 1) / L.cp * 2 * micro_batch_size * seq_len
-                                        * m.kv_dim / L.tp * BF16)
+        self.tp_bytes_per_collective = (L.tp - 1) / L.tp * tokens * h * BF16
+        self.cp_bytes_per_collective = self.gathered_kv  # all-gather of K/V, or reduce-scatter of dK/dV
+        # CP collectives per layer: forward all-gather; backward reduce-scatter (+ all-gather again)
+        self.cp_fwd_collectives, self.cp_bwd_collectives = (1, 2 if hw.cp_kv == "regather" else 1)
         self.p2p_bytes = tokens * h / L.tp * BF16  # sequence-parallel activation (or its gradient)
-        self.tp_collective_s = (hw.latency_s + self.tp_bytes_per_collective / (intra)) if L.tp > 1 else 0.0
-        self.cp_collective_s = (hw.latency_s + self.cp_bytes_per_collective / self.cp_bw) if L.cp > 1 else 0.0
+        self.tp_collective_s = ring_seconds(L.tp, self.tp_bytes_per_collective, self.tp_bw, hw.latency_s)
+        self.cp_collective_s = ring_seconds(L.cp, self.cp_bytes_per_collective, self.cp_bw, hw.latency_s)
         self.p2p_s = (hw.latency_s + self.p2p_bytes / self.pp_bw) if L.pp > 1 else 0.0
-        # --- per-microbatch stage times: forward and backward, compute plus exposed TP/CP collectives
-        rate = hw.peak_tflops * 1e12 * hw.compute_efficiency * L.tp * L.cp
+        # --- per-microbatch stage times: compute, exposed TP and CP collectives (forward, backward)
+        rate = hw.peak_tflops * 1e12 * hw.mfu * L.tp * L.cp
         layer_fwd = m.layer_forward_flops(seq_len) * micro_batch_size / rate
         head_fwd = m.output_forward_flops(seq_len) * micro_batch_size / rate
-        layer_comm = 4 * self.tp_collective_s + self.cp_collective_s  # per direction
-        self.stage_fwd, self.stage_bwd = [], []
+        self.stage_compute, self.stage_tp, self.stage_cp = [], [], []  # forward + backward, per microbatch
         for s in range(self.num_stages):
             n = L.layers[s]
-            comm = n * layer_comm + (self.tp_collective_s if s == last else 0.0)
-            compute = n * layer_fwd + (head_fwd if s == last else 0.0)
-            self.stage_fwd.append(compute + comm)
-            self.stage_bwd.append(2 * compute + comm)
-        self.rank_busy = [L.microbatches * sum(self.stage_fwd[s] + self.stage_bwd[s] for s in L.stages_of(r))
-                          for r in range(L.pp)]
+            self.stage_compute.append(3 * (n * layer_fwd + (head_fwd if s == last else 0.0)))
+            self.stage_tp.append(2 * (4 * n + (s == last)) * self.tp_collective_s)
+            self.stage_cp.append(n * (self.cp_fwd_collectives + self.cp_bwd_collectives) * self.cp_collective_s)
+        self.stage_fwd = [self.stage_compute[s] / 3 + self.stage_tp[s] / 2
+                          + L.layers[s] * self.cp_fwd_collectives * self.cp_collective_s
+                          for s in range(self.num_stages)]
+        self.stage_bwd = [self.stage_compute[s] + self.stage_tp[s] + self.stage_cp[s] - self.stage_fwd[s]
+                          for s in range(self.num_stages)]
+
+        def per_rank(values):
+            return [L.microbatches * sum(values[s] for s in L.stages_of(r)) for r in range(L.pp)]
+
+        self.rank_compute, self.rank_tp, self.rank_cp = (per_rank(self.stage_compute), per_rank(self.stage_tp),
+                                                         per_rank(self.stage_cp))
+        self.rank_busy = [c + t + p for c, t, p in zip(self.rank_compute, self.rank_tp, self.rank_cp)]
         self.mean_fwd = sum(self.stage_fwd) / self.num_stages
         self.mean_bwd = sum(self.stage_bwd) / self.num_stages
 
@@ -199,7 +197,8 @@ class LayoutCosts:
         layers = sum(L.layers[s] for s in L.stages_of(rank))
         has_head = last in L.stages_of(rank)
         tp = L.microbatches * (8 * layers + 2 * has_head) * self.tp_bytes_per_collective
-        cp = L.microbatches * 2 * layers * self.cp_bytes_per_collective
+        cp = (L.microbatches * (self.cp_fwd_collectives + self.cp_bwd_collectives) * layers
+              * self.cp_bytes_per_collective)
         sends = sum((s != last) + (s != 0) for s in L.stages_of(rank)) if L.pp > 1 else 0
         pp = L.microbatches * sends * self.p2p_bytes
         g = self.grad_group
@@ -212,17 +211,27 @@ class LayoutCosts:
         if g == 1:
             return 0.0, 0.0
         P = self.rank_params[rank]
-        gather = self.hw.latency_s + (g - 1) / g * P * BF16 / self.dp_bw
-        scatter = self.hw.latency_s + (g - 1) / g * P * FP32 / self.dp_bw
+        gather = ring_seconds(g, (g - 1) / g * P * BF16, self.dp_bw, self.hw.latency_s)
+        scatter = ring_seconds(g, (g - 1) / g * P * FP32, self.dp_bw, self.hw.latency_s)
         total = gather + self.reduce_scatters(zero_stage) * scatter
         share = max(self.stage_params[s] for s in self.layout.stages_of(rank)) / P if P else 0.0
         return total, (gather + scatter) * share
 
     def step_seconds(self, bubble_ratio: float, zero_stage: int) -> dict[str, float]:
-        pipeline = max(self.rank_busy) * (1.0 + bubble_ratio)
+        """Step time and its terms on the busiest PP rank (what the ranking table shows)."""
+        busiest = max(range(self.layout.pp), key=self.rank_busy.__getitem__)
+        busy = self.rank_busy[busiest]
+        pipeline = busy * (1.0 + bubble_ratio)
         dp_exposed = 0.0
         for rank in range(self.layout.pp):
             total, tail = self.dp_seconds(rank, zero_stage)
             dp_exposed = max(dp_exposed, max(0.0, total - pipeline) + tail)
         return {"step": pipeline + dp_exposed, "pipeline": pipeline, "dp_exposed": dp_exposed,
-                "busiest_rank_busy": max(self.rank_busy)}
+                "busiest_rank_busy": busy, "compute": self.rank_compute[busiest],
+                "tp_exposed": self.rank_tp[busiest], "cp_exposed": self.rank_cp[busiest],
+                "bubble": busy * bubble_ratio}
+
+
+def ring_seconds(group: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """A ring collective over ``group`` ranks moving ``nbytes`` per GPU: group-1 steps."""
+    return (group - 1) * latency + nbytes / bandwidth if group > 1 else 0.0

@@ -10,6 +10,7 @@ from fractions import Fraction
 from .costs import GIB
 from .search import (Evaluation, PlanRequest, ScheduleCache, bubble_lower_bound, enumerate_layouts, evaluate,
                      memory_lower_bound)
+from .staged import StagedPlan, term_differences
 
 
 def dumps(obj) -> str:
@@ -18,10 +19,24 @@ def dumps(obj) -> str:
     return re.sub(r"\[\s+([-0-9.,\s]+?)\s+\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
 
 
-def to_record(ev: Evaluation, rank: int) -> dict:
+def model_tflops_per_gpu(ev: Evaluation) -> float:
+    """Model FLOPs per step (forward + backward = 3 x forward, no recomputation) / step time / GPUs:
+    comparable to the paper's measured 400 (8K) and 380 (131K) TFLOPs per GPU."""
+    req, m = ev.request, ev.request.model
+    per_sequence = 3 * (m.num_layers * m.layer_forward_flops(req.seq_len) + m.output_forward_flops(req.seq_len))
+    return req.sequences * per_sequence / ev.step_seconds / req.gpus / 1e12
+
+
+def exposed_comm_seconds(ev: Evaluation) -> float:
+    t = ev.times
+    return t["tp_exposed"] + t["cp_exposed"] + t["dp_exposed"]
+
+
+def to_record(ev: Evaluation, rank: int | None, best: Evaluation | None = None) -> dict:
     L, req = ev.layout, ev.request
     worst = ev.memory_per_rank[ev.worst_rank]
     comm = ev.comm_bytes()
+    best = best or ev
     return {
         "rank": rank,
         "tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp, "vpp": L.vpp,
@@ -41,32 +56,75 @@ def to_record(ev: Evaluation, rank: int) -> dict:
         "peak_inflight": ev.peak_inflight,
         "bubble_ratio": round(ev.bubble_ratio, 5),
         "step_time_s": round(ev.step_seconds, 5),
+        "margin_vs_best": round(ev.step_seconds / best.step_seconds - 1, 5),
+        "step_terms_s": {k: round(ev.times[k], 5) for k in STEP_TERMS},
+        "exposed_comm_s": round(exposed_comm_seconds(ev), 5),
         "exposed_dp_time_s": round(ev.times["dp_exposed"], 5),
+        "model_tflops_per_gpu": round(model_tflops_per_gpu(ev), 1),
         "comm_gb_per_step": {k: round(v / 1e9, 3) for k, v in comm.items()},
         "cp_policy": req.cp_policy,
     }
 
 
-def format_table(req: PlanRequest, results: list[Evaluation]) -> str:
-    head = (f"{'#':>2} {'TP':>3} {'CP':>3} {'PP':>4} {'DP':>5} {'VPP':>3} {'k':>4} {'m':>5} "
-            f"{'schedule':<24} {'ZeRO':>4} {'split':<16} {'mem GiB':>7} {'bubble':>6} {'step s':>7} "
-            f"{'TP GB':>7} {'CP GB':>6} {'PP GB':>6} {'DP GB':>6}")
+STEP_TERMS = ("compute", "bubble", "tp_exposed", "cp_exposed", "dp_exposed")
+
+
+def request_record(req: PlanRequest) -> dict:
+    return {"model": req.model.name, "gpus": req.gpus, "seq_len": req.seq_len,
+            "global_batch_tokens": req.global_batch_tokens, "sequences": req.sequences,
+            "micro_batch_size": req.micro_batch_size, "gpus_per_node": req.gpus_per_node,
+            "gpu_memory_gb": req.hbm_gb, "usable_memory_gb": round(req.usable_bytes / GIB, 3),
+            "cp_policy": req.cp_policy, "pinned": {"tp": req.tp, "pp": req.pp, "cp": req.cp}}
+
+
+def format_table(req: PlanRequest, results: list[Evaluation], best: Evaluation | None = None,
+                 labels: list[str] | None = None) -> str:
+    """One row per plan: sizes, schedule knobs, memory per GPU, bubble, step time, margin to ``best``
+    (default the first row), model TFLOPs per GPU and the exposed TP / CP / DP communication (s)."""
+    best = best or results[0]
+    head = (f"{'#':>2} {'TP':>3} {'CP':>3} {'PP':>4} {'DP':>5} {'VPP':>3} {'k':>4} {'m':>5} {'ZeRO':>4} "
+            f"{'split':<16} {'mem GiB':>7} {'bubble':>6} {'step s':>7} {'vs #1':>7} {'TFLOPs':>6} "
+            f"{'TP exp':>6} {'CP exp':>6} {'DP exp':>6}")
     lines = [head]
     for i, ev in enumerate(results, 1):
-        L, c = ev.layout, ev.comm_bytes()
+        L, t = ev.layout, ev.times
+        label = labels[i - 1] if labels else str(i)
         lines.append(
-            f"{i:>2} {L.tp:>3} {L.cp:>3} {L.pp:>4} {L.dp:>5} {L.vpp:>3} {L.group_size:>4} {L.microbatches:>5} "
-            f"{L.schedule_name:<24} {ev.zero_stage:>4} {L.split:<16} {ev.memory_bytes / GIB:>7.1f} "
-            f"{ev.bubble_ratio:>6.1%} {ev.step_seconds:>7.2f} {c['tp'] / 1e9:>7.1f} {c['cp'] / 1e9:>6.1f} "
-            f"{c['pp'] / 1e9:>6.1f} {c['dp'] / 1e9:>6.1f}")
+            f"{label:>2} {L.tp:>3} {L.cp:>3} {L.pp:>4} {L.dp:>5} {L.vpp:>3} {L.group_size:>4} {L.microbatches:>5} "
+            f"{ev.zero_stage:>4} {L.split:<16} {ev.memory_bytes / GIB:>7.1f} {ev.bubble_ratio:>6.1%} "
+            f"{ev.step_seconds:>7.2f} {ev.step_seconds / best.step_seconds - 1:>+7.1%} "
+            f"{model_tflops_per_gpu(ev):>6.0f} {t['tp_exposed']:>6.2f} {t['cp_exposed']:>6.2f} "
+            f"{t['dp_exposed']:>6.2f}")
     return "\n".join(lines)
+
+
+TABLE_NOTE = ("bubble = simulated idle / busy time; step s = busy x (1 + bubble) + exposed DP; vs #1 = step time "
+              "margin to the best; TFLOPs = model FLOPs per GPU per second; TP/CP/DP exp = exposed "
+              "communication per step (s) on the busiest PP rank")
 
 
 def header(req: PlanRequest) -> str:
     return (f"{req.model.name} ({req.model.total_params / 1e9:.1f}B parameters, {req.model.num_layers} layers) "
-            f"on {req.gpus} GPUs ({req.gpus_per_node} per node, {req.hbm_gb:g} GiB HBM, "
+            f"on {req.gpus} GPUs ({req.gpus_per_node} per node, {req.hbm_gb:g} GiB each, "
             f"{req.usable_bytes / GIB:.1f} GiB usable after {req.hardware.headroom_text()}); "
             f"seq {req.seq_len}, {req.global_batch_tokens} tokens = {req.sequences} sequences per step")
+
+
+def trade_off(ev: Evaluation, best: Evaluation, rank: int, what: str) -> str:
+    """Where ``ev`` ranks in the free search and the terms that make the difference."""
+    if rank == 1:
+        return f"{what} {_short(ev)} is also the free search's #1."
+    d = term_differences(ev, best)
+    terms = ", ".join(f"{name} {d[key]:+.2f} s" for key, name in
+                      (("bubble", "bubble"), ("cp_exposed", "CP exposed"), ("tp_exposed", "TP exposed"),
+                       ("dp_exposed", "DP exposed"), ("compute", "compute")) if abs(d[key]) >= 0.005)
+    return (f"{what} {_short(ev)} ranks #{rank} in the free search, {d['step']:+.2f} s "
+            f"({ev.step_seconds / best.step_seconds - 1:+.1%}) per step vs #1 {_short(best)}. Terms that differ: "
+            f"{terms or 'none by 0.01 s or more'}; memory {d['memory_gb']:+.1f} GiB ({ev.memory_bytes / GIB:.1f} vs "
+            f"{best.memory_bytes / GIB:.1f}). Bubble: m={ev.layout.microbatches} microbatches x VPP={ev.layout.vpp} "
+            f"over PP={ev.layout.pp} vs m={best.layout.microbatches} x VPP={best.layout.vpp} over "
+            f"PP={best.layout.pp}; CP: {ev.comm_bytes()['cp'] / 1e9:.1f} vs {best.comm_bytes()['cp'] / 1e9:.1f} GB "
+            f"per GPU per step.")
 
 
 def _best_other_split(ev: Evaluation, cache: ScheduleCache, limit: int = 6):
@@ -82,11 +140,13 @@ def _best_other_split(ev: Evaluation, cache: ScheduleCache, limit: int = 6):
 
 
 def reasons(ev: Evaluation, results: list[Evaluation], cache: ScheduleCache,
-            cp_alternative: Evaluation | None = None) -> list[str]:
+            cp_alternative: Evaluation | None = None, staged: StagedPlan | None = None) -> list[str]:
     """The top choice explained in plain words, with the numbers behind each decision.
 
-    ``cp_alternative``: the best plan when CP may be used at any sequence length, if it is faster."""
-    out = [_tp_reason(ev), _batch_reason(ev), _cp_reason(ev), *_pipeline_reasons(ev, cache), _zero_reason(ev, cache)]
+    ``cp_alternative``: the best plan when CP may be used at any sequence length, if it is faster.
+    ``staged``: ``ev`` is a staged plan; its rule replaces the TP / CP choice."""
+    head = staged.reasons if staged else [_tp_reason(ev), _cp_reason(ev)]
+    out = [*head, _batch_reason(ev), *_pipeline_reasons(ev, cache), _zero_reason(ev, cache)]
     mem = ev.memory_per_rank[ev.worst_rank]
     out.append(f"Memory: {ev.memory_bytes / GIB:.1f} GiB on PP rank {ev.worst_rank} = weights "
                f"{mem['weights'] / GIB:.1f} + gradients {mem['gradients'] / GIB:.1f} + optimizer "
@@ -102,7 +162,7 @@ def reasons(ev: Evaluation, results: list[Evaluation], cache: ScheduleCache,
                    f"({theirs['cp'] / 1e9:.1f} GB CP + {theirs['tp'] / 1e9:.1f} GB TP per GPU per step vs "
                    f"{mine['tp'] / 1e9:.1f} GB TP here). The paper kept CP for long context; its costs at short "
                    f"lengths (attention efficiency, CP-rank imbalance) are not modelled.")
-    if len(results) > 1:
+    if len(results) > 1 and staged is None:
         nxt = results[1]
         out.append(f"Runner-up {_short(nxt)}: {nxt.step_seconds / ev.step_seconds - 1:+.1%} step time, "
                    f"{nxt.memory_bytes / GIB:.1f} GiB.")
@@ -118,10 +178,16 @@ def _tp_reason(ev: Evaluation) -> str:
     L, req = ev.layout, ev.request
     if L.tp == 1:
         return "TP=1: the model fits without tensor parallelism, so no layer pays its per-layer collectives."
-    tp_s = L.microbatches * max(L.layers_per_rank()) * 8 * ev.costs.tp_collective_s
+    tp_s = ev.times["tp_exposed"]
+    if L.tp > req.gpus_per_node:
+        return (f"TP={L.tp} spans {L.tp // req.gpus_per_node} nodes of {req.gpus_per_node} GPUs: its 2 all-gathers "
+                f"and 2 reduce-scatters per layer in each direction run at the network's "
+                f"{req.hardware.inter_node_gbps:g} GB/s ({tp_s:.2f} s exposed of the {ev.step_seconds:.2f} s step); "
+                f"it still ranks first here, the cross-node penalty included.")
     return (f"TP={L.tp} stays inside one {req.gpus_per_node}-GPU node: tensor parallelism's 2 all-gathers and 2 "
             f"reduce-scatters per layer in each direction sit on the critical path (about {tp_s:.2f} s of the "
-            f"{ev.step_seconds:.2f} s step), so they must use NVLink, never the network.")
+            f"{ev.step_seconds:.2f} s step), so they use NVLink ({req.hardware.intra_node_gbps:g} GB/s), not the "
+            f"network ({req.hardware.inter_node_gbps:g} GB/s).")
 
 
 def _batch_reason(ev: Evaluation) -> str:
@@ -150,7 +216,9 @@ def _cp_reason(ev: Evaluation) -> str:
         why = "the cost model ranks it fastest (--cp-policy any)"
     return (f"CP={L.cp} replaces DP because {why}: each sequence is cut into {2 * L.cp} chunks (rank i holds "
             f"chunks i and {2 * L.cp - 1}-i, balancing causal attention), activations per GPU shrink {L.cp}x and "
-            f"the K/V all-gathers move {ev.comm_bytes()['cp'] / 1e9:.1f} GB per GPU per step.")
+            f"its K/V collectives move {ev.comm_bytes()['cp'] / 1e9:.1f} GB per GPU per step over "
+            f"{'NVLink' if L.tp * L.cp <= req.gpus_per_node else 'the network'} "
+            f"({ev.times['cp_exposed']:.2f} s exposed).")
 
 
 def _pipeline_reasons(ev: Evaluation, cache: ScheduleCache) -> list[str]:

@@ -1,6 +1,7 @@
 """Enumerate 4D layouts, evaluate them with the schedule, and rank them (best first).
 
-Candidates: TP divides the heads, the KV heads and the FFN width and stays within a node; CP = 1 or
+Candidates: TP divides the heads, the KV heads and the FFN width (TP larger than a node is listed and
+priced at the network rate, the paper's "expensive cross-host TP"); CP = 1 or
 divides the sequence into 2*CP equal chunks (the paper's load-balanced CP split); PP x VPP virtual
 stages take an even split or one layer fewer on the first and/or last stage; m = sequences /
 (DP x micro batch) is a whole number; k (microbatches per virtual stage per round) is p (Megatron's
@@ -20,7 +21,8 @@ others are built and simulated only when they reach the head of the queue, so a 
 few layouts that can win. Per rank, the in-flight microbatches are tracked per chunk class (first
 chunk, middle, last chunk) since only stage 0 and the last stage differ in activation size.
 
-Schedules are built and simulated through schedules.ScheduleCache.
+``tp``, ``pp``, ``cp`` pin a dimension (staged planning pins TP and PP, see staged.py). Schedules are
+built and simulated through schedules.ScheduleCache.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from functools import cached_property
 
 from l3plugin.schedule.layers import layers_per_virtual_stage
 
-from .costs import GIB, Hardware, Layout, LayoutCosts
+from .costs import GIB, Layout, LayoutCosts
+from .machine import Hardware
 from .models import ModelSpec, load_model
 from .schedules import ScheduleCache, warmup_inflight
 
@@ -61,28 +64,52 @@ class PlanRequest:
     micro_batch_size: int = 1
     hardware: Hardware = field(default_factory=Hardware)
     cp_policy: str = "long-context"  # or "any": see cp_allowed
+    tp: int | None = None  # pinned sizes (None: searched)
+    pp: int | None = None
+    cp: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "model", load_model(self.model))
         for name in ("gpus", "seq_len", "global_batch_tokens", "gpus_per_node", "micro_batch_size"):
-            _check_int(name.replace("_", "-"), getattr(self, name))
+            _check_int("--" + name.replace("_", "-"), getattr(self, name))
+        for name in ("tp", "pp", "cp"):
+            if getattr(self, name) is not None:
+                _check_int("--" + name, getattr(self, name))
         hbm = self.hbm_gb
         if isinstance(hbm, bool) or not isinstance(hbm, (int, float)) or not math.isfinite(hbm) or not hbm > 0:
-            raise ValueError(f"hbm-gb={hbm!r} is invalid: must be a finite number > 0 (GiB per GPU)")
+            raise ValueError(f"--gpu-memory-gb={hbm!r} is invalid: must be a finite number > 0 (GiB per GPU)")
+        hw = self.hardware
+        if self.usable_bytes <= 0:
+            need = hw.reserved_gb / hw.usable_fraction
+            raise ValueError(f"--gpu-memory-gb={hbm:g} x --usable-memory-fraction={hw.usable_fraction:g} leaves "
+                             f"nothing after the {hw.reserved_gb:g} GiB reserved (CUDA context, NCCL): use "
+                             f"--gpu-memory-gb > {need:.3g}")
         n, node = self.gpus, self.gpus_per_node
         if n > node and n % node:
-            raise ValueError(f"gpus={n} is not divisible by gpus-per-node={node}: beyond one node use "
+            raise ValueError(f"--gpus={n} is not divisible by --gpus-per-node={node}: beyond one node use "
                              f"whole nodes, e.g. {n // node * node} or {(n // node + 1) * node}")
         T, L = self.global_batch_tokens, self.seq_len
         if T % L:
             low, high = T // L * L, (T // L + 1) * L
-            raise ValueError(f"global-batch-tokens={T} is not divisible by seq-len={L}: the batch must be "
+            raise ValueError(f"--global-batch-tokens={T} is not divisible by --seq-len={L}: the batch must be "
                              f"whole sequences, e.g. {low or high} or {high}")
         if self.cp_policy not in CP_POLICIES:
-            raise ValueError(f"cp-policy={self.cp_policy!r} is invalid: choose one of {', '.join(CP_POLICIES[:2])}")
+            raise ValueError(f"--cp-policy={self.cp_policy!r} is invalid: choose one of {', '.join(CP_POLICIES[:2])}")
         if (T // L) % self.micro_batch_size:
-            raise ValueError(f"the global batch of {T // L} sequences is not divisible by micro-batch-size="
+            raise ValueError(f"the global batch of {T // L} sequences is not divisible by --micro-batch-size="
                              f"{self.micro_batch_size}: choose a micro batch that divides it")
+        pinned = [(name, v) for name, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp)) if v]
+        product = math.prod(v for _, v in pinned)
+        if pinned and n % product:
+            names = " x ".join(f"--{name}" for name, _ in pinned)
+            raise ValueError(f"--gpus={n} is not divisible by {names} = {product}: use a multiple of {product} "
+                             f"GPUs (e.g. {n // product * product or product} or {(n // product + 1) * product}) "
+                             f"or sizes whose product divides {n} (its divisors: {_short_list(_divisors(n))})")
+        if self.cp and L % (2 * self.cp):
+            valid = [c for c in _divisors(L // 2) if n % c == 0 and c <= n][-4:]
+            raise ValueError(f"--seq-len={L} is not divisible by 2 x --cp = {2 * self.cp}: CP cuts every sequence "
+                             f"into 2 x CP equal chunks; CP sizes that divide this length: {_short_list(valid)}, "
+                             f"or a length that is a multiple of {2 * self.cp}")
 
     @property
     def sequences(self) -> int:
@@ -102,8 +129,15 @@ class PlanRequest:
 
     @property
     def cp_allowed(self) -> bool:
-        """CP replaces DP for long context only (paper 5.1), unless cp_policy="any"."""
-        return self.cp_policy != "long-context" or self.long_context
+        """CP replaces DP for long context only (paper 5.1), unless cp_policy="any" or CP is pinned."""
+        return self.cp_policy != "long-context" or self.long_context or bool(self.cp and self.cp > 1)
+
+    @property
+    def pinned(self) -> bool:
+        return any((self.tp, self.pp, self.cp))
+
+    def unpinned(self) -> "PlanRequest":
+        return replace(self, tp=None, pp=None, cp=None)
 
     @property
     def usable_bytes(self) -> float:
@@ -115,6 +149,11 @@ class PlanRequest:
 
 
 # ---- enumeration ------------------------------------------------------------------------------
+def _short_list(values) -> str:
+    values = list(values)
+    return ", ".join(map(str, values)) if len(values) <= 8 else ", ".join(map(str, values[:4] + ["..."] + values[-3:]))
+
+
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
@@ -153,13 +192,18 @@ def group_sizes(pp: int, vpp: int, m: int) -> list[int]:
 def enumerate_layouts(req: PlanRequest):
     model, n = req.model, req.gpus
     for tp in _divisors(n):
-        if tp > req.gpus_per_node or any(x % tp for x in (model.num_attention_heads, model.num_kv_heads,
-                                                          model.ffn_hidden_size)):
+        if req.tp and tp != req.tp:
+            continue
+        if any(x % tp for x in (model.num_attention_heads, model.num_kv_heads, model.ffn_hidden_size)):
             continue
         for cp in _divisors(n // tp):
+            if req.cp and cp != req.cp:
+                continue
             if cp > 1 and (not req.cp_allowed or req.seq_len % (2 * cp)):
                 continue
             for pp in _divisors(n // tp // cp):
+                if req.pp and pp != req.pp:
+                    continue
                 dp = n // (tp * cp * pp)
                 if pp > model.num_layers + 2 or req.sequences % (dp * req.micro_batch_size):
                     continue
@@ -256,15 +300,19 @@ def plan(req: PlanRequest, top: int | None = 5, cache: ScheduleCache | None = No
          within: float | None = LIST_WITHIN) -> list[Evaluation]:
     """Up to ``top`` layouts that fit, best first, no slower than ``within`` x the best.
 
-    ``top=None, within=None`` returns every layout that fits (exhaustive: for small cases)."""
+    ``top=None, within=None`` returns every layout that fits (exhaustive: for small cases). A request
+    with pinned sizes that leaves nothing raises NoPlanFits naming the closest feasible layouts."""
     cache = cache or ScheduleCache()
     layouts = list(enumerate_layouts(req))
     if not layouts and not req.cp_allowed:  # CP may be the only way to use every GPU
         return plan(replace(req, cp_policy="memory"), top, cache, within)
     if not layouts:
+        if req.pinned:
+            raise NoPlanFits(_pinned_message(req, "no layout with these sizes divides the batch into whole "
+                                                  "microbatches with a valid layer split", cache))
         raise NoPlanFits(
-            f"no layout of gpus={req.gpus} divides the global batch of {req.sequences} sequences "
-            f"(micro-batch-size={req.micro_batch_size}) into whole microbatches per DP group with a valid "
+            f"no layout of --gpus={req.gpus} divides the global batch of {req.sequences} sequences "
+            f"(--micro-batch-size={req.micro_batch_size}) into whole microbatches per DP group with a valid "
             f"layer split of {req.model.num_layers} layers; change --gpus or --global-batch-tokens")
     queue, counter, candidates = [], itertools.count(), []
     for layout in layouts:
@@ -288,23 +336,42 @@ def plan(req: PlanRequest, top: int | None = 5, cache: ScheduleCache | None = No
     if not results:
         if not req.cp_allowed:  # the paper's CP rule left nothing that fits: let CP cut activations
             return plan(replace(req, cp_policy="memory"), top, cache, within)
-        raise NoPlanFits(_nothing_fits_message(req, candidates, cache))
+        message = _nothing_fits_message(req, candidates, cache)
+        raise NoPlanFits(_pinned_message(req, message, cache) if req.pinned else message)
     return sorted(results, key=Evaluation.sort_key)
 
 
-def _nothing_fits_message(req: PlanRequest, candidates, cache: ScheduleCache) -> str:
-    best = None
+def describe(ev: "Evaluation | Layout", zero_stage: int | None = None) -> str:
+    L = ev.layout if isinstance(ev, Evaluation) else ev
+    zero = ev.zero_stage if isinstance(ev, Evaluation) else zero_stage
+    return (f"tp={L.tp} cp={L.cp} pp={L.pp} dp={L.dp} vpp={L.vpp} k={L.group_size}"
+            + (f" ZeRO-{zero}" if zero else ""))
+
+
+def _pinned_message(req: PlanRequest, why: str, cache: ScheduleCache) -> str:
+    pins = " ".join(f"--{name} {v}" for name, v in (("tp", req.tp), ("pp", req.pp), ("cp", req.cp)) if v)
+    try:
+        free = plan(req.unpinned(), top=3, cache=cache)
+    except NoPlanFits as exc:
+        return f"{pins}: {why}; without the pinned sizes: {exc}"
+    closest = "; ".join(f"{describe(ev)} ({ev.memory_bytes / GIB:.1f} GiB, {ev.step_seconds:.2f} s)" for ev in free)
+    return f"{pins}: {why}. Closest feasible layouts without the pinned sizes: {closest}"
+
+
+def _nothing_fits_message(req: PlanRequest, candidates, cache: ScheduleCache, keep: int = 3) -> str:
+    closest = []  # the ``keep`` layouts that need the least memory, exact
     for lower, _, layout in sorted(candidates, key=lambda c: c[:2]):
-        if best is not None and lower >= best.memory_bytes:
+        if len(closest) == keep and lower >= closest[-1].memory_bytes:
             break
-        for stage in (1, 2):
-            ev = evaluate(req, layout, zero_stage=stage, cache=cache, with_time=False)
-            if best is None or ev.memory_bytes < best.memory_bytes:
-                best = ev
-    L, usable = best.layout, req.usable_bytes / GIB
-    need = best.memory_bytes / GIB
-    return (f"no layout fits in hbm-gb={req.hbm_gb:g} ({usable:.1f} GiB usable after "
-            f"{req.hardware.headroom_text()}); the closest is tp={L.tp} cp={L.cp} pp={L.pp} "
-            f"dp={L.dp} vpp={L.vpp} k={L.group_size} ZeRO-{best.zero_stage} needing {need:.1f} GiB on PP rank "
-            f"{best.worst_rank}, {need - usable:.1f} GiB over: use more GPUs, larger --hbm-gb, or a shorter "
-            f"--seq-len / smaller --micro-batch-size")
+        best = min((evaluate(req, layout, zero_stage=stage, cache=cache, with_time=False) for stage in (1, 2)),
+                   key=lambda e: e.memory_bytes)
+        closest = sorted(closest + [best], key=lambda e: e.memory_bytes)[:keep]
+    usable, hw = req.usable_bytes / GIB, req.hardware
+    need = closest[0].memory_bytes / GIB
+    memory_needed = (need + hw.reserved_gb) / hw.usable_fraction
+    listed = "; ".join(f"{describe(ev)} needs {ev.memory_bytes / GIB:.1f} GiB on PP rank {ev.worst_rank}"
+                       for ev in closest)
+    return (f"no layout fits in --gpu-memory-gb={req.hbm_gb:g} ({usable:.1f} GiB usable after "
+            f"{hw.headroom_text()}); the closest is {listed}: {need - usable:.1f} GiB over. "
+            f"--gpu-memory-gb >= {memory_needed:.1f} would fit the first; or use more GPUs, a shorter --seq-len "
+            f"or a smaller --micro-batch-size")
