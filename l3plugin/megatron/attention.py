@@ -4,8 +4,17 @@ Use ``gpt_layer_spec_with_cp_attention()`` (Megatron's local GPT layer spec with
 or put ``AllGatherCPCoreAttention`` in your own spec. The CP group comes from ``pg_collection.cp`` (else
 parallel_state). Document boundaries come from ``PackedSeqParams.cu_seqlens_q``: cumulative document
 lengths over the FULL (un-sharded) sequence, [0, ..., S]; without packed_seq_params every sequence is
-one document. Shard the batch with ``l3plugin.cp.shard_batch`` (rank i holds chunks i and 2cp-1-i,
-the same layout Megatron's ``get_batch_on_this_cp_rank`` and RoPE's CP slicing use).
+one document. Shard the batch with ``l3plugin.cp.shard_batch`` and the same ``cp_layout``:
+
+- ``"2cp"`` (default, the paper's): rank i holds chunks i and 2cp-1-i, the layout Megatron's
+  ``get_batch_on_this_cp_rank`` and RoPE's CP slicing use, so nothing else changes.
+- ``"balanced"`` (documents dealt to ranks by attention work, l3plugin/cp/layout.py): pass
+  ``gpt_layer_spec_with_cp_attention(cp_layout="balanced")``, shard with
+  ``shard_batch(batch, cp, cp_rank, layout="balanced", cu_seqlens=...)``, and call
+  ``rope_follows_cp_layout(model, "balanced")`` on every GPTModel chunk: Megatron's RotaryEmbedding
+  would otherwise give this rank the positions of the paper's chunks. Every forward then needs
+  ``packed_seq_params.cu_seqlens_q`` (the layout is derived from it, identically on every rank).
+  l3plugin's planner (l3plugin/planner.py) does not model the CP imbalance of either layout.
 
 Prefer ``PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=...)``: Megatron then applies RoPE by global
 position, matching our layout. With ``qkv_format="thd"`` Megatron's RoPE assumes TE's per-document CP
@@ -14,18 +23,31 @@ split, which is not ours, so that combination is refused when cp > 1.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from l3plugin.cp.attention import all_gather_attention
+from l3plugin.cp.layout import LAYOUT_NAMES, make_layout
+
+
+def check_layout_name(cp_layout) -> str:
+    """A model serves many sequences, so it takes a layout NAME (a CPLayout fits one sequence)."""
+    if not isinstance(cp_layout, str) or cp_layout not in LAYOUT_NAMES:
+        raise ValueError(f"cp_layout={getattr(cp_layout, 'name', cp_layout)!r} is invalid: a model takes a "
+                         f"layout name, one of {list(LAYOUT_NAMES)} (a CPLayout fits one sequence only)")
+    return cp_layout
 
 
 class AllGatherCPCoreAttention(torch.nn.Module):
     """Drop-in ``core_attention``: all-gather K/V over CP, document + causal mask, reduce-scatter dK/dV."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, kernel="auto"):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, kernel="auto", cp_layout="2cp"):
         super().__init__()
         from megatron.core import parallel_state
+
+        check_layout_name(cp_layout)  # at model build, not mid-step
 
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
@@ -36,6 +58,7 @@ class AllGatherCPCoreAttention(torch.nn.Module):
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale
         self.kernel = kernel
+        self.cp_layout = cp_layout
         cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group()
 
@@ -55,7 +78,8 @@ class AllGatherCPCoreAttention(torch.nn.Module):
                                  "CP layout; use PackedSeqParams(qkv_format='sbhd', cu_seqlens_q=...)")
             cu = self._cu_seqlens(packed_seq_params, query.size(0))
             out = all_gather_attention(query, key, value, cu, group=group, causal=causal,
-                                       softmax_scale=self.softmax_scale, kernel=self.kernel)
+                                       softmax_scale=self.softmax_scale, kernel=self.kernel,
+                                       layout=self.cp_layout)
             return out.reshape(out.size(0), -1)
         seq_len = query.size(0) * (group.size() if group is not None else 1)
         if packed_seq_params is not None and query.size(1) != 1:
@@ -63,7 +87,8 @@ class AllGatherCPCoreAttention(torch.nn.Module):
                              f"cu_seqlens describes one packed sequence")
         cu = self._cu_seqlens(packed_seq_params, seq_len)
         outs = [all_gather_attention(query[:, b], key[:, b], value[:, b], cu, group=group, causal=causal,
-                                     softmax_scale=self.softmax_scale, kernel=self.kernel)
+                                     softmax_scale=self.softmax_scale, kernel=self.kernel,
+                                     layout=self.cp_layout)
                 for b in range(query.size(1))]
         out = torch.stack(outs, dim=1)  # [s, b, heads, dim]
         return out.reshape(out.size(0), out.size(1), -1)
@@ -75,10 +100,51 @@ class AllGatherCPCoreAttention(torch.nn.Module):
         return packed_seq_params.cu_seqlens_q
 
 
-def gpt_layer_spec_with_cp_attention(**local_spec_kwargs):
-    """Megatron-Core's local GPT layer spec (no TE) with ``AllGatherCPCoreAttention`` as core_attention."""
+def gpt_layer_spec_with_cp_attention(cp_layout="2cp", **local_spec_kwargs):
+    """Megatron-Core's local GPT layer spec (no TE) with ``AllGatherCPCoreAttention`` as core_attention,
+    sharding by ``cp_layout`` ("2cp", the paper's, or "balanced"; see the module docstring)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    check_layout_name(cp_layout)
     spec = get_gpt_layer_local_spec(**local_spec_kwargs)
-    spec.submodules.self_attention.submodules.core_attention = AllGatherCPCoreAttention
+    core = AllGatherCPCoreAttention
+    if cp_layout != "2cp":  # Megatron calls core_attention(config=..., ...): a partial carries the option
+        core = functools.partial(AllGatherCPCoreAttention, cp_layout=cp_layout)
+    spec.submodules.self_attention.submodules.core_attention = core
     return spec
+
+
+def rope_follows_cp_layout(model, cp_layout: str):
+    """Make ``model.rotary_pos_emb`` (Megatron's RotaryEmbedding) give this CP rank the rotary embedding
+    of the positions it holds under ``cp_layout``, per microbatch. Megatron slices RoPE by the paper's
+    2cp chunks, so for "2cp" nothing is changed. A forward pre-hook reads the microbatch's global
+    ``packed_seq_params.cu_seqlens_q`` and computes the layout exactly as the core attention does."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    check_layout_name(cp_layout)
+    if cp_layout == "2cp" or rope is None:
+        return model
+    group = rope.cp_group
+    cp = group.size() if group is not None else 1
+    full_emb = rope.forward  # stock (or a CPU replacement); packed_seq=True returns it unsliced
+    rope.l3plugin_positions = None
+
+    def hook(module, args, kwargs):
+        packed = kwargs.get("packed_seq_params", args[6] if len(args) > 6 else None)
+        cu = getattr(packed, "cu_seqlens_q", None)
+        if cu is None:
+            raise ValueError(f"cp_layout={cp_layout!r} needs packed_seq_params.cu_seqlens_q (the global "
+                             f"document boundaries [0, ..., S]) in every forward: the layout depends on them")
+        seq_len = int(torch.as_tensor(cu).reshape(-1)[-1])
+        layout = make_layout(cp_layout, seq_len, cp, cu)  # cached: the core attention builds the same
+        rope.l3plugin_positions = layout.indices(group.rank() if cp > 1 else 0)
+
+    def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+        positions = rope.l3plugin_positions
+        if packed_seq or positions is None:
+            return full_emb(max_seq_len, offset, packed_seq, cp_group)
+        emb = full_emb(positions.numel() * cp, offset, packed_seq=True)  # [S, 1, 1, dim], no CP slicing
+        return emb[positions.to(emb.device)]
+
+    rope.forward = forward
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return model

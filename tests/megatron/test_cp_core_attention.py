@@ -9,23 +9,25 @@ SEQ = 16
 LAYOUTS = {"one-document": [0, SEQ], "paper-3-3-8-2": [0, 3, 6, 14, 16], "tiny-docs": [0, 1, 2, 5, 9, 10, 13, 16]}
 
 
-def gpt_step(cp, cu, dtype):
+def gpt_step(cp, cu, dtype, cp_layout="2cp", position_embedding_type="learned_absolute"):
     """Loss (mean over the full sequence's masked tokens) and full-model grads summed over CP ranks."""
     import torch.distributed as dist
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from l3plugin.cp import sharding
+    from l3plugin.demo.model import build_chunk
     from l3plugin.mesh import init_mesh
 
     mesh = init_mesh(cp=cp, dp=2 // cp)
     config = gpt.gpt_config(2, cp=cp, params_dtype=dtype)
-    model = gpt.build_gpt(config, seq_len=SEQ).to(dtype)
+    model = build_chunk(config, vocab=gpt.VOCAB, seq_len=SEQ, pre_process=True, post_process=True,
+                        position_embedding_type=position_embedding_type, cp_layout=cp_layout).to(dtype)
     batch = gpt.microbatches(1, 1, SEQ)[0]
     cu_t = torch.tensor(cu, dtype=torch.int32)
     batch["position_ids"] = sharding.position_ids_per_document(cu_t, SEQ)[None]
     den = batch["loss_mask"].sum()
     if cp > 1:
-        batch = sharding.shard_batch(batch, cp, mesh.coords["cp"])
+        batch = sharding.shard_batch(batch, cp, mesh.coords["cp"], layout=cp_layout, cu_seqlens=cu_t)
     packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
                              max_seqlen_q=SEQ, max_seqlen_kv=SEQ)
     per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
@@ -54,6 +56,60 @@ def test_gpt_cp2_matches_cp1(ranks, layout):
         for name, ref in cp1["grads"].items():
             err = float((r["grads"][name] - ref).abs().max())
             assert err < 1e-12, f"{name}: {err}"
+
+
+# The balanced layout with RoPE: rope_follows_cp_layout must give each rank its own positions' rotary
+# embedding (the demo's CPU RoPE, wrapped). The documents make the balanced layout differ from the paper's.
+@pytest.mark.parametrize("layout", ["paper-3-3-8-2", "tiny-docs"])
+@pytest.mark.parametrize("embedding", ["rope", "learned_absolute"])
+def test_gpt_cp2_balanced_layout_matches_cp1(ranks, layout, embedding):
+    from l3plugin.cp.layout import balanced_layout, two_chunk_layout
+
+    assert balanced_layout(LAYOUTS[layout], SEQ, 2).ranges != two_chunk_layout(SEQ, 2).ranges
+    dtype = torch.float64
+    cp2 = ranks.run(2, gpt_step, 2, LAYOUTS[layout], dtype, "balanced", embedding, timeout=120)
+    cp1 = ranks.run(2, gpt_step, 1, LAYOUTS[layout], dtype, "2cp", embedding, timeout=120)[0]
+    for r in cp2:
+        assert abs(float(r["loss"] - cp1["loss"])) < 1e-12
+        for name, ref in cp1["grads"].items():
+            err = float((r["grads"][name] - ref).abs().max())
+            assert err < 1e-12, f"{name}: {err}"
+
+
+def gpt_step_without_rope_fix(*args):
+    from l3plugin.megatron import attention
+
+    keep = attention.rope_follows_cp_layout
+    attention.rope_follows_cp_layout = lambda model, cp_layout: model  # Megatron's 2cp-chunk RoPE slicing
+    try:
+        return gpt_step(*args)
+    finally:
+        attention.rope_follows_cp_layout = keep
+
+
+def test_balanced_layout_needs_the_rope_fix(ranks):
+    """Control for the test above: without rope_follows_cp_layout the loss differs from cp=1."""
+    args = (LAYOUTS["paper-3-3-8-2"], torch.float64)
+    wrong = ranks.run(2, gpt_step_without_rope_fix, 2, *args, "balanced", "rope", timeout=120)[0]
+    cp1 = ranks.run(2, gpt_step, 1, *args, "2cp", "rope", timeout=120)[0]
+    assert abs(float(wrong["loss"] - cp1["loss"])) > 1e-6
+
+
+def test_cp_layout_option_errors():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from l3plugin.cp.layout import two_chunk_layout
+    from l3plugin.megatron.attention import AllGatherCPCoreAttention, gpt_layer_spec_with_cp_attention
+
+    config = gpt.gpt_config(2)
+    with pytest.raises(ValueError, match=r"cp_layout='zigzag' is invalid: a model takes a layout name, one of "
+                                         r"\['2cp', 'balanced'\]"):
+        AllGatherCPCoreAttention(config, 1, AttnMaskType.causal, "self", pg_collection=object(),
+                                 cp_layout="zigzag")
+    with pytest.raises(ValueError, match=r"cp_layout='2cp' is invalid: .*a CPLayout fits one sequence only"):
+        gpt_layer_spec_with_cp_attention(cp_layout=two_chunk_layout(16, 2))
+    spec = gpt_layer_spec_with_cp_attention(cp_layout="balanced")
+    assert spec.submodules.self_attention.submodules.core_attention.keywords == {"cp_layout": "balanced"}
 
 
 def test_attention_dropout_is_refused():
