@@ -13,7 +13,7 @@ def parallel_losses(opts, steps):
 
 def test_demo_training_matches_single_process(ranks):
     args = argparse.Namespace(tp=2, cp=2, pp=2, dp=1, vpp=2, group_size=3, microbatches=5, layers=6,
-                              seq_len=64, zero_stage=2, dtype="fp32", timeout=300.0)
+                              seq_len=64, zero_stage=2, dtype="fp32", timeout=300.0, cp_layout="2cp")
     opts = options(args)
     assert opts["layer_counts"] == [1, 2, 2, 1] and opts["layout"] == "Et|tt|tt|tL"
     losses = ranks.run(8, parallel_losses, opts, 2, timeout=300)
@@ -21,3 +21,20 @@ def test_demo_training_matches_single_process(ranks):
     reference = ranks.run(8, train.reference_losses, opts, 2, timeout=300)[0]
     assert max(abs(a - b) for a, b in zip(losses[0], reference)) < TOLERANCE["fp32"]
     assert losses[0][1] < losses[0][0]
+
+
+def test_demo_with_balanced_cp_layout_matches_single_process(ranks):
+    """`l3plugin demo --cp-layout balanced` on a smaller mesh (cp2 x pp2, RoPE, documents dealt to CP ranks
+    by work): same losses as the single-process reference."""
+    from l3plugin.cp.layout import balanced_layout, two_chunk_layout
+    from l3plugin.demo import data
+
+    args = argparse.Namespace(tp=1, cp=2, pp=2, dp=1, vpp=None, group_size=2, microbatches=2, layers=2,
+                              seq_len=64, zero_stage=1, dtype="fp32", timeout=300.0, cp_layout="balanced")
+    opts = options(args)
+    first = data.step_microbatches(0, 0, 1, 64, opts["vocab"])[0]["cu_seqlens"]
+    assert balanced_layout(first, 64, 2).ranges != two_chunk_layout(64, 2).ranges  # not the paper's layout
+    losses = ranks.run(4, parallel_losses, opts, 2, timeout=300)
+    assert all(r == losses[0] for r in losses)
+    reference = ranks.run(4, train.reference_losses, opts, 2, timeout=300)[0]
+    assert max(abs(a - b) for a, b in zip(losses[0], reference)) < TOLERANCE["fp32"]

@@ -55,7 +55,7 @@ def options(args) -> dict:
             "group_size": args.group_size, "microbatches": args.microbatches, "seq_len": args.seq_len,
             "vocab": 256, "lr": 3e-3, "clip": 1.0, "zero_stage": args.zero_stage, "layout": layout,
             "layer_counts": counts, "model": dict(MODEL, num_layers=num_layers, dtype=dtype),
-            "timeout_s": args.timeout}
+            "timeout_s": args.timeout, "cp_layout": args.cp_layout}
 
 
 def _pictures(opts, losses, reference, results: Path):
@@ -118,7 +118,7 @@ def run_demo(args) -> int:
               f"{opts['pp'] * (opts['vpp'] or 1)} virtual stages {opts['layer_counts']} (layout "
               f"{opts['layout']}), {opts['model']['dtype']}; schedule: flexible m={opts['microbatches']} "
               f"k={opts['group_size']} vpp={opts['vpp'] or 1}; FP32-reducing ZeRO-{opts['zero_stage']} "
-              f"over DP x CP", flush=True)
+              f"over DP x CP; CP layout {opts['cp_layout']}", flush=True)
         losses = []
         for step in range(args.steps):
             t = time.monotonic()
@@ -164,6 +164,9 @@ def add_demo_parser(sub):
     demo.add_argument("--steps", type=positive_int, default=30)
     demo.add_argument("--seq-len", type=positive_int, default=64)
     demo.add_argument("--zero-stage", type=int, choices=(1, 2), default=2)
+    demo.add_argument("--cp-layout", choices=("2cp", "balanced"), default="2cp",
+                      help="which tokens each CP rank holds: 2cp = the paper's chunks i and 2cp-1-i; balanced "
+                           "= document pieces dealt by attention work (equal tokens per rank) (default 2cp)")
     demo.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     demo.add_argument("--results", default="results", help="folder for loss.png, timeline.png, summary.json")
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds before a hung step is stopped")

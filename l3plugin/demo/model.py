@@ -62,7 +62,8 @@ def deterministic_init(chunk, tp_size=1, tp_rank=0, scale=0.05):
 def _rope_on_cpu(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
     # Megatron's RotaryEmbedding moves its frequencies to the current CUDA device and picks the CP
     # rank's positions with a pinned CUDA index tensor; on a CPU-only machine both raise. Same result
-    # here: frequencies where inv_freq already is, and this CP rank's 2 of 2*cp chunks (our layout).
+    # here: frequencies where inv_freq already is, and this CP rank's 2 of 2*cp chunks (the "2cp"
+    # layout; rope_follows_cp_layout wraps this for the others).
     from l3plugin.cp.sharding import shard_indices
 
     freqs = self.get_freqs_non_repeated(max_seq_len, offset)
@@ -74,16 +75,17 @@ def _rope_on_cpu(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
 
 
 def build_chunk(config, *, vocab, seq_len, pre_process, post_process, vp_stage=None, tp_size=1, tp_rank=0,
-                position_embedding_type="rope"):
+                position_embedding_type="rope", cp_layout="2cp"):
     from megatron.core.models.gpt import GPTModel
 
-    from l3plugin.megatron.attention import gpt_layer_spec_with_cp_attention
+    from l3plugin.megatron.attention import gpt_layer_spec_with_cp_attention, rope_follows_cp_layout
 
-    model = GPTModel(config, gpt_layer_spec_with_cp_attention(), vocab_size=vocab,
+    model = GPTModel(config, gpt_layer_spec_with_cp_attention(cp_layout), vocab_size=vocab,
                      max_sequence_length=seq_len, pre_process=pre_process, post_process=post_process,
                      share_embeddings_and_output_weights=False, position_embedding_type=position_embedding_type,
                      vp_stage=vp_stage)
     if not torch.cuda.is_available() and getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.forward = types.MethodType(_rope_on_cpu, model.rotary_pos_emb)
+    rope_follows_cp_layout(model, cp_layout)  # "balanced": RoPE of the positions this rank holds
     deterministic_init(model, tp_size, tp_rank)
     return model

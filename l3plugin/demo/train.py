@@ -37,14 +37,15 @@ def _forward_step(global_tokens, data_iterator, chunk):
     return out, functools.partial(_loss_func, b["loss_mask"], global_tokens)
 
 
-def _prepare(batches, cp, cp_rank):
+def _prepare(batches, cp, cp_rank, cp_layout="2cp"):
     from l3plugin.cp import sharding
 
     out = []
     for b in batches:
         seq_len = b["tokens"].size(1)
         b = dict(b, position_ids=torch.arange(seq_len)[None], seq_len=seq_len)
-        out.append(sharding.shard_batch(b, cp, cp_rank) if cp > 1 else b)
+        # "balanced" deals this microbatch's documents to CP ranks by work (from its global cu_seqlens).
+        out.append(sharding.shard_batch(b, cp, cp_rank, layout=cp_layout) if cp > 1 else b)
     return out
 
 
@@ -64,9 +65,9 @@ def setup(opts: dict) -> dict:
                                 k=opts["group_size"], layout=opts["layout"], **opts["model"])
     chunks = [model.build_chunk(config, vocab=opts["vocab"], seq_len=opts["seq_len"],
                                 pre_process=c["pp"] == 0 and v == 0,
-                                post_process=c["pp"] == opts["pp"] - 1 and v == opts["vpp"] - 1,
+                                post_process=c["pp"] == opts["pp"] - 1 and v == (opts["vpp"] or 1) - 1,
                                 vp_stage=v if opts["vpp"] else None, tp_size=opts["tp"],
-                                tp_rank=ps.get_tensor_model_parallel_rank())
+                                tp_rank=ps.get_tensor_model_parallel_rank(), cp_layout=opts["cp_layout"])
               for v in range(opts["vpp"] or 1)]
     params = [p for ch in chunks for p in ch.parameters()]
     zero = megatron_zero(chunks, torch.optim.AdamW(params, lr=opts["lr"], weight_decay=0.0),
@@ -87,7 +88,7 @@ def train_step(step: int) -> dict:
     c = mesh.coords
     mine = data.step_microbatches(step, c["dp"], opts["microbatches"], opts["seq_len"], opts["vocab"])
     global_tokens = opts["dp"] * sum(float(b["loss_mask"].sum()) for b in mine)  # same count on every DP rank
-    batches = _prepare(mine, opts["cp"], c["cp"])
+    batches = _prepare(mine, opts["cp"], c["cp"], opts["cp_layout"])
     out = forward_backward_pipelining_flexible(
         forward_step_func=functools.partial(_forward_step, global_tokens),
         data_iterator=[iter(batches) for _ in chunks], model=chunks,
