@@ -48,6 +48,8 @@ OPTIONS = {
                      "steps, default 1); larger N holds a full fp32 gradient buffer between reductions but "
                      "sends 1/N as much"),
     "wait_timeout": ((int, float), None, "seconds a collective may take before a rank-named error (default 600)"),
+    "checkpoint_allow_nonfinite": ((bool,), False, "resume from a checkpoint whose weights or optimizer states "
+                                   "hold NaN/Inf (refused by default)"),
 }
 SUPPORTED = ('Supported with "l3plugin": {"fp32_reduce_zero": true}: "bf16": {"enabled": true}, '
              '"zero_optimization": {"stage": 1 or 2} without offload, an optimizer, no fp16, no MoE, '
@@ -142,6 +144,62 @@ def _ours(engine) -> bool:
     return isinstance(engine.__dict__.get("optimizer"), DeepSpeedFP32ReduceZero)
 
 
+class _ReadAhead:
+    """One ``load_checkpoint`` of our engine: its two agreements and the verified partitions."""
+
+    def __init__(self, verified, applied):
+        self.verified, self.applied, self.loaded = verified, applied, None
+
+
+def _read_ahead(engine, stock_load_checkpoint, args, kwargs):
+    """Read and verify the ZeRO partitions ``load_checkpoint(*args, **kwargs)`` will load, before stock
+    DeepSpeed touches anything; None when it will not read any (mirrors its conditions)."""
+    import inspect
+
+    from l3plugin.zero.checkpoint import read_partitions, read_universal
+
+    call = inspect.signature(stock_load_checkpoint).bind(engine, *args, **kwargs)
+    call.apply_defaults()
+    a = call.arguments
+    universal = engine.load_universal_checkpoint()
+    optimizer_states = a["load_optimizer_states"] and not a["load_module_only"]
+    if not (optimizer_states or universal):
+        return None
+    tag = a["tag"]
+    if tag is None:
+        latest = os.path.join(a["load_dir"], "latest_universal" if universal else "latest")
+        if not os.path.isfile(latest):
+            return None  # stock warns and returns (None, None)
+        with open(latest) as f:
+            tag = f.read().strip()
+    if not os.path.isdir(os.path.join(a["load_dir"], str(tag))):
+        return None  # stock warns and returns (None, None)
+    allow = _options(engine)["checkpoint_allow_nonfinite"]
+    zero = engine.optimizer.zero
+    if universal:
+        return read_universal(zero, os.path.join(a["load_dir"], str(tag)), optimizer_states, allow)
+    return read_partitions(zero, _partition_files(engine, a["load_dir"], tag), optimizer_states, allow)
+
+
+def _partition_files(engine, load_dir, tag) -> list[str]:
+    """The saved ranks' partition files, found by DeepSpeed's naming. Stock learns their number from the
+    model file, which it reads later; here the files are counted (``partition_count`` inside is checked)."""
+    names = []
+    while True:
+        name = engine._get_rank_zero_ckpt_name(checkpoints_path=load_dir, tag=tag, mp_rank=engine.checkpoint_mp_rank,
+                                               dp_rank=len(names), bf16_mode=engine.bfloat16_enabled())
+        if not os.path.exists(name):
+            older = name.replace("_optim_states.pt", "optim_states.pt")  # DeepSpeed's older file names
+            if not os.path.exists(older):
+                break
+            name = older
+        names.append(name)
+    if not names:
+        raise FileNotFoundError(f"checkpoint {os.path.join(load_dir, str(tag))} has no ZeRO partition files (looked "
+                                f"for {name})")
+    return names
+
+
 def install() -> None:
     """Patch DeepSpeed's engines (once) so the ``"l3plugin"`` config key takes effect."""
     if _stock:
@@ -208,14 +266,59 @@ def install() -> None:
     def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
         if not _ours(self):
             return load_zero(self, load_dir, tag, load_optimizer_states)
+        read = self.__dict__.get("_l3plugin_load")  # set by load_checkpoint below
+        if read is not None and read.loaded is not None:
+            from l3plugin.zero.checkpoint import READ_PARTITIONS, apply_loaded
+
+            read.applied(None, READ_PARTITIONS)  # DeepSpeed's own part went well on every rank too
+            apply_loaded(self.optimizer.zero, read.loaded)
+            return True
+        # Called on its own: read, verify, agree and apply in one go.
+        allow = _options(self)["checkpoint_allow_nonfinite"]
         if self.load_universal_checkpoint():
-            self.optimizer.load_universal(os.path.join(load_dir, tag), load_optimizer_states)
+            self.optimizer.load_universal(os.path.join(load_dir, tag), load_optimizer_states, allow_nonfinite=allow)
             return True
         # Every rank's partition (ours or stock DeepSpeed's), for the DP size that saved them (it may differ
         # from ours).
         names = self._get_all_zero_checkpoint_names(load_dir, tag, self.bfloat16_enabled())
-        self.optimizer.load_partitions(names, load_optimizer_states)
+        self.optimizer.load_partitions(names, load_optimizer_states, allow_nonfinite=allow)
         return True
+
+    stock_load_checkpoint, deco = wrap(DeepSpeedEngine, "load_checkpoint")
+
+    @deco
+    def load_checkpoint(self, *args, **kwargs):
+        """Fail together, touching nothing on a bad checkpoint: every rank first reads and verifies the
+        optimizer partitions it needs and the ranks agree (an error on one is an error on all); then stock
+        DeepSpeed loads the model file, and the ranks agree again right before the first collective (or at
+        the end, if stock returned without reading partitions), so an error in DeepSpeed's part on one rank
+        stops every rank too."""
+        if not _ours(self):
+            return stock_load_checkpoint(self, *args, **kwargs)
+        from l3plugin.fail_together import OneAgreement
+
+        def agreement(what):
+            return OneAgreement(None, what=what, device=self.device, timeout=self.optimizer.zero.wait_timeout)
+
+        read = _ReadAhead(agreement("checkpoint verification"), agreement("checkpoint load"))
+        try:
+            read.loaded = _read_ahead(self, stock_load_checkpoint, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - every rank raises in the agreement
+            read.verified(exc)
+        read.verified(None, "verified the ZeRO partitions" if read.loaded else "found no ZeRO partitions to read")
+        self.__dict__["_l3plugin_load"] = read
+        try:
+            out = stock_load_checkpoint(self, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - every rank raises in the agreement
+            read.applied(exc)
+            raise
+        finally:
+            self.__dict__.pop("_l3plugin_load", None)
+        # A no-op when the partitions were applied. Otherwise this rank never applied them (stock returned
+        # early: no checkpoint found, load_module_only, ...): fine if no rank did, an error if others did.
+        path = out[0] if isinstance(out, tuple) and out else out
+        read.applied(None, f"ended without reading the ZeRO optimizer partitions (load path {path!r})")
+        return out
 
     stage_of, deco = wrap(DeepSpeedEngine, "zero_optimization_stage")
 

@@ -14,7 +14,10 @@ for the same model and config, so DeepSpeed's tools and a stock engine read it:
 - ``base_optimizer_state``: a torch optimizer state dict with one flat parameter per group (the rigid form
   DeepSpeed writes unless ``elastic_checkpoint``): element-wise states (Adam's ``exp_avg``, ``exp_avg_sq``)
   are this rank's padded part, scalars (``step``) as saved by the optimizer, and the group hyper-parameters;
-- ``KEY``: only what DeepSpeed has no place for (format number and parameter shapes, checked on load).
+- ``KEY``: only what DeepSpeed has no place for, all checked on load: format number, parameter shapes, and
+  what the partition must match: the rank that wrote it, the world size, the ZeRO stage, per group the
+  numels of its fp32 part and padded states, a CRC32 of its tensors, and the CRC32 of every rank's
+  partition (so a swapped, stale or foreign file is caught by its neighbours).
 
 The DeepSpeed adapter (``deepspeed_engine.py``) adds DeepSpeed's own objects (``ds_version``, its
 ``LossScaler``, ``ZeroStageEnum``, ``fragment_address``) so a stock engine resumes the files.
@@ -22,8 +25,12 @@ The DeepSpeed adapter (``deepspeed_engine.py``) adds DeepSpeed's own objects (``
 Loading (``load_sharded_state_dict``) reads that layout from any W_old, whoever wrote it (l3plugin, stock
 DeepSpeed rigid or elastic, or l3plugin's earlier format 1), using only each file's own metadata: a
 parameter's fragments, taken rank by rank from ``param_slice_mappings``, concatenate to the whole parameter.
-Each rank reads (memory-mapped, ``weights_only=True``) only the partitions overlapping its shards; no
-collective until the final parameter all-gather. ``load_universal`` reads DeepSpeed universal checkpoints
+Each rank reads (memory-mapped, ``weights_only=True``) only the partitions overlapping its shards, and
+verifies before touching the model: every file's place (its recorded rank and world size, and for any
+writer, that each fragment sits where its rank's range says), sizes against the mappings, the checksums
+of the partitions it reads, and that the loaded values are finite (``allow_nonfinite`` opts out). The
+ranks then agree (``l3plugin.fail_together``): an error on one rank is an error on all of them, raised
+before the first collective, the final parameter all-gather. ``load_universal`` reads DeepSpeed universal checkpoints
 (``ds_to_universal`` output: one folder per parameter holding ``fp32.pt``, ``exp_avg.pt``, ...).
 
 Saving is collective (one all-gather per bucket and state).
@@ -33,14 +40,19 @@ from __future__ import annotations
 
 import copy
 import os
+import zlib
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from l3plugin import comm
+from l3plugin.fail_together import OneAgreement
 
 FORMAT = 2
 KEY = "l3plugin_zero"
+READ_PARTITIONS = "read the ZeRO optimizer partitions"  # the outcome agreed on before the first collective
 ALIGNMENT_FACTOR = 2  # DeepSpeed's nccl_start_alignment_factor: each group is padded to a multiple of 2 * W
 
 
@@ -66,6 +78,15 @@ def partition_numel(total: int, world: int) -> int:
 def _elementwise_keys(zero, bucket) -> list[str]:
     state = zero.optimizer.state.get(bucket.master, {})
     return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1 and v.shape == bucket.master.shape)
+
+
+def _checksum(masters, states_per_group) -> int:
+    """CRC32 of a partition's tensors: per group the fp32 part, then its 1-D state tensors by key."""
+    crc = 0
+    for part, state in zip(masters, states_per_group):
+        for t in [part, *(state[k] for k in sorted(state) if torch.is_tensor(state[k]) and state[k].dim() == 1)]:
+            crc = zlib.crc32(t.detach().contiguous().cpu().view(torch.uint8).numpy(), crc)
+    return crc
 
 
 @torch.no_grad()
@@ -110,6 +131,10 @@ def sharded_state_dict(zero) -> dict:
         alignment.append([0] * len(shapes[-1]))
     hyper = [{**{k: copy.deepcopy(v) for k, v in pg.items() if k != "params"}, "params": [g]}
              for g, pg in enumerate(zero.optimizer.param_groups)]
+    mine = _checksum(masters, [states.get(g, {}) for g in range(len(masters))])
+    device = zero.buckets[0].master.device if zero.buckets else "cpu"
+    every = comm.all_gather_shards(torch.tensor([mine], dtype=torch.int64, device=device), zero.group,
+                                   zero.wait_timeout)
     return {
         "base_optimizer_state": {"state": states, "param_groups": hyper},
         "single_partition_of_fp32_groups": masters,
@@ -118,7 +143,9 @@ def sharded_state_dict(zero) -> dict:
         "param_alignment_paddings": alignment,
         "partition_count": [world] * len(masters),
         "param_slice_mappings": mappings,
-        KEY: {"format": FORMAT, "param_shapes": shapes},
+        KEY: {"format": FORMAT, "param_shapes": shapes, "rank": rank, "world_size": world,
+              "stage": zero.settings.stage, "numels": [[m.numel(), m.numel() + p] for m, p in zip(masters, paddings)],
+              "checksum": mine, "checksums": every.tolist()},
     }
 
 
@@ -248,7 +275,7 @@ class _Sources:
         if not self.sources:
             raise ValueError("no checkpoint partitions given")
         self.cache = {}
-        self.meta = {}  # rank -> (partition_count, our KEY entry or None)
+        self.inner = {}  # rank -> the partition dict (DeepSpeed's optimizer_state_dict unwrapped)
 
     def __len__(self):
         return len(self.sources)
@@ -258,25 +285,91 @@ class _Sources:
         return f"checkpoint file {os.fspath(src)}" if isinstance(src, (str, os.PathLike)) else \
             f"partition {rank} of {len(self.sources)}"
 
-    def raw(self, rank) -> dict:
-        src = self.sources[rank]
-        if isinstance(src, (str, os.PathLike)):
-            src = load_file(src, "ZeRO checkpoint partition")
-        return src
-
     def __getitem__(self, rank) -> list[_Group]:
         if rank not in self.cache:
-            raw = self.raw(rank)
+            raw = self.sources[rank]
+            if isinstance(raw, (str, os.PathLike)):
+                raw = load_file(raw, "ZeRO checkpoint partition")
             self.cache[rank] = _normalize(raw, self.label(rank), rank)
-            inner = raw.get("optimizer_state_dict") if isinstance(raw.get("optimizer_state_dict"), dict) else raw
-            self.meta[rank] = (inner.get("partition_count"), inner.get(KEY))
+            self.inner[rank] = raw["optimizer_state_dict"] if isinstance(raw.get("optimizer_state_dict"), dict) \
+                else raw
         return self.cache[rank]
 
+    def ours(self, rank) -> dict:
+        """Our KEY entry of a partition (empty for stock DeepSpeed's files and our format 1)."""
+        self[rank]
+        meta = self.inner[rank].get(KEY)
+        return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else {}
 
-def _fragments(src: _Sources, names_by_group):
+
+def _check_set(src: _Sources) -> None:
+    """Every file is in its place and belongs to the same checkpoint (our files record both)."""
+    src[0]  # reads the first partition
+    counts = src.inner[0].get("partition_count")
+    counts = counts[0] if isinstance(counts, (list, tuple)) and counts else counts
+    if isinstance(counts, int) and counts != len(src):
+        raise ValueError(f"the checkpoint was saved by {counts} ranks but {len(src)} partitions were given")
+    reference = None
+    for q in range(len(src)):
+        meta = src.ours(q)
+        if "rank" not in meta:
+            continue
+        if meta["world_size"] != len(src):
+            raise ValueError(f"{src.label(q)} was written by a job of {meta['world_size']} data-parallel ranks, "
+                             f"but {len(src)} partitions were given: it belongs to another checkpoint")
+        if meta["rank"] != q:
+            raise ValueError(f"{src.label(q)} was written by rank {meta['rank']} but is loaded as the partition "
+                             f"of rank {q}: partition files swapped or renamed?")
+        if reference is None:
+            reference = (q, meta["checksums"], meta["stage"])
+        elif (meta["checksums"], meta["stage"]) != reference[1:]:
+            raise ValueError(f"{src.label(q)} belongs to another checkpoint than {src.label(reference[0])}: their "
+                             f"records of the partitions (checksums {meta['checksums']} vs {reference[1]}, ZeRO "
+                             f"stage {meta['stage']} vs {reference[2]}) differ")
+        if meta["checksums"][q] != meta["checksum"]:
+            raise ValueError(f"{src.label(q)} is not the partition its checkpoint recorded for rank {q}: a stale "
+                             f"or foreign file")
+
+
+def _check_sizes(src: _Sources, q: int) -> None:
+    """The tensors of one partition are as long as its mappings and our record say (a short file is caught
+    here, named, instead of as a shape error inside the copy)."""
+    numels = src.ours(q).get("numels")
+    for g, group in enumerate(src[q]):
+        part = group.fp32.numel()
+        if numels is not None and [part, group.size] != list(numels[g]):
+            raise ValueError(f"{src.label(q)}: param group {g} holds {part} fp32 elements (padded {group.size}), "
+                             f"it was written with {numels[g][0]} (padded {numels[g][1]}): the file is short or "
+                             f"was altered")
+        end = max((start + numel for start, numel in group.mapping.values()), default=0)
+        if end > part:
+            raise ValueError(f"{src.label(q)}: param group {g} holds {part} fp32 elements but its "
+                             f"param_slice_mappings reach element {end}: the file is short or was altered")
+        for key, value in group.scalars.items():  # a 1-D state of another length was set aside as a scalar
+            if torch.is_tensor(value) and value.dim() == 1:
+                raise ValueError(f"{src.label(q)}: optimizer state {key!r} of param group {g} holds "
+                                 f"{value.numel()} elements, the partition {part} (padded {group.size}): the "
+                                 f"file is short or was altered")
+
+
+def _check_checksum(src: _Sources, q: int) -> None:
+    meta = src.ours(q)
+    if "checksum" not in meta:
+        return  # stock DeepSpeed records none; our sizes and places were checked
+    base = src.inner[q]["base_optimizer_state"]
+    states = [base["state"].get(g, {}) for g in range(len(src[q]))]
+    got = _checksum([group.fp32 for group in src[q]], states)
+    if got != meta["checksum"]:
+        raise ValueError(f"{src.label(q)} is corrupted: the CRC32 of its tensors is {got:#010x}, it was "
+                         f"written with {meta['checksum']:#010x}")
+
+
+def _fragments(src: _Sources, names_by_group, offsets_by_group):
     """{name: [(old rank, start in its part, numel, offset in the parameter)]} from every file's mapping.
 
-    Needs every file's (small) mapping; tensors are only touched later, for the ranges this rank owns."""
+    Needs every file's (small) mapping; tensors are only touched later, for the ranges this rank owns. Each
+    fragment must sit where its file's rank range says: rank q's part is elements [q * P, (q + 1) * P) of
+    the param group (DeepSpeed's layout, whoever wrote it), which also catches swapped stock files."""
     frags = {}
     for q in range(len(src)):
         groups = src[q]
@@ -293,23 +386,50 @@ def _fragments(src: _Sources, names_by_group):
                                      + (f"in param group {where[0]} now" if where else "not in the model") +
                                      "; the same trainable parameters, names and param groups are needed")
                 done = sum(f[2] for f in frags.get(name, []))
+                # P from rank 0's file: DeepSpeed's bf16 optimizer keeps the last rank's padding inside its
+                # part and still records it in group_paddings, so only rank 0's part + padding is P for all.
+                size = src[0][g].size
+                if q * size + start != offsets_by_group[g][name] + done:
+                    raise ValueError(f"{src.label(q)}, loaded as the partition of rank {q}, holds elements "
+                                     f"{done}.. of parameter {name!r} at element {q * size + start} of "
+                                     f"param group {g}, where the model's layout puts them at "
+                                     f"{offsets_by_group[g][name] + done}: partition files swapped, renamed or "
+                                     "from another model")
                 frags.setdefault(name, []).append((q, start, numel, done))
     return frags
 
 
+def _finite(piece: torch.Tensor, src: _Sources, q: int, what: str) -> None:
+    if piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
+        bad = piece[~torch.isfinite(piece)]
+        raise ValueError(f"{src.label(q)}: {what} holds {bad.numel()} non-finite values (first: {bad[0].item()}); "
+                         "refusing to resume from them. If they are intended, load with allow_nonfinite=True "
+                         '(DeepSpeed: "l3plugin": {"checkpoint_allow_nonfinite": true})')
+
+
+@dataclass
+class Loaded:
+    """What one rank loads, verified, in new tensors; ``apply_loaded`` installs it."""
+
+    staged: list  # [(bucket, fp32 master shard, optimizer state or None to keep the current one)]
+    hyper: list  # per param group: hyper-parameters to set, or None
+    global_state: dict | None = None  # a universal checkpoint's zero/optimizer_state.pt
+
+
 @torch.no_grad()
-def load_sharded_state_dict(zero, sources, optimizer_states: bool = True) -> None:
-    """Restore master weights (and, unless told not to, optimizer state and hyper-parameters) from the
-    partitions saved by W_old ranks (paths or dicts, in rank order), for any W_old."""
+def read_partitions(zero, sources, optimizer_states: bool = True, allow_nonfinite: bool = False) -> Loaded:
+    """Read and verify every partition this rank needs (see the module docstring), into new tensors.
+    Touches neither the model nor the optimizer; no collective."""
     src = _Sources(sources)
+    _check_set(src)
     first = src[0]
-    counts = src.meta[0][0]
-    counts = counts[0] if isinstance(counts, (list, tuple)) and counts else counts
-    if isinstance(counts, int) and counts != len(src):
-        raise ValueError(f"the checkpoint was saved by {counts} ranks but {len(src)} partitions were given")
     groups = _groups(zero)
     names_by_group = [{zero.param_names[p]: p for b, _ in entries for p in b.params} for entries, _ in groups]
-    frags = _fragments(src, names_by_group)
+    offsets_by_group = [{zero.param_names[p]: start + slot.offset for b, start in entries
+                         for slot, p in zip(b.spec.slots, b.params)} for entries, _ in groups]
+    for q in range(len(src)):
+        _check_sizes(src, q)
+    frags = _fragments(src, names_by_group, offsets_by_group)
     for g, names in enumerate(names_by_group):
         for name, p in names.items():
             got = sum(f[2] for f in frags.get(name, []))
@@ -318,52 +438,95 @@ def load_sharded_state_dict(zero, sources, optimizer_states: bool = True) -> Non
                                  f"elements ({tuple(p.shape)}), the checkpoint holds {got}"
                                  + ("" if got else " (missing)"))
     _check_shapes(src, names_by_group)
+    staged, used = [], set()
     for g, (entries, _) in enumerate(groups):
         keys = sorted(first[g].tensors) if optimizer_states else []
         for bucket, _start in entries:
             lo, hi = bucket.spec.shard_range(zero.rank)
             hi = min(hi, bucket.spec.numel)  # the padding stays zero
             device = bucket.master.device
-            targets = {None: bucket.master.data}
-            new_state = {}
+            targets = {None: torch.zeros_like(bucket.master.data)}
             for key in keys:
-                new_state[key] = targets[key] = torch.zeros_like(bucket.master.data,
-                                                                 dtype=first[g].tensors[key].dtype)
-            bucket.master.data.zero_()
+                targets[key] = torch.zeros_like(bucket.master.data, dtype=first[g].tensors[key].dtype)
             for slot, p in zip(bucket.spec.slots, bucket.params):
                 s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
                 if s >= e:
                     continue
                 a, b = s - slot.offset, e - slot.offset  # in the parameter's flat elements
-                for q, start, numel, done in frags[zero.param_names[p]]:
+                name = zero.param_names[p]
+                for q, start, numel, done in frags[name]:
                     x, y = max(a, done), min(b, done + numel)
                     if x >= y:
                         continue
                     saved = src[q][g]
+                    used.add(q)
                     for key, target in targets.items():
                         if key is not None and key not in saved.tensors:
                             raise ValueError(f"{src.label(q)}: optimizer state {key!r} of param group {g} is "
                                              f"missing (present in {src.label(0)})")
                         piece = saved.source(key)[start + x - done:start + y - done]
+                        if not allow_nonfinite:
+                            _finite(piece, src, q, f"{'fp32 master weights' if key is None else key} of {name!r}")
                         target[slot.offset + x - lo:slot.offset + y - lo] = piece.to(device)
-            if not optimizer_states:
-                continue
-            for key, value in first[g].scalars.items():
-                new_state[key] = copy.deepcopy(value).to(device) if torch.is_tensor(value) else copy.deepcopy(value)
-            if new_state:
-                zero.optimizer.state[bucket.master] = new_state
-            else:
-                zero.optimizer.state.pop(bucket.master, None)
-        if optimizer_states and first[g].hyper is not None:
-            for key, value in first[g].hyper.items():
-                zero.optimizer.param_groups[g][key] = copy.deepcopy(value)
+            state = None
+            if optimizer_states:
+                state = {key: targets[key] for key in keys}
+                for key, value in first[g].scalars.items():
+                    state[key] = copy.deepcopy(value).to(device) if torch.is_tensor(value) else copy.deepcopy(value)
+            staged.append((bucket, targets[None], state))
+    for q in sorted(used):
+        _check_checksum(src, q)
+    return Loaded(staged, [first[g].hyper if optimizer_states else None for g in range(len(groups))])
+
+
+@torch.no_grad()
+def load_sharded_state_dict(zero, sources, optimizer_states: bool = True, *, allow_nonfinite: bool = False,
+                            agree=None) -> None:
+    """Restore master weights (and, unless told not to, optimizer state and hyper-parameters) from the
+    partitions saved by W_old ranks (paths or dicts, in rank order), for any W_old.
+
+    Verifies everything first (see the module docstring), then the ranks agree: ``agree`` (default: one
+    ``OneAgreement`` over the ZeRO group) is called with this rank's error or None before anything is
+    changed. Collective."""
+    agree = agree or _default_agreement(zero)
+    try:
+        loaded = read_partitions(zero, sources, optimizer_states, allow_nonfinite)
+    except Exception as exc:  # noqa: BLE001 - every rank raises in agree()
+        agree(exc)
+        raise
+    agree(None, READ_PARTITIONS)
+    apply_loaded(zero, loaded)
+
+
+def _default_agreement(zero) -> OneAgreement:
+    if not dist.is_initialized():  # one process: nobody to tell
+        return OneAgreement(None, what="ZeRO checkpoint load")
+    return OneAgreement(zero.group, what="ZeRO checkpoint load", timeout=zero.wait_timeout,
+                        device=zero.buckets[0].master.device if zero.buckets else "cpu")
+
+
+@torch.no_grad()
+def apply_loaded(zero, loaded: Loaded) -> None:
+    """Install verified state (after the ranks agreed): the first change to the model, then the parameter
+    all-gather (collective)."""
+    for bucket, master, state in loaded.staged:
+        bucket.master.data.copy_(master)
+        if state is None:
+            continue
+        if state:
+            zero.optimizer.state[bucket.master] = state
+        else:
+            zero.optimizer.state.pop(bucket.master, None)
+    for g, values in enumerate(loaded.hyper):
+        for key, value in (values or {}).items():
+            zero.optimizer.param_groups[g][key] = copy.deepcopy(value)
     zero.zero_grad()
     zero.all_gather_params()
 
 
 def _check_shapes(src: _Sources, names_by_group) -> None:
     """Files written by l3plugin carry parameter shapes: same element counts but other shapes is an error."""
-    meta = src.meta[0][1]
+    meta = src.inner[0].get(KEY)
     if not isinstance(meta, dict):
         return
     for g, group in enumerate(meta.get("param_shapes", [])):
@@ -375,10 +538,9 @@ def _check_shapes(src: _Sources, names_by_group) -> None:
 
 
 @torch.no_grad()
-def load_universal(zero, folder, optimizer_states: bool = True) -> dict:
-    """Restore from a DeepSpeed universal checkpoint folder (``ds_to_universal`` output, the tag folder that
-    holds ``zero/``): ``zero/<param name>/{fp32,exp_avg,...}.pt`` hold whole parameters; every rank copies
-    its shard ranges. Returns the saved global optimizer state (``zero/optimizer_state.pt``)."""
+def read_universal(zero, folder, optimizer_states: bool = True, allow_nonfinite: bool = False) -> Loaded:
+    """What this rank loads from a universal checkpoint, verified, in new tensors (as ``read_partitions``),
+    with the saved global optimizer state."""
     root = os.path.join(os.fspath(folder), "zero")
     if not os.path.isdir(root):
         raise FileNotFoundError(f"{root} does not exist: not a universal checkpoint (convert with "
@@ -403,10 +565,11 @@ def load_universal(zero, folder, optimizer_states: bool = True) -> dict:
     step = None
     if optimizer_states and "step" in pt_files(zero.param_names[zero.params[0]])[1]:
         step = load_file(os.path.join(root, zero.param_names[zero.params[0]], "step.pt"), "universal checkpoint file")
+    staged = []
     for bucket in zero.buckets:
         lo, hi = bucket.spec.shard_range(zero.rank)
         hi = min(hi, bucket.spec.numel)
-        bucket.master.data.zero_()
+        master = torch.zeros_like(bucket.master.data)
         new_state = {key: None for key in keys}
         for slot, p in zip(bucket.spec.slots, bucket.params):
             s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
@@ -423,29 +586,46 @@ def load_universal(zero, folder, optimizer_states: bool = True) -> dict:
                                      f"{name!r} has shape {tuple(p.shape)} (tensor-parallel slicing of universal "
                                      "checkpoints is not supported)")
                 if key == "fp32":
-                    target = bucket.master.data
+                    target = master
                 else:
                     if new_state[key] is None:
                         new_state[key] = torch.zeros_like(bucket.master.data, dtype=full.dtype)
                     target = new_state[key]
-                target[s - lo:e - lo] = full.reshape(-1)[s - slot.offset:e - slot.offset].to(target.device)
-        for key in keys:
-            if new_state[key] is None:  # this rank owns only padding of the bucket
-                new_state[key] = torch.zeros_like(bucket.master.data)
+                piece = full.reshape(-1)[s - slot.offset:e - slot.offset]
+                if not allow_nonfinite and piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
+                    raise ValueError(f"{path}: holds non-finite values in the part rank {zero.rank} loads; refusing "
+                                     "to resume from them (allow_nonfinite=True, or DeepSpeed's "
+                                     '"l3plugin": {"checkpoint_allow_nonfinite": true}, if intended)')
+                target[s - lo:e - lo] = piece.to(target.device)
+        state = None
         if optimizer_states:
+            state = {key: value if value is not None else torch.zeros_like(bucket.master.data)  # only padding here
+                     for key, value in new_state.items()}
             if step is not None:
-                new_state["step"] = (step.clone() if torch.is_tensor(step)
-                                     else torch.tensor(float(step), dtype=torch.float32))
-            if new_state:
-                zero.optimizer.state[bucket.master] = new_state
-    if optimizer_states:
-        for g, saved in enumerate(saved_groups):
-            for key, value in saved.items():
-                if key != "params":
-                    zero.optimizer.param_groups[g][key] = copy.deepcopy(value)
-    zero.zero_grad()
-    zero.all_gather_params()
-    return global_state
+                state["step"] = (step.clone() if torch.is_tensor(step)
+                                 else torch.tensor(float(step), dtype=torch.float32))
+        staged.append((bucket, master, state))
+    hyper = [{k: v for k, v in saved.items() if k != "params"} if optimizer_states else None
+             for saved in saved_groups]
+    return Loaded(staged, hyper, global_state)
+
+
+@torch.no_grad()
+def load_universal(zero, folder, optimizer_states: bool = True, *, allow_nonfinite: bool = False,
+                   agree=None) -> dict:
+    """Restore from a DeepSpeed universal checkpoint folder (``ds_to_universal`` output, the tag folder that
+    holds ``zero/``): ``zero/<param name>/{fp32,exp_avg,...}.pt`` hold whole parameters; every rank copies
+    its shard ranges. Verified and agreed like ``load_sharded_state_dict``. Returns the saved global
+    optimizer state (``zero/optimizer_state.pt``)."""
+    agree = agree or _default_agreement(zero)
+    try:
+        loaded = read_universal(zero, folder, optimizer_states, allow_nonfinite)
+    except Exception as exc:  # noqa: BLE001 - every rank raises in agree()
+        agree(exc)
+        raise
+    agree(None, READ_PARTITIONS)
+    apply_loaded(zero, loaded)
+    return loaded.global_state
 
 
 @torch.no_grad()

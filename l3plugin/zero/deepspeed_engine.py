@@ -237,15 +237,17 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
         return {"loss_scaler": LossScaler(scale=1.0), "dynamic_loss_scale": False, "overflow": bool(self.overflow),
                 "clip_grad": float(self.zero.settings.clip_grad), **sd, "ds_version": version}
 
-    def load_universal(self, folder, load_optimizer_states=True):
-        """Load a DeepSpeed universal checkpoint (the tag folder written by ``ds_to_universal``)."""
+    def load_universal(self, folder, load_optimizer_states=True, **checks):
+        """Load a DeepSpeed universal checkpoint (the tag folder written by ``ds_to_universal``).
+        ``checks``: ``allow_nonfinite`` and ``agree`` of ``l3plugin.zero.checkpoint.load_universal``."""
         from l3plugin.zero.checkpoint import load_universal
 
-        load_universal(self.zero, folder, load_optimizer_states)
+        load_universal(self.zero, folder, load_optimizer_states, **checks)
 
-    def load_partitions(self, sources, load_optimizer_states=True):
-        """Load the partitions saved by every data-parallel rank (paths or dicts), any DP size."""
-        self.zero.load_state_dict(sources, optimizer_states=load_optimizer_states)
+    def load_partitions(self, sources, load_optimizer_states=True, **checks):
+        """Load the partitions saved by every data-parallel rank (paths or dicts), any DP size.
+        ``checks``: ``allow_nonfinite`` and ``agree`` of ``l3plugin.zero.checkpoint.load_sharded_state_dict``."""
+        self.zero.load_state_dict(sources, optimizer_states=load_optimizer_states, **checks)
 
     def load_state_dict(self, state_dict_list, load_optimizer_states=True, **unused):
         if any(sd is None for sd in state_dict_list):
