@@ -118,7 +118,8 @@ def rope_follows_cp_layout(model, cp_layout: str):
     """Make ``model.rotary_pos_emb`` (Megatron's RotaryEmbedding) give this CP rank the rotary embedding
     of the positions it holds under ``cp_layout``, per microbatch. Megatron slices RoPE by the paper's
     2cp chunks, so for "2cp" nothing is changed. A forward pre-hook reads the microbatch's global
-    ``packed_seq_params.cu_seqlens_q`` and computes the layout exactly as the core attention does."""
+    ``packed_seq_params.cu_seqlens_q`` and computes the layout exactly as the core attention does.
+    Call it on each GPTModel chunk itself, before wrapping it (DDP, Float16Module)."""
     rope = getattr(model, "rotary_pos_emb", None)
     check_layout_name(cp_layout)
     if cp_layout == "2cp" or rope is None:
