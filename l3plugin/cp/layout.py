@@ -22,7 +22,7 @@ cost more. The rest of the layer (QKV/output projections, MLP, norms) costs the 
 (``linear_pair_equivalents``: its FLOPs per token divided by attention's FLOPs per query-key pair).
 Every rank holds S/cp tokens, so that term is the same on every rank: it never changes the assignment,
 it only damps how much an attention imbalance matters for the whole layer (``rank_work``).
-The planner (l3plugin/planner.py) assumes balanced CP ranks; it models neither layout's imbalance.
+The planner (l3plugin/planner/) assumes balanced CP ranks; it models neither layout's imbalance.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ one document. Shard the batch with ``l3plugin.cp.shard_batch`` and the same ``cp
   ``rope_follows_cp_layout(model, "balanced")`` on every GPTModel chunk: Megatron's RotaryEmbedding
   would otherwise give this rank the positions of the paper's chunks. Every forward then needs
   ``packed_seq_params.cu_seqlens_q`` (the layout is derived from it, identically on every rank).
-  l3plugin's planner (l3plugin/planner.py) does not model the CP imbalance of either layout.
+  l3plugin's planner (l3plugin/planner/) does not model the CP imbalance of either layout.
 
 Prefer ``PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=...)``: Megatron then applies RoPE by global
 position, matching our layout. With ``qkv_format="thd"`` Megatron's RoPE assumes TE's per-document CP
