@@ -10,6 +10,7 @@ import pytest
 from l3plugin.cli import main
 from l3plugin.planner import Base, Hardware, Layout, ModelSpec, PlanRequest, ScheduleCache, plan, staged_plan
 from l3plugin.planner.costs import GIB
+from l3plugin.planner.report import megatron_args
 from l3plugin.planner.search import NoPlanFits
 from l3plugin.planner.staged import rank_in_free_search, term_differences
 
@@ -113,6 +114,18 @@ def test_keeping_the_gathered_kv_needs_a_larger_cp():
     L = result.evaluation.layout
     assert result.rule_cp == 16 and (L.tp, L.pp, L.cp, L.dp) == (8, 16, 32, 4) and result.evaluation.fits
     assert any(r.startswith("CP=16: no VPP fits") for r in result.reasons)
+    assert any("the smallest CP that keeps m >= PP and fits minimises CP communication" in r for r in result.reasons)
+    # the emitted Megatron arguments name the CP attention the memory was planned for
+    args = megatron_args(result.evaluation)
+    assert "--context-parallel-size 32" in args and "--cp-comm-type l3plugin_all_gather" in args
+
+
+def test_emit_megatron_for_the_staged_plan(capsys):
+    args = run(LONG + ["--keep-tp-pp", "--emit", "megatron"], capsys)
+    for flag in ("--tensor-model-parallel-size 8", "--context-parallel-size 16", "--pipeline-model-parallel-size 16",
+                 "--cp-comm-type all_gather", "--global-batch-size 128", "--seq-length 131072",
+                 "--microbatch-group-size-per-virtual-pipeline-stage 16"):
+        assert flag in args
 
 
 TINY = ModelSpec("tiny", num_layers=8, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=2,

@@ -104,9 +104,9 @@ class PlanRequest:
             names = " x ".join(f"--{name}" for name, _ in pinned)
             raise ValueError(f"--gpus={n} is not divisible by {names} = {product}: use a multiple of {product} "
                              f"GPUs (e.g. {n // product * product or product} or {(n // product + 1) * product}) "
-                             f"or sizes whose product divides {n} (its divisors: {_short_list(_divisors(n))})")
+                             f"or sizes whose product divides {n} (its divisors: {_short_list(divisors(n))})")
         if self.cp and L % (2 * self.cp):
-            valid = [c for c in _divisors(L // 2) if n % c == 0 and c <= n][-4:]
+            valid = [c for c in divisors(L // 2) if n % c == 0 and c <= n][-4:]
             raise ValueError(f"--seq-len={L} is not divisible by 2 x --cp = {2 * self.cp}: CP cuts every sequence "
                              f"into 2 x CP equal chunks; CP sizes that divide this length: {_short_list(valid)}, "
                              f"or a length that is a multiple of {2 * self.cp}")
@@ -118,7 +118,7 @@ class PlanRequest:
     @cached_property
     def max_tp(self) -> int:
         model = self.model
-        return max(tp for tp in _divisors(self.gpus) if tp <= self.gpus_per_node and not any(
+        return max(tp for tp in divisors(self.gpus) if tp <= self.gpus_per_node and not any(
             x % tp for x in (model.num_attention_heads, model.num_kv_heads, model.ffn_hidden_size)))
 
     @property
@@ -154,7 +154,7 @@ def _short_list(values) -> str:
     return ", ".join(map(str, values)) if len(values) <= 8 else ", ".join(map(str, values[:4] + ["..."] + values[-3:]))
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
@@ -191,17 +191,17 @@ def group_sizes(pp: int, vpp: int, m: int) -> list[int]:
 
 def enumerate_layouts(req: PlanRequest):
     model, n = req.model, req.gpus
-    for tp in _divisors(n):
+    for tp in divisors(n):
         if req.tp and tp != req.tp:
             continue
         if any(x % tp for x in (model.num_attention_heads, model.num_kv_heads, model.ffn_hidden_size)):
             continue
-        for cp in _divisors(n // tp):
+        for cp in divisors(n // tp):
             if req.cp and cp != req.cp:
                 continue
             if cp > 1 and (not req.cp_allowed or req.seq_len % (2 * cp)):
                 continue
-            for pp in _divisors(n // tp // cp):
+            for pp in divisors(n // tp // cp):
                 if req.pp and pp != req.pp:
                     continue
                 dp = n // (tp * cp * pp)

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from .costs import GIB, Layout
-from .search import (Evaluation, NoPlanFits, PlanRequest, ScheduleCache, _divisors, describe, enumerate_layouts,
+from .search import (Evaluation, NoPlanFits, PlanRequest, ScheduleCache, describe, divisors, enumerate_layouts,
                      evaluate, plan)
 
 
@@ -115,7 +115,7 @@ def staged_plan(req: PlanRequest, base: Base, cache: ScheduleCache | None = None
     B, mbs = req.sequences, req.micro_batch_size
     bound = n * mbs / (tp * B)  # B / (N / (TP PP CP)) >= PP  <=>  CP >= N / (TP B), per micro batch
     rejected, valid = [], []
-    for cp in _divisors(n // (tp * pp)):
+    for cp in divisors(n // (tp * pp)):
         dp = n // (tp * pp * cp)
         if req.seq_len % (2 * cp):
             rejected.append(f"CP={cp}: --seq-len {req.seq_len} does not split into {2 * cp} chunks")
@@ -147,7 +147,6 @@ def staged_plan(req: PlanRequest, base: Base, cache: ScheduleCache | None = None
     else:
         raise NoPlanFits(f"keeping TP={tp} PP={pp} from {base.source}, no CP of {valid} fits in "
                          f"--gpu-memory-gb={req.hbm_gb:g}: {note}")
-    L = chosen.layout
     reasons.append(note)
     reasons.append(_cp_traffic(req, chosen, valid))
     return StagedPlan(chosen, base, rule_cp, reasons)
@@ -192,8 +191,9 @@ def _cp_traffic(req: PlanRequest, ev: Evaluation, valid: list[int]) -> str:
                    L.layers, L.split)
     costs = req.costs(other)
     theirs = max(costs.comm_bytes(r, ev.zero_stage)["cp"] for r in range(L.pp)) / 1e9
-    return (text + f"; CP={cp2} would move {theirs:.1f} GB ({max(costs.rank_cp):.2f} s exposed): the smallest CP "
-            f"that keeps m >= PP minimises CP communication.")
+    smallest = "the smallest CP that keeps m >= PP" + (" and fits" if L.cp > valid[0] else "")
+    return (text + f"; CP={cp2} would move {theirs:.1f} GB ({max(costs.rank_cp):.2f} s exposed): {smallest} "
+            f"minimises CP communication.")
 
 
 def _free(req: PlanRequest, cache: ScheduleCache, top: int) -> list[Evaluation]:
