@@ -57,12 +57,14 @@ SGD, ...): it sees flat fp32 shards, not shaped tensors.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from l3plugin import comm
+from l3plugin.fail_together import agree
 from l3plugin.waits import resolve_timeout
 from l3plugin.zero.buffers import GradBucket, GradBufferMemory, ParamSlot, plan_buckets
 
@@ -133,6 +135,22 @@ class FP32ReduceZero:
         self.overflow = False
         self.last_grad_norm: torch.Tensor | None = None
 
+        # Fail together: a rank whose setup fails (or whose model differs) stops every rank here, instead of
+        # leaving them in the first gradient collective.
+        device = next((p.device for pg in optimizer.param_groups for p in pg["params"]), "cpu")
+        what = "ZeRO optimizer setup"
+        try:
+            self._build_buckets(optimizer, chunks, counts_in_norm, param_names)
+        except Exception as exc:  # noqa: BLE001 - every rank raises in agree()
+            agree(exc, self.group, what=what, device=device, timeout=self.wait_timeout)
+            raise
+        numels = [b.spec.numel for b in self.buckets]
+        agree(None, self.group, what=what, device=device, timeout=self.wait_timeout,
+              outcome=f"{len(numels)} buckets, {sum(numels)} elements, layout CRC32 "
+                      f"{zlib.crc32(str([(b.spec.group, b.spec.numel) for b in self.buckets]).encode()):#010x}")
+
+    def _build_buckets(self, optimizer, chunks, counts_in_norm, param_names) -> None:
+        settings = self.settings
         chunk_of = {}
         for c, params in enumerate(chunks or []):
             for p in params:
