@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from .models import ModelSpec
 
-from .machine import GIB, Hardware
+from .machine import GIB, Hardware  # noqa: F401 (GIB re-exported for report.py and tests)
 
 BF16, FP32 = 2, 4
 

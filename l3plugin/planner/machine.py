@@ -9,9 +9,10 @@ all; the report prints them):
     8 GPUs per node               --gpus-per-node 8 (an HGX H100 node)
 Assumptions (not datasheet figures):
     --mfu 0.5: fraction of peak that forward/backward compute reaches. The paper measures 400 TFLOPs/GPU
-        end to end at 8K (40% of peak) including a 12% bubble (m = p) and exposed TP collectives, which
-        this model adds separately, so compute alone runs at about 400 x 1.12 / 989 = 45% plus the TP
-        share: 50% is that figure rounded, not fitted to any layout.
+        end to end at 8K, 40% of peak, including its 12% bubble (m = p) and exposed TP collectives, which
+        this model adds on top; compute alone therefore runs near 400 x 1.12 / 989 = 45% or a little
+        more. 0.5 is an assumption in that range, not fitted to any layout (with it the paper's 8K layout
+        is estimated at 382 model TFLOPs/GPU).
     --usable-memory-fraction 0.95 and 2 GiB reserved: allocator fragmentation and the transient tensors
         of the layer being computed; the CUDA context and NCCL buffers.
     --latency-us 5: per ring step of a collective or per P2P message (order of NCCL's on NVLink and
