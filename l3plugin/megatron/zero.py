@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from l3plugin.zero.checkpoint import READ_PARTITIONS, Loaded, apply_loaded, load_agreement
 from l3plugin.zero.optimizer import FP32ReduceZero
 
 
@@ -153,9 +154,22 @@ def zero_sharded_state_dict(zero: FP32ReduceZero, model_sharded_state_dict=None,
 
 
 @torch.no_grad()
-def load_zero_sharded_state_dict(zero: FP32ReduceZero, state_dict: dict) -> None:
+def load_zero_sharded_state_dict(zero: FP32ReduceZero, state_dict: dict, *, allow_nonfinite: bool = False) -> None:
     """Restore from what ``dist_checkpointing.load(zero_sharded_state_dict(..., is_loading=True), dir)``
-    returned (each rank copies its shard ranges; ends with the parameter all-gather)."""
+    returned (each rank copies its shard ranges; ends with the parameter all-gather). Checked before anything
+    changes (shapes; finite values unless ``allow_nonfinite``); an error on one rank is raised on every rank
+    of the ZeRO group before the first collective (``l3plugin.fail_together``)."""
+    agree = load_agreement(zero)
+    try:
+        loaded = _read_dist_state(zero, state_dict, allow_nonfinite)
+    except Exception as exc:  # noqa: BLE001 - every rank raises in agree()
+        agree(exc)
+        raise
+    agree(None, READ_PARTITIONS)
+    apply_loaded(zero, loaded)
+
+
+def _read_dist_state(zero: FP32ReduceZero, state_dict: dict, allow_nonfinite: bool) -> Loaded:
     if not isinstance(state_dict, dict) or "l3plugin_zero" not in state_dict or "param_state" not in state_dict:
         raise ValueError("state_dict must be the result of dist_checkpointing.load(zero_sharded_state_dict(zero, "
                          f"..., is_loading=True), dir); got keys {sorted(state_dict)[:8] if isinstance(state_dict, dict) else type(state_dict).__name__}")
@@ -170,26 +184,23 @@ def load_zero_sharded_state_dict(zero: FP32ReduceZero, state_dict: dict) -> None
                 raise ValueError(f"loaded optimizer state {key!r} of {zero.param_names[p]} is "
                                  f"{getattr(value, 'shape', type(value).__name__)}, expected {tuple(p.shape)}")
             full.setdefault(key, {})[p] = value
+    staged = []
     for bucket in zero.buckets:
         lo, hi = bucket.spec.shard_range(zero.rank)
         hi = min(hi, bucket.spec.numel)
-        targets = {"param": bucket.master.data}
-        targets.update({k: torch.zeros_like(bucket.master.data) for k in keys})
-        bucket.master.data.zero_()
+        targets = {key: torch.zeros_like(bucket.master.data) for key in ["param", *keys]}
         for slot, p in zip(bucket.spec.slots, bucket.params):
             s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if s < e:
                 for key, target in targets.items():
-                    flat = full[key][p].reshape(-1)
-                    target[s - lo:e - lo] = flat[s - slot.offset:e - slot.offset].to(target.device, target.dtype)
-        new_state = {k: targets[k] for k in keys}
+                    piece = full[key][p].reshape(-1)[s - slot.offset:e - slot.offset]
+                    if not allow_nonfinite and not bool(torch.isfinite(piece).all()):
+                        raise ValueError(f"loaded optimizer state {key!r} of {zero.param_names[p]} holds non-finite "
+                                         "values; refusing to resume from them (allow_nonfinite=True if intended)")
+                    target[s - lo:e - lo] = piece.to(target.device, target.dtype)
+        state = {k: targets[k] for k in keys}
         for key, value in common["scalars"][bucket.spec.group].items():
-            new_state[key] = value.clone().to(bucket.device) if torch.is_tensor(value) else value
-        if new_state:
-            zero.optimizer.state[bucket.master] = new_state
-        else:
-            zero.optimizer.state.pop(bucket.master, None)
-    for g, saved in enumerate(common["param_groups"]):
-        zero.optimizer.param_groups[g].update({k: v for k, v in saved.items() if k != "params"})
-    zero.zero_grad()
-    zero.all_gather_params()
+            state[key] = value.clone().to(bucket.device) if torch.is_tensor(value) else value
+        staged.append((bucket, targets["param"], state))
+    hyper = [{k: v for k, v in saved.items() if k != "params"} for saved in common["param_groups"]]
+    return Loaded(staged, hyper)

@@ -488,7 +488,7 @@ def load_sharded_state_dict(zero, sources, optimizer_states: bool = True, *, all
     Verifies everything first (see the module docstring), then the ranks agree: ``agree`` (default: one
     ``OneAgreement`` over the ZeRO group) is called with this rank's error or None before anything is
     changed. Collective."""
-    agree = agree or _default_agreement(zero)
+    agree = agree or load_agreement(zero)
     try:
         loaded = read_partitions(zero, sources, optimizer_states, allow_nonfinite)
     except Exception as exc:  # noqa: BLE001 - every rank raises in agree()
@@ -498,7 +498,7 @@ def load_sharded_state_dict(zero, sources, optimizer_states: bool = True, *, all
     apply_loaded(zero, loaded)
 
 
-def _default_agreement(zero) -> OneAgreement:
+def load_agreement(zero) -> OneAgreement:
     if not dist.is_initialized():  # one process: nobody to tell
         return OneAgreement(None, what="ZeRO checkpoint load")
     return OneAgreement(zero.group, what="ZeRO checkpoint load", timeout=zero.wait_timeout,
@@ -617,7 +617,7 @@ def load_universal(zero, folder, optimizer_states: bool = True, *, allow_nonfini
     holds ``zero/``): ``zero/<param name>/{fp32,exp_avg,...}.pt`` hold whole parameters; every rank copies
     its shard ranges. Verified and agreed like ``load_sharded_state_dict``. Returns the saved global
     optimizer state (``zero/optimizer_state.pt``)."""
-    agree = agree or _default_agreement(zero)
+    agree = agree or load_agreement(zero)
     try:
         loaded = read_universal(zero, folder, optimizer_states, allow_nonfinite)
     except Exception as exc:  # noqa: BLE001 - every rank raises in agree()
