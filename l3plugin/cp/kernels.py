@@ -40,10 +40,13 @@ from torch.utils.checkpoint import checkpoint
 from l3plugin.cp.sharding import ChunkDocuments
 
 DEFAULT_BLOCK = 512
-# One kernel call costs about as much as this many query-key pairs (torch's CPU flash ops, 8 heads of
-# 64: ~40 us per call, ~100 ns per pair forward+backward), so two document runs of a query block share
-# one call (and a mask) when that computes at most this many extra pairs.
-CALL_PAIRS = 4096
+# A kernel call costs about as much as this many query-key pairs (torch's CPU flash ops, 8 heads of 64:
+# ~40 us per call, ~100 ns per pair forward+backward, more per pair in calls of few rows), so adjacent
+# runs of a query block share one call (and one mask) when that computes at most this many extra pairs.
+CALL_PAIRS = 8192
+# Causal pieces may be cut every RUN_ROWS rows: a piece of R rows computes ~R*R/2 masked pairs on its
+# diagonal, so long documents are better served by several shorter pieces than one block-high one.
+RUN_ROWS = 64
 
 
 class QueryBlock(NamedTuple):
@@ -61,16 +64,18 @@ class QueryBlock(NamedTuple):
 
 
 def query_blocks(meta: ChunkDocuments, rows: int, *, causal: bool, block_size: int | None = None,
-                 call_pairs: int = CALL_PAIRS) -> list[QueryBlock]:
+                 call_pairs: int | None = None, run_rows: int | None = None) -> list[QueryBlock]:
     """The pieces the CPU kernels compute for a chunk of ``rows`` queries: work-proportional.
 
     Queries go in blocks of ``block_size`` (the memory bound: a block holds at most block_size x kv_len
-    scores). A block is cut at document borders into runs; each run needs only the keys of its own
-    document, up to its last query (causal) or to the document's end (non-causal). Adjacent runs share
-    one piece when that adds at most ``call_pairs`` masked pairs (tiny documents would otherwise cost a
-    call each). So the masked work computed is the causal diagonal of each piece plus those merges.
+    scores). A block is cut into runs at document borders and every ``run_rows`` rows; a run needs only
+    the keys of its document, up to its last query (causal) or to the document's end (non-causal).
+    Adjacent runs share one piece (one call, one mask) when that adds at most ``call_pairs`` masked
+    pairs. So the masked work computed is the causal diagonal of each piece plus those merges.
     """
     block_size = block_size or DEFAULT_BLOCK
+    call_pairs = CALL_PAIRS if call_pairs is None else call_pairs
+    run_rows = run_rows or RUN_ROWS
     if rows != meta.end - meta.start or not 0 <= meta.start <= meta.end <= meta.kv_len:
         raise ValueError(f"q has {rows} rows but meta describes queries [{meta.start}, {meta.end}) of "
                          f"kv_len={meta.kv_len}: pass the chunk's queries with its own ChunkDocuments")
@@ -79,17 +84,19 @@ def query_blocks(meta: ChunkDocuments, rows: int, *, causal: bool, block_size: i
     for first in range(0, rows, block_size):
         last = min(first + block_size, rows)
         doc = bisect.bisect_right(cu, meta.start + first) - 1  # the document of the block's first query
-        piece, lo = None, first
+        piece, piece_doc, lo = None, doc, first
         while lo < last:
-            hi = min(last, cu[doc + 1] - meta.start)
+            doc_end = cu[doc + 1] - meta.start
+            hi = min(last, doc_end, lo + run_rows)
             run = QueryBlock(lo, hi, cu[doc], meta.start + hi if causal else cu[doc + 1], 1)
             if piece is not None:
-                merged = QueryBlock(piece.q_lo, hi, piece.k_lo, run.k_hi, piece.docs + 1)
+                merged = QueryBlock(piece.q_lo, hi, piece.k_lo, run.k_hi, piece.docs + (doc != piece_doc))
                 if merged.pairs <= piece.pairs + run.pairs + call_pairs:
                     run = merged
                 else:
                     blocks.append(piece)
-            piece, lo, doc = run, hi, doc + 1
+            piece, piece_doc, lo = run, doc, hi
+            doc += hi == doc_end
         blocks.append(piece)
     return blocks
 

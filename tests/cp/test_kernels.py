@@ -74,24 +74,32 @@ def test_matches_dense_fp64_reference(kernel, dtype, causal):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_query_blocks_do_work_proportional_to_unmasked_pairs(causal, name):
-    cu, block = LAYOUTS[name], 8
+    cu, block, run = LAYOUTS[name], 16, 4
     mask = allowed(cu, S, causal)
     for meta in chunks(cu, causal):
         rows = meta.end - meta.start
         unmasked = int(mask[meta.start:meta.end].sum())
-        # Split at every document: nothing masked is computed but the causal diagonal of each piece.
-        exact = query_blocks(meta, rows, causal=causal, block_size=block, call_pairs=0)
+        # Split at every document and every `run` rows: nothing masked is computed but the causal
+        # diagonal of each piece (non-causal: exactly the unmasked pairs).
+        exact = query_blocks(meta, rows, causal=causal, block_size=block, call_pairs=0, run_rows=run)
         diagonal = sum((b.q_hi - b.q_lo) * (b.q_hi - b.q_lo - 1) // 2 for b in exact) if causal else 0
         assert sum(b.pairs for b in exact) == unmasked + diagonal
-        assert diagonal <= -(-rows // block) * block * (block - 1) // 2  # one block's slack per block
+        assert diagonal <= rows * (run - 1) // 2
         # Merged runs: at most call_pairs more per merge.
-        merged = query_blocks(meta, rows, causal=causal, block_size=block, call_pairs=20)
+        merged = query_blocks(meta, rows, causal=causal, block_size=block, call_pairs=20, run_rows=run)
         merges = len(exact) - len(merged)
         assert sum(b.pairs for b in merged) <= sum(b.pairs for b in exact) + 20 * merges
         for pieces in (exact, merged):  # they tile the chunk's rows in order, each within one block
             assert [b.q_lo for b in pieces] == [0] + [b.q_hi for b in pieces[:-1]] and pieces[-1].q_hi == rows
             assert all(b.q_lo // block == (b.q_hi - 1) // block for b in pieces)
             assert all(0 <= b.k_lo < b.k_hi <= meta.kv_len for b in pieces)
+            docs = [len(set(cu_index(cu, meta.start + b.q_lo, meta.start + b.q_hi))) for b in pieces]
+            assert [b.docs for b in pieces] == docs
+
+
+def cu_index(cu, first, last):
+    """Document index of positions first..last-1."""
+    return [max(i for i, c in enumerate(cu) if c <= p) for p in range(first, last)]
 
 
 @pytest.mark.parametrize("kernel", ["reference", "cpu-flash"])
