@@ -107,3 +107,36 @@ def test_dist_checkpointing_round_trip_and_dp_resharding(ranks, tmp_path):
                 assert all(torch.equal(a, b) for a, b in zip(tensors, r["snapshot"][name])), (world, name)
             assert r["lr"] == saved["lr"] and r["step"] == 2.0 and r["step_after"] == 3.0
             assert r["params_are_masters"]
+
+
+def nan_load_leg(folder, nan_on_rank):
+    """A NaN in what dist_checkpointing returned on one rank: every rank refuses, nothing changes."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from l3plugin.megatron.zero import load_zero_sharded_state_dict, zero_sharded_state_dict
+
+    model, zero = _setup()
+    before = [b.master.detach().clone() for b in zero.buckets] + [p.detach().clone() for p in zero.params]
+    model_sd = model.sharded_state_dict()
+    loaded = dist_checkpointing.load({"optimizer": zero_sharded_state_dict(zero, model_sd, is_loading=True)}, folder)
+    if dist.get_rank() == nan_on_rank:
+        loaded["optimizer"]["param_state"][len(zero.params) - 1]["exp_avg"].view(-1)[-1] = float("nan")  # in its shard
+    try:
+        load_zero_sharded_state_dict(zero, loaded["optimizer"])
+        error = None
+    except Exception as exc:  # noqa: BLE001 - the message is what we check
+        error = f"{type(exc).__name__}: {exc}"
+    after = [b.master.detach() for b in zero.buckets] + [p.detach() for p in zero.params]
+    return {"error": error, "unchanged": all(torch.equal(a, b) for a, b in zip(before, after))
+            and not zero.optimizer.state}
+
+
+def test_dist_checkpointing_nan_is_refused_on_every_rank(ranks, tmp_path):
+    folder = str(tmp_path / "ckpt")
+    os.makedirs(folder)
+    ranks.run(2, save_leg, folder, timeout=TIMEOUT)
+    legs = ranks.run(2, nan_load_leg, folder, 1, timeout=TIMEOUT)
+    assert legs[1]["error"].startswith("ValueError: loaded optimizer state 'exp_avg'") and "non-finite" in legs[1]["error"]
+    assert legs[0]["error"].startswith("PeerFailed") and "rank 1: ValueError" in legs[0]["error"]
+    assert legs[0]["unchanged"] and legs[1]["unchanged"]
