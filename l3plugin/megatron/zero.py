@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from l3plugin.zero.checkpoint import READ_PARTITIONS, Loaded, apply_loaded, load_agreement
+from l3plugin.zero.checkpoint import Loaded, load_agreed
 from l3plugin.zero.optimizer import FP32ReduceZero
 
 
@@ -159,14 +159,7 @@ def load_zero_sharded_state_dict(zero: FP32ReduceZero, state_dict: dict, *, allo
     returned (each rank copies its shard ranges; ends with the parameter all-gather). Checked before anything
     changes (shapes; finite values unless ``allow_nonfinite``); an error on one rank is raised on every rank
     of the ZeRO group before the first collective (``l3plugin.fail_together``)."""
-    agree = load_agreement(zero)
-    try:
-        loaded = _read_dist_state(zero, state_dict, allow_nonfinite)
-    except Exception as exc:  # noqa: BLE001 - every rank raises in agree()
-        agree(exc)
-        raise
-    agree(None, READ_PARTITIONS)
-    apply_loaded(zero, loaded)
+    load_agreed(zero, lambda: _read_dist_state(zero, state_dict, allow_nonfinite))
 
 
 def _read_dist_state(zero: FP32ReduceZero, state_dict: dict, allow_nonfinite: bool) -> Loaded:

@@ -488,14 +488,22 @@ def load_sharded_state_dict(zero, sources, optimizer_states: bool = True, *, all
     Verifies everything first (see the module docstring), then the ranks agree: ``agree`` (default: one
     ``OneAgreement`` over the ZeRO group) is called with this rank's error or None before anything is
     changed. Collective."""
+    load_agreed(zero, lambda: read_partitions(zero, sources, optimizer_states, allow_nonfinite), agree)
+
+
+def load_agreed(zero, read, agree=None) -> Loaded:
+    """``read()`` (verify everything into new tensors), then agree across the ranks (default: one
+    ``OneAgreement`` over the ZeRO group), then install; an error on any rank is raised on all of them
+    before anything changes."""
     agree = agree or load_agreement(zero)
     try:
-        loaded = read_partitions(zero, sources, optimizer_states, allow_nonfinite)
+        loaded = read()
     except Exception as exc:  # noqa: BLE001 - every rank raises in agree()
         agree(exc)
         raise
     agree(None, READ_PARTITIONS)
     apply_loaded(zero, loaded)
+    return loaded
 
 
 def load_agreement(zero) -> OneAgreement:
@@ -617,15 +625,8 @@ def load_universal(zero, folder, optimizer_states: bool = True, *, allow_nonfini
     holds ``zero/``): ``zero/<param name>/{fp32,exp_avg,...}.pt`` hold whole parameters; every rank copies
     its shard ranges. Verified and agreed like ``load_sharded_state_dict``. Returns the saved global
     optimizer state (``zero/optimizer_state.pt``)."""
-    agree = agree or load_agreement(zero)
-    try:
-        loaded = read_universal(zero, folder, optimizer_states, allow_nonfinite)
-    except Exception as exc:  # noqa: BLE001 - every rank raises in agree()
-        agree(exc)
-        raise
-    agree(None, READ_PARTITIONS)
-    apply_loaded(zero, loaded)
-    return loaded.global_state
+    return load_agreed(zero, lambda: read_universal(zero, folder, optimizer_states, allow_nonfinite),
+                       agree).global_state
 
 
 @torch.no_grad()
