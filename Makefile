@@ -9,9 +9,10 @@ STAMP  := $(VENV)/.installed
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall only when the package metadata changes. torch==2.13.0 resolves to the CPU wheel on
-# these machines; constraints.txt pins the versions the suite was verified with.
-$(STAMP): $(PY) pyproject.toml constraints.txt
+# Reinstall only when the package metadata or the start-up hook that setup.py installs changes.
+# torch==2.13.0 resolves to the CPU wheel on these machines; constraints.txt pins the versions the suite
+# was verified with.
+$(STAMP): $(PY) pyproject.toml setup.py l3plugin-autoload.pth constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,plot]"
 	touch $(STAMP)

@@ -1,0 +1,99 @@
+"""The "l3plugin" DeepSpeed config key works without `import l3plugin.deepspeed`: l3plugin-autoload.pth
+(installed into site-packages) watches for `import deepspeed` and installs then. Every check runs a fresh
+interpreter of this venv, from an empty directory, so the hook is the installed one and nothing here has
+imported l3plugin for it."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+ZERO_TESTS = Path(__file__).resolve().parent / "zero"
+
+# l3plugin_autoload is the hook itself; "l3plugin" and "l3plugin.*" are the package.
+PACKAGE_MODULES = "sorted(m for m in sys.modules if m == 'l3plugin' or m.startswith('l3plugin.'))"
+
+ENGINE = f"""
+import json, sys
+sys.path.insert(0, {str(ZERO_TESTS)!r})
+from ds_models import ds_config, make_mlp, quiet_deepspeed
+before = {PACKAGE_MODULES}
+if FIRST:
+    __import__(FIRST)  # imports deepspeed from inside an l3plugin module
+deepspeed = quiet_deepspeed()
+model = make_mlp()
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                  config=ds_config(2, gas=1, plugin={{"fp32_reduce_zero": True}}))
+print(json.dumps({{"before": before, "optimizer": type(engine.optimizer).__name__}}))
+"""
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(code, tmp_path, timeout=90, **env):
+    full_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "L3PLUGIN_NO_AUTOLOAD")}
+    full_env.update({"OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                     "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                     "PYTHONWARNINGS": "always::RuntimeWarning", **env})
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=full_env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def engine_optimizer(tmp_path, first="", **env):
+    out = run(f"FIRST = {first!r}\n" + ENGINE, tmp_path, **env)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["before"] == [], "the script imported l3plugin itself"
+    return result["optimizer"]
+
+
+def test_pth_is_installed_in_site_packages():
+    pth = Path(sysconfig.get_paths()["purelib"]) / "l3plugin-autoload.pth"
+    assert pth.is_file(), f"{pth} missing: reinstall with `make install` (pip install -e .)"
+    assert pth.read_text().strip() == "import l3plugin_autoload"
+
+
+def test_startup_installs_only_the_watcher(tmp_path):
+    code = ("import json, sys; from l3plugin_autoload import DeepSpeedWatcher\n"
+            "print(json.dumps([DeepSpeedWatcher in sys.meta_path, sorted(m for m in ('torch', 'deepspeed') "
+            f"if m in sys.modules), {PACKAGE_MODULES}]))")
+    assert json.loads(run(code, tmp_path).stdout) == [True, [], []]
+    off = json.loads(run(code, tmp_path, L3PLUGIN_NO_AUTOLOAD="1").stdout)
+    assert off == [False, [], []]
+
+
+def test_config_key_works_without_import(tmp_path):
+    assert engine_optimizer(tmp_path) == "DeepSpeedFP32ReduceZero"
+
+
+def test_opt_out_gives_stock_zero(tmp_path):
+    assert engine_optimizer(tmp_path, L3PLUGIN_NO_AUTOLOAD="1") == "DeepSpeedZeroOptimizer"
+
+
+def test_deepspeed_imported_from_inside_l3plugin(tmp_path):
+    """deepspeed finishes importing while l3plugin.zero.deepspeed_engine is half-built: installing then would
+    meet that half-built module, so the install waits for the first deepspeed.initialize."""
+    assert engine_optimizer(tmp_path, first="l3plugin.zero.deepspeed_engine") == "DeepSpeedFP32ReduceZero"
+
+
+def test_failed_install_warns_and_deepspeed_still_imports(tmp_path):
+    """A stand-in `deepspeed` without the engine modules: install() fails; `import deepspeed` must not."""
+    fake = tmp_path / "fake" / "deepspeed"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("import sys\nDONE = 'l3plugin.deepspeed' not in sys.modules\n")
+    code = ("import sys, deepspeed\n"
+            "from l3plugin_autoload import DeepSpeedWatcher\n"
+            "print(deepspeed.DONE, type(deepspeed.__spec__.loader).__name__, DeepSpeedWatcher in sys.meta_path)")
+    out = run(code, tmp_path, PYTHONPATH=str(tmp_path / "fake"))
+    # The hook ran after deepspeed/__init__ finished, then gave the module its own loader back and left.
+    assert out.stdout.split() == ["True", "SourceFileLoader", "False"]
+    assert "l3plugin autoload: could not install the FP32-reducing ZeRO into DeepSpeed" in out.stderr
+    assert "deepspeed.runtime" in out.stderr  # names the failure
