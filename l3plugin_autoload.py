@@ -82,7 +82,9 @@ class _Loader:
         except Exception as exc:  # noqa: BLE001
             _warn("the DeepSpeed import hook failed", exc)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # get_filename, get_resource_reader, ... are deepspeed's loader's
+        if name == "inner":
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
