@@ -4,13 +4,13 @@
     .venv/bin/python bench/autoload_startup.py --rounds 100 --deepspeed-rounds 0
 
 Contenders, interleaved (each round runs both, the order alternating) and summarised by the median over
-rounds of per-round ratios and differences:
-- hook: the installed l3plugin-autoload.pth imports a copy of l3plugin_autoload.py put first on PYTHONPATH
-  (it puts a finder on sys.meta_path);
-- no hook: the same, with an empty l3plugin_autoload.py instead, so everything else about start-up
-  (sys.path, the .pth files read) is the same.
-Twice: with no bytecode cache for either module (PYTHONDONTWRITEBYTECODE=1: every start compiles it, as
-an editable install does on this machine), then with it cached (a regular install precompiles).
+rounds of per-round ratios and differences: "no hook" puts a directory holding an empty l3plugin_autoload.py
+first on PYTHONPATH, so the installed l3plugin-autoload.pth imports that instead (everything else about
+start-up, sys.path and the .pth files read, is the same); "hook" is
+- installed: the installed l3plugin_autoload, found as this venv finds it (an editable install through
+  setuptools' finder, after every sys.path entry missed), bytecode as this environment leaves it;
+- copy, compiled / copy, cached: a copy of it first on PYTHONPATH, with PYTHONDONTWRITEBYTECODE=1 and no
+  cache (every start compiles it) / with its bytecode cached (as a regular install precompiles it).
 Then what the hook adds to `import deepspeed` (it imports l3plugin.deepspeed and patches the engines):
 `python -c "import deepspeed"` with and without L3PLUGIN_NO_AUTOLOAD=1, interleaved the same way.
 Prints tables; asserts nothing about the timings (only that its own set-up is right).
@@ -19,6 +19,7 @@ Prints tables; asserts nothing about the timings (only that its own set-up is ri
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -59,23 +60,25 @@ def main() -> None:
     import l3plugin_autoload
 
     with tempfile.TemporaryDirectory() as tmp:
-        hook_dir, empty_dir = Path(tmp, "hook"), Path(tmp, "empty")
+        hook_dir, empty_dir, nothing_dir = Path(tmp, "hook"), Path(tmp, "empty"), Path(tmp, "nothing")
+        nothing_dir.mkdir()
         for d, text in ((hook_dir, Path(l3plugin_autoload.__file__).read_text()), (empty_dir, "")):
             d.mkdir()
             (d / "l3plugin_autoload.py").write_text(text)
         base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "L3PLUGIN_NO_AUTOLOAD")}
-        print(f"python {sys.version.split()[0]}, hook module {l3plugin_autoload.__file__}, {args.rounds} rounds")
-        print(f"{'bytecode':<22} {'no hook ms':>10} {'hook ms':>8} {'hook/no hook':>13} {'added ms':>9}")
-        for cached in (False, True):
-            env = dict(base)
-            env.pop("PYTHONDONTWRITEBYTECODE", None)
-            if not cached:
-                env["PYTHONDONTWRITEBYTECODE"] = "1"
-            hook_env, plain_env = {**env, "PYTHONPATH": str(hook_dir)}, {**env, "PYTHONPATH": str(empty_dir)}
-            for _ in range(3):  # warm-up (and, when cached, writes __pycache__ in the two temp dirs)
+        cached = os.path.exists(importlib.util.cache_from_source(l3plugin_autoload.__file__))
+        print(f"python {sys.version.split()[0]}, installed hook {l3plugin_autoload.__file__} (bytecode cached: "
+              f"{cached}, PYTHONDONTWRITEBYTECODE={base.get('PYTHONDONTWRITEBYTECODE', '')!r}), {args.rounds} rounds")
+        print(f"{'hook':<22} {'no hook ms':>10} {'hook ms':>8} {'hook/no hook':>13} {'added ms':>9}")
+        no_cache = {**base, "PYTHONDONTWRITEBYTECODE": "1"}
+        with_cache = {k: v for k, v in base.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        for label, env, hook_path in (("installed", base, nothing_dir), ("copy, compiled", no_cache, hook_dir),
+                                      ("copy, cached", with_cache, hook_dir)):
+            hook_env, plain_env = {**env, "PYTHONPATH": str(hook_path)}, {**env, "PYTHONPATH": str(empty_dir)}
+            for _ in range(3):  # warm-up (and, for "cached", writes __pycache__ in the two temp dirs)
                 start_once(hook_env), start_once(plain_env)
-            label = "cached" if cached else "not cached (compiled)"
-            assert list(hook_dir.glob("__pycache__/*.pyc")) if cached else not list(hook_dir.glob("__pycache__"))
+            if hook_path == hook_dir:
+                assert bool(list(hook_dir.glob("__pycache__/*.pyc"))) == (env is with_cache), label
             row(label, *interleaved(args.rounds, hook_env, plain_env))
         if args.deepspeed_rounds:
             print(f"\nimport deepspeed, {args.deepspeed_rounds} rounds")
