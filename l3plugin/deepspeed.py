@@ -1,6 +1,7 @@
 """Select l3plugin's FP32-reducing ZeRO-1/2 optimizer from a DeepSpeed JSON config.
 
-    import l3plugin.deepspeed          # or l3plugin.deepspeed.install(); idempotent
+    # no import needed: the package's l3plugin-autoload.pth installs this module when deepspeed is imported
+    # (L3PLUGIN_NO_AUTOLOAD=1 turns that off; then: import l3plugin.deepspeed, or install(); idempotent)
     config = {..., "bf16": {"enabled": true}, "zero_optimization": {"stage": 2},
               "optimizer": {"type": "AdamW", "params": {...}}, "scheduler": {...},
               "l3plugin": {"fp32_reduce_zero": true}}
@@ -18,6 +19,7 @@ DeepSpeed behaves exactly as stock. Options under ``"l3plugin"`` (see ``OPTIONS`
 DeepSpeed has no plug-in registry, so ``install`` wraps these engine methods, each falling through to the
 stock one unless the key is on: ``_do_sanity_check`` (validate the config first),
 ``_do_optimizer_sanity_check`` (route to ZeRO), ``_configure_zero_optimizer`` (build ours),
+``load_checkpoint`` (verify the partitions first and fail together, see ``fail_together.py``),
 ``_load_zero_checkpoint`` (read every rank's partition, ours or stock DeepSpeed's: resume on another DP
 size; or a universal checkpoint with ``checkpoint.load_universal``),
 ``zero_optimization_stage`` + ``PipelineEngine.__init__`` (PipelineEngine refuses stage 2 for DeepSpeed's
