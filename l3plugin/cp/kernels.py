@@ -115,7 +115,7 @@ def _document_ids(meta: ChunkDocuments, device) -> torch.Tensor:
 
 def _block_mask(doc_k, start, block: QueryBlock, causal):
     """Boolean [rows, keys] mask of one piece (True = attend), or None when nothing in it is masked."""
-    if block.docs == 1 and not causal:
+    if block.docs == 1 and (not causal or block.k_hi <= start + block.q_lo + 1):
         return None
     pos_q = torch.arange(start + block.q_lo, start + block.q_hi, device=doc_k.device)
     pos_k = torch.arange(block.k_lo, block.k_hi, device=doc_k.device)
@@ -155,27 +155,45 @@ def reference_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scal
     return torch.cat(outs)
 
 
+def _tiles(blocks, start, causal):
+    """The calls of the cpu-flash kernel: a causal one-document piece is split into the keys before its
+    first query (no mask) and the rest (masked), so only its diagonal pays for a mask."""
+    for b in blocks:
+        first = start + b.q_lo
+        if causal and b.docs == 1 and b.k_lo < first:
+            yield b._replace(k_hi=first)
+            yield b._replace(k_lo=first)
+        else:
+            yield b
+
+
 class _CPUFlash(torch.autograd.Function):
     """All pieces of a chunk through torch's CPU flash-attention forward and backward ops.
 
-    Saves q, k, v, the output and the log-sum-exp (no scores); masks are rebuilt per piece in the
-    backward. dK/dV of every piece are accumulated into one buffer, and summed over GQA groups once.
+    Calls that share query rows are merged by log-sum-exp; the backward of each call then uses the
+    merged output and log-sum-exp (which makes its gradients exact). Saves q, k, v, the output and the
+    log-sum-exp (no scores); masks are rebuilt in the backward. dK/dV are accumulated into one buffer
+    and summed over GQA groups once.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, blocks, doc_k, start, causal, scale):
+    def forward(ctx, q, k, v, tiles, doc_k, start, causal, scale):
         q4, k4, v4 = _heads_first(q, k, v)
-        outs, lses = [], []
-        for b in blocks:
-            mask = _additive(_block_mask(doc_k, start, b, causal), q.dtype)
-            out, lse = _flash_forward()(
-                q4[:, :, b.q_lo:b.q_hi], k4[:, :, b.k_lo:b.k_hi], v4[:, :, b.k_lo:b.k_hi],
-                attn_mask=mask, scale=scale)
-            outs.append(out)
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        out, lse = None, None
+        for t in tiles:
+            rows = slice(t.q_lo, t.q_hi)
+            mask = _additive(_block_mask(doc_k, start, t, causal), q.dtype)
+            o, l = _flash_forward()(q4[:, :, rows], k4[:, :, t.k_lo:t.k_hi], v4[:, :, t.k_lo:t.k_hi],
+                                    attn_mask=mask, scale=scale)
+            if out is None:
+                out = q4.new_zeros(q4.shape[:3] + (v4.size(3),))
+                lse = torch.full(q4.shape[:3], float("-inf"), dtype=l.dtype, device=l.device)
+            merged = torch.logaddexp(lse[:, :, rows], l)  # exactly l for the first call on these rows
+            out[:, :, rows] = (out[:, :, rows] * (lse[:, :, rows] - merged).exp()[..., None].to(o.dtype)
+                               + o * (l - merged).exp()[..., None].to(o.dtype))
+            lse[:, :, rows] = merged
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.blocks, ctx.doc_k, ctx.start, ctx.causal, ctx.scale = blocks, doc_k, start, causal, scale
+        ctx.tiles, ctx.doc_k, ctx.start, ctx.causal, ctx.scale = tiles, doc_k, start, causal, scale
         return out[0].transpose(0, 1)
 
     @staticmethod
@@ -184,13 +202,13 @@ class _CPUFlash(torch.autograd.Function):
         q4, k4, v4 = _heads_first(q, k, v)
         g4 = grad_out.transpose(0, 1)[None]
         dq4, dk4, dv4 = torch.zeros_like(q4), torch.zeros_like(k4), torch.zeros_like(v4)
-        for b in ctx.blocks:
-            rows, keys = slice(b.q_lo, b.q_hi), slice(b.k_lo, b.k_hi)
-            mask = _additive(_block_mask(ctx.doc_k, ctx.start, b, ctx.causal), q.dtype)
+        for t in ctx.tiles:
+            rows, keys = slice(t.q_lo, t.q_hi), slice(t.k_lo, t.k_hi)
+            mask = _additive(_block_mask(ctx.doc_k, ctx.start, t, ctx.causal), q.dtype)
             dq, dk, dv = _flash_backward()(
                 g4[:, :, rows], q4[:, :, rows], k4[:, :, keys], v4[:, :, keys], out[:, :, rows],
                 lse[:, :, rows], 0.0, False, attn_mask=mask, scale=ctx.scale)
-            dq4[:, :, rows] = dq
+            dq4[:, :, rows] += dq
             dk4[:, :, keys] += dk
             dv4[:, :, keys] += dv
         heads_kv = k.size(1)
@@ -223,7 +241,8 @@ def cpu_flash_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scal
     blocks, doc_k = _plan(q, k, v, meta, causal, block_size)
     if not blocks:
         return _empty_output(q, v)
-    return _CPUFlash.apply(q, k, v, blocks, doc_k, meta.start, causal, softmax_scale)
+    return _CPUFlash.apply(q, k, v, list(_tiles(blocks, meta.start, causal)), doc_k, meta.start, causal,
+                           softmax_scale)
 
 
 def _has_cpu_flash() -> bool:
