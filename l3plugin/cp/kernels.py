@@ -43,10 +43,10 @@ DEFAULT_BLOCK = 512
 # A kernel call costs about as much as this many query-key pairs (torch's CPU flash ops, 8 heads of 64:
 # ~40 us per call, ~100 ns per pair forward+backward, more per pair in calls of few rows), so adjacent
 # runs of a query block share one call (and one mask) when that computes at most this many extra pairs.
-CALL_PAIRS = 8192
+CALL_PAIRS = 4096
 # Causal pieces may be cut every RUN_ROWS rows: a piece of R rows computes ~R*R/2 masked pairs on its
 # diagonal, so long documents are better served by several shorter pieces than one block-high one.
-RUN_ROWS = 64
+RUN_ROWS = 32
 
 
 class QueryBlock(NamedTuple):
@@ -170,50 +170,74 @@ def _tiles(blocks, start, causal):
 class _CPUFlash(torch.autograd.Function):
     """All pieces of a chunk through torch's CPU flash-attention forward and backward ops.
 
-    Calls that share query rows are merged by log-sum-exp; the backward of each call then uses the
-    merged output and log-sum-exp (which makes its gradients exact). Saves q, k, v, the output and the
-    log-sum-exp (no scores); masks are rebuilt in the backward. dK/dV are accumulated into one buffer
-    and summed over GQA groups once.
+    GQA without copying K/V per query head: the queries of the ``rep`` heads that share a K/V head are
+    stacked along the sequence ([1, heads_kv, rep * rows, d], the mask repeated), which also gives the
+    ops taller calls (up to 35% faster per pair for pieces of 64 rows). Calls that share query rows are
+    merged by log-sum-exp; the backward of each call then uses the merged output and log-sum-exp
+    (which makes its gradients exact). Saves q, k, v, the output and the log-sum-exp (no scores);
+    masks are rebuilt in the backward.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, tiles, doc_k, start, causal, scale):
-        q4, k4, v4 = _heads_first(q, k, v)
-        out, lse = None, None
+        rep = q.size(1) // k.size(1)
+        k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (k, v))  # [1, heads_kv, kv_len, d]
+        out = q.new_zeros(q.shape[:2] + (v.size(2),))
+        lse = None
         for t in tiles:
             rows = slice(t.q_lo, t.q_hi)
-            mask = _additive(_block_mask(doc_k, start, t, causal), q.dtype)
-            o, l = _flash_forward()(q4[:, :, rows], k4[:, :, t.k_lo:t.k_hi], v4[:, :, t.k_lo:t.k_hi],
-                                    attn_mask=mask, scale=scale)
-            if out is None:
-                out = q4.new_zeros(q4.shape[:3] + (v4.size(3),))
-                lse = torch.full(q4.shape[:3], float("-inf"), dtype=l.dtype, device=l.device)
-            merged = torch.logaddexp(lse[:, :, rows], l)  # exactly l for the first call on these rows
-            out[:, :, rows] = (out[:, :, rows] * (lse[:, :, rows] - merged).exp()[..., None].to(o.dtype)
-                               + o * (l - merged).exp()[..., None].to(o.dtype))
-            lse[:, :, rows] = merged
+            o, l = _flash_forward()(pack_heads(q[rows], rep), k4[:, :, t.k_lo:t.k_hi], v4[:, :, t.k_lo:t.k_hi],
+                                    attn_mask=_tile_mask(doc_k, start, t, causal, q.dtype, rep), scale=scale)
+            o, l = unpack_heads(o, rep), unpack_heads(l, rep)  # [rows, heads_q, d], [rows, heads_q]
+            if lse is None:
+                lse = torch.full(q.shape[:2], float("-inf"), dtype=l.dtype, device=l.device)
+            merged = torch.logaddexp(lse[rows], l)  # exactly l for the first call on these rows
+            out[rows] = (out[rows] * (lse[rows] - merged).exp()[..., None].to(o.dtype)
+                         + o * (l - merged).exp()[..., None].to(o.dtype))
+            lse[rows] = merged
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.tiles, ctx.doc_k, ctx.start, ctx.causal, ctx.scale = tiles, doc_k, start, causal, scale
-        return out[0].transpose(0, 1)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        q4, k4, v4 = _heads_first(q, k, v)
-        g4 = grad_out.transpose(0, 1)[None]
-        dq4, dk4, dv4 = torch.zeros_like(q4), torch.zeros_like(k4), torch.zeros_like(v4)
+        rep = q.size(1) // k.size(1)
+        k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (k, v))
+        dq, dk4, dv4 = torch.zeros_like(q), torch.zeros_like(k4), torch.zeros_like(v4)
         for t in ctx.tiles:
             rows, keys = slice(t.q_lo, t.q_hi), slice(t.k_lo, t.k_hi)
-            mask = _additive(_block_mask(ctx.doc_k, ctx.start, t, ctx.causal), q.dtype)
-            dq, dk, dv = _flash_backward()(
-                g4[:, :, rows], q4[:, :, rows], k4[:, :, keys], v4[:, :, keys], out[:, :, rows],
-                lse[:, :, rows], 0.0, False, attn_mask=mask, scale=ctx.scale)
-            dq4[:, :, rows] += dq
-            dk4[:, :, keys] += dk
-            dv4[:, :, keys] += dv
-        heads_kv = k.size(1)
-        dk, dv = (t[0].transpose(0, 1).reshape(t.size(2), heads_kv, -1, t.size(3)).sum(2) for t in (dk4, dv4))
-        return dq4[0].transpose(0, 1), dk, dv, None, None, None, None, None
+            gq, gk, gv = _flash_backward()(
+                pack_heads(grad_out[rows], rep), pack_heads(q[rows], rep), k4[:, :, keys], v4[:, :, keys],
+                pack_heads(out[rows], rep), pack_heads(lse[rows], rep), 0.0, False,
+                attn_mask=_tile_mask(ctx.doc_k, ctx.start, t, ctx.causal, q.dtype, rep), scale=ctx.scale)
+            dq[rows] += unpack_heads(gq, rep)
+            dk4[:, :, keys] += gk
+            dv4[:, :, keys] += gv
+        return dq, dk4[0].transpose(0, 1), dv4[0].transpose(0, 1), None, None, None, None, None
+
+
+def pack_heads(x, rep):
+    """[rows, heads_q, ...] -> [1, heads_kv, rep * rows, ...]: query head h = g * rep + j uses K/V head g
+    (torch's GQA convention) and lands in group g at rows j * rows .. (j + 1) * rows."""
+    rows, heads = x.shape[:2]
+    x = x.reshape(rows, heads // rep, rep, *x.shape[2:]).movedim(0, 2)  # [heads_kv, rep, rows, ...]
+    return x.reshape(1, heads // rep, rep * rows, *x.shape[3:])
+
+
+def unpack_heads(y, rep):
+    """The inverse of pack_heads."""
+    heads_kv, rows = y.size(1), y.size(2) // rep
+    y = y.reshape(heads_kv, rep, rows, *y.shape[3:]).movedim(2, 0)  # [rows, heads_kv, rep, ...]
+    return y.reshape(rows, heads_kv * rep, *y.shape[3:])
+
+
+def _tile_mask(doc_k, start, tile, causal, dtype, rep):
+    """The additive mask of one call (rows repeated for the stacked query heads), or None."""
+    mask = _block_mask(doc_k, start, tile, causal)
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf")).repeat(rep, 1)
 
 
 def _flash_forward():  # looked up per call: tests wrap these to count the pairs computed
@@ -222,19 +246,6 @@ def _flash_forward():  # looked up per call: tests wrap these to count the pairs
 
 def _flash_backward():
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-def _heads_first(q, k, v):
-    """[s, h, d] -> [1, h, s, d] views; the CPU ops want as many K/V heads as query heads."""
-    rep = q.size(1) // k.size(1)
-    return (q.transpose(0, 1)[None],) + tuple(t.repeat_interleave(rep, dim=1).transpose(0, 1)[None]
-                                              for t in (k, v))
-
-
-def _additive(mask, dtype):
-    if mask is None:
-        return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def cpu_flash_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=None, block_size=None):

@@ -111,12 +111,12 @@ def test_kernels_compute_only_the_planned_pairs(monkeypatch, kernel):
         sdpa = kernels._sdpa
         monkeypatch.setattr(kernels, "_sdpa", lambda q, k, *rest: (
             computed.append(q.size(0) * k.size(0)), sdpa(q, k, *rest))[1])
-    else:  # the CPU ops on [1, h, s, d]: forward(q, k, v, ...), backward(grad, q, k, ...)
+    else:  # the CPU ops on [1, heads_kv, rep * rows, d] (rep = 2 here): forward(q, k, ...), backward(g, q, k, ...)
         fwd, bwd = kernels._flash_forward(), kernels._flash_backward()
         monkeypatch.setattr(kernels, "_flash_forward", lambda: lambda q, k, *rest, **kw: (
-            computed.append(q.size(2) * k.size(2)), fwd(q, k, *rest, **kw))[1])
+            computed.append(q.size(2) // 2 * k.size(2)), fwd(q, k, *rest, **kw))[1])
         monkeypatch.setattr(kernels, "_flash_backward", lambda: lambda g, q, k, *rest, **kw: (
-            computed.append(q.size(2) * k.size(2)), bwd(g, q, k, *rest, **kw))[1])
+            computed.append(q.size(2) // 2 * k.size(2)), bwd(g, q, k, *rest, **kw))[1])
     seq_len, block = 512, 64
     cu = random_layout(seq_len, 4, 40)
     meta = document_metadata(cu, seq_len, 1, 0, causal=True)[1]  # the second half: kv_len = S
