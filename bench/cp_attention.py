@@ -22,7 +22,8 @@ median over rounds of per-round ratios:
   each rank attends its queries to the visiting chunks with torch's CPU flash ops, merging partial
   results by log-sum-exp; P2P is posted before the compute so it overlaps. For fairness it computes the
   same work-proportional pieces as the all-gather kernel (l3plugin.cp.kernels.query_blocks) cut to
-  each visiting chunk, so it skips fully masked key blocks too.
+  each visiting chunk, so it skips fully masked key blocks too, and stacks GQA query heads as the
+  kernel does (l3plugin.cp.kernels.pack_heads).
 "wall" is the step's elapsed time (cp=2: the slowest rank's; ranks wait for each other), "busy" a rank's
 process CPU time in it (time blocked in a collective is not busy). Other processes on the machine
 stretch wall times but hardly CPU times, so every ratio is printed for both; cp=2 "busy" speedups
@@ -136,7 +137,7 @@ def ring_run(seq_len, cp, cu, keep=False):
     """Causal ring attention over the 2cp layout (see the module docstring)."""
     import torch.distributed as dist
 
-    from l3plugin.cp.kernels import query_blocks
+    from l3plugin.cp.kernels import pack_heads, query_blocks, unpack_heads
 
     rank = dist.get_rank()
     nxt, prv = (rank + 1) % cp, (rank - 1) % cp
@@ -144,13 +145,12 @@ def ring_run(seq_len, cp, cu, keep=False):
     q, k, v, g = (t[shard_indices(seq_len, cp, rank)] for t in _inputs(seq_len))
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    rep = HQ // HKV
-    q4, g4 = q.transpose(0, 1)[None], g.transpose(0, 1)[None]  # [1, H, s, d]
+    rep = HQ // HKV  # GQA as in the kernel: query heads of one K/V head stacked along the rows
     c = q.size(0) // 2
     metas = document_metadata(cu, seq_len, cp, rank, causal=True)
 
-    def expand(kv):  # [2, s, hkv, d] -> two [1, HQ, s, d]
-        return [t.repeat_interleave(rep, dim=1).transpose(0, 1)[None] for t in kv]
+    def heads_first(kv):  # [2, s, hkv, d] -> two [1, hkv, s, d]
+        return [t.transpose(0, 1)[None].contiguous() for t in kv]
 
     def rotate(t):
         buf = torch.empty_like(t)
@@ -170,23 +170,23 @@ def ring_run(seq_len, cp, cu, keep=False):
                     pos_k = torch.arange(lo, hi)
                     allowed = (doc[pos_q][:, None] == doc[pos_k][None, :]) & (pos_k[None, :] <= pos_q[:, None])
                     mask = None if bool(allowed.all()) else torch.zeros(allowed.shape).masked_fill(
-                        ~allowed, float("-inf"))
+                        ~allowed, float("-inf")).repeat(rep, 1)
                     yield (slice(a * c + b.q_lo, a * c + b.q_hi), slice(j * c + lo - k0, j * c + hi - k0), mask)
 
     def step():
         plans = [list(pieces(s)) for s in range(cp)]  # masks built once, kept for the backward
         kv = torch.stack([k, v]).contiguous()
-        out = torch.zeros_like(q4)
-        lse = torch.full(q4.shape[:3], float("-inf"))
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"))
         for s in range(cp):
             reqs, incoming = rotate(kv) if s < cp - 1 else ([], None)
-            kb, vb = expand(kv)
+            kb, vb = heads_first(kv)
             for rows, cols, mask in plans[s]:
-                o, l = flash(q4[:, :, rows], kb[:, :, cols], vb[:, :, cols], attn_mask=mask)
-                new = torch.logaddexp(lse[:, :, rows], l)
-                out[:, :, rows] = (out[:, :, rows] * (lse[:, :, rows] - new).exp()[..., None]
-                                   + o * (l - new).exp()[..., None])
-                lse[:, :, rows] = new
+                o, l = flash(pack_heads(q[rows], rep), kb[:, :, cols], vb[:, :, cols], attn_mask=mask)
+                o, l = unpack_heads(o, rep), unpack_heads(l, rep)
+                new = torch.logaddexp(lse[rows], l)
+                out[rows] = out[rows] * (lse[rows] - new).exp()[..., None] + o * (l - new).exp()[..., None]
+                lse[rows] = new
             for r in reqs:
                 r.wait()
             kv = incoming
@@ -194,22 +194,23 @@ def ring_run(seq_len, cp, cu, keep=False):
         # behind and, after cp hops, arrives back at its owner.
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros_like(kv)
-        dq = torch.zeros_like(q4)
+        dq = torch.zeros_like(q)
         for s in range(cp):
             reqs, incoming = rotate(kv) if s < cp - 1 else ([], None)
-            kb, vb = expand(kv)
+            kb, vb = heads_first(kv)
             for rows, cols, mask in plans[s]:
-                gq, gk, gv = flash_bwd(g4[:, :, rows], q4[:, :, rows], kb[:, :, cols], vb[:, :, cols],
-                                       out[:, :, rows], lse[:, :, rows], 0.0, False, attn_mask=mask)
-                dq[:, :, rows] += gq
-                for i, gt in enumerate((gk, gv)):  # [1, HQ, s, d] -> [s, HKV, d], summing GQA groups
-                    dkv[i, cols] += gt[0].transpose(0, 1).reshape(-1, HKV, rep, D).sum(2)
+                gq, gk, gv = flash_bwd(pack_heads(g[rows], rep), pack_heads(q[rows], rep), kb[:, :, cols],
+                                       vb[:, :, cols], pack_heads(out[rows], rep), pack_heads(lse[rows], rep),
+                                       0.0, False, attn_mask=mask)
+                dq[rows] += unpack_heads(gq, rep)
+                dkv[0, cols] += gk[0].transpose(0, 1)
+                dkv[1, cols] += gv[0].transpose(0, 1)
             if cp > 1:
                 d_reqs, dkv_next = rotate(dkv)
                 for r in reqs + d_reqs:
                     r.wait()
                 kv, dkv = incoming, dkv_next
-        return out[0].transpose(0, 1), [dq[0].transpose(0, 1), dkv[0], dkv[1]]
+        return out, [dq, dkv[0], dkv[1]]
 
     return _timed(step, keep)
 
