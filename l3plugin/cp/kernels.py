@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -184,17 +185,21 @@ class _CPUFlash(torch.autograd.Function):
         k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (k, v))  # [1, heads_kv, kv_len, d]
         out = q.new_zeros(q.shape[:2] + (v.size(2),))
         lse = None
-        for t in tiles:
-            rows = slice(t.q_lo, t.q_hi)
-            o, l = _flash_forward()(pack_heads(q[rows], rep), k4[:, :, t.k_lo:t.k_hi], v4[:, :, t.k_lo:t.k_hi],
-                                    attn_mask=_tile_mask(doc_k, start, t, causal, q.dtype, rep), scale=scale)
-            o, l = unpack_heads(o, rep), unpack_heads(l, rep)  # [rows, heads_q, d], [rows, heads_q]
+        for rows, group in _by_rows(tiles):
+            q_rows, o_rows, l_rows = pack_heads(q[rows], rep), None, None
+            for t in group:
+                o, l = _flash_forward()(q_rows, k4[:, :, t.k_lo:t.k_hi], v4[:, :, t.k_lo:t.k_hi],
+                                        attn_mask=_tile_mask(doc_k, start, t, causal, q.dtype, rep), scale=scale)
+                if o_rows is None:
+                    o_rows, l_rows = o, l
+                else:
+                    merged = torch.logaddexp(l_rows, l)
+                    o_rows = (o_rows * (l_rows - merged).exp()[..., None].to(o.dtype)
+                              + o * (l - merged).exp()[..., None].to(o.dtype))
+                    l_rows = merged
             if lse is None:
-                lse = torch.full(q.shape[:2], float("-inf"), dtype=l.dtype, device=l.device)
-            merged = torch.logaddexp(lse[rows], l)  # exactly l for the first call on these rows
-            out[rows] = (out[rows] * (lse[rows] - merged).exp()[..., None].to(o.dtype)
-                         + o * (l - merged).exp()[..., None].to(o.dtype))
-            lse[rows] = merged
+                lse = torch.full(q.shape[:2], float("-inf"), dtype=l_rows.dtype, device=q.device)
+            out[rows], lse[rows] = unpack_heads(o_rows, rep), unpack_heads(l_rows, rep)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.tiles, ctx.doc_k, ctx.start, ctx.causal, ctx.scale = tiles, doc_k, start, causal, scale
         return out
@@ -205,16 +210,23 @@ class _CPUFlash(torch.autograd.Function):
         rep = q.size(1) // k.size(1)
         k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (k, v))
         dq, dk4, dv4 = torch.zeros_like(q), torch.zeros_like(k4), torch.zeros_like(v4)
-        for t in ctx.tiles:
-            rows, keys = slice(t.q_lo, t.q_hi), slice(t.k_lo, t.k_hi)
-            gq, gk, gv = _flash_backward()(
-                pack_heads(grad_out[rows], rep), pack_heads(q[rows], rep), k4[:, :, keys], v4[:, :, keys],
-                pack_heads(out[rows], rep), pack_heads(lse[rows], rep), 0.0, False,
-                attn_mask=_tile_mask(ctx.doc_k, ctx.start, t, ctx.causal, q.dtype, rep), scale=ctx.scale)
-            dq[rows] += unpack_heads(gq, rep)
-            dk4[:, :, keys] += gk
-            dv4[:, :, keys] += gv
+        for rows, group in _by_rows(ctx.tiles):
+            packed = [pack_heads(t[rows], rep) for t in (grad_out, q, out, lse)]
+            for t in group:
+                keys = slice(t.k_lo, t.k_hi)
+                gq, gk, gv = _flash_backward()(
+                    packed[0], packed[1], k4[:, :, keys], v4[:, :, keys], packed[2], packed[3], 0.0, False,
+                    attn_mask=_tile_mask(ctx.doc_k, ctx.start, t, ctx.causal, q.dtype, rep), scale=ctx.scale)
+                dq[rows] += unpack_heads(gq, rep)
+                dk4[:, :, keys] += gk
+                dv4[:, :, keys] += gv
         return dq, dk4[0].transpose(0, 1), dv4[0].transpose(0, 1), None, None, None, None, None
+
+
+def _by_rows(tiles):
+    """(rows slice, its tiles): the calls of one piece share its rows and come one after the other."""
+    for (lo, hi), group in itertools.groupby(tiles, key=lambda t: (t.q_lo, t.q_hi)):
+        yield slice(lo, hi), list(group)
 
 
 def pack_heads(x, rep):
