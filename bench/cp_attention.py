@@ -277,20 +277,22 @@ def report(s, cu_docs, times, diff):
     print(f"    / pair ratio:                     {both('cp1 docs', 'cp1 causal', pair_ratio)}   (target <= 1.5)")
     for mask, ag in (("causal", "cp2 causal"), ("docs", "cp2 docs 2cp")):
         print(f"  ring / all-gather, {mask:<7} (cp2):   {both('ring ' + mask, ag)}   (target >= 1.0)")
-    above = False
+    above = []
     for label, one, two, layout, cu in (("causal", "cp1 causal", "cp2 causal", "2cp", [0, s]),
                                         ("docs 2cp", "cp1 docs", "cp2 docs 2cp", "2cp", cu_docs),
                                         ("docs balanced", "cp1 docs", "cp2 docs balanced", "balanced", cu_docs)):
         work = rank_work(make_layout(layout, s, 2, cu), cu)
-        above |= ratio(one, two, "wall") > 2.0
+        if max(ratio(one, two, "wall"), ratio(one, two, "busy")) > 2.0:
+            above.append(one)
         print(f"  cp2 speedup, {label + ':':<23}{both(one, two)}   (work max/min {imbalance(work):.3f}, "
               f"ideal {sum(work) / max(work):.2f}; target >= 1.8)")
     print(f"  balanced / 2cp, docs (cp2):         {both('cp2 docs balanced', 'cp2 docs 2cp')}")
     print(f"  ring vs all-gather max abs difference (out and grads): {diff:.1e}")
     if above:
-        print("  note: a wall speedup above 2.0 is not physical on 2 cores; the wall times of this size were "
-              "disturbed by other load (busy ratios exclude it)")
-
+        # Both cp=1 ranks run the same work: how far apart they are is the noise of one measurement.
+        spread = max(abs(ranks[0]["busy"] / ranks[1]["busy"] - 1) for n in above for ranks in times[n])
+        print(f"  note: a speedup above 2.0 is not physical on 2 cores (measurement noise); this row's noise: "
+              f"the two cp=1 ranks, doing identical work, differ by up to {100 * spread:.0f}% (busy)")
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
