@@ -14,9 +14,10 @@ of queries attends only the keys of the documents it touches, up to its last que
 - ``varlen-reference``: loops over the varlen metadata exactly as a GPU varlen kernel reads it (per
   document, bottom-right causal alignment). Slow; it exists to prove the metadata on CPU.
 - ``cpu-flash``: torch's CPU flash-attention ops (``aten::_scaled_dot_product_flash_attention_for_cpu``
-  and its backward) per piece, with an additive mask only where a piece has masked pairs. Saves only the
-  output and the log-sum-exp (masks are rebuilt in the backward), so it needs no recompute: the CPU
-  default.
+  and its backward) per piece, with an additive mask only where a piece has masked pairs (a causal
+  piece of one document: only its diagonal), GQA query heads stacked on their K/V head. Saves only
+  the output and the log-sum-exp (masks are rebuilt in the backward), so it needs no recompute: the
+  CPU default.
 - ``flash``: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16), when importable.
 - ``te``: Transformer Engine's fused attention (``DotProductAttention`` with qkv_format "thd" and a
   bottom-right-aligned padding-causal mask), when importable.
