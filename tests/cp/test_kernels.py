@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from l3plugin.cp import kernels
-from l3plugin.cp.kernels import ChunkDocuments, query_blocks, register_kernel, select_kernel
-from l3plugin.cp.sharding import document_metadata
+from l3plugin.cp.kernels import query_blocks, register_kernel, select_kernel
+from l3plugin.cp.sharding import ChunkDocuments, document_metadata
 
 S = 96
 
