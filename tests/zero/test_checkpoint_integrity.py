@@ -197,7 +197,7 @@ def test_partition_from_another_checkpoint(ranks, saved, tmp_path):
 
 def _nan_with_consistent_record(folder):
     """A NaN written by the training run itself: the checksums record it, so only the NaN check can object."""
-    from l3plugin.zero.checkpoint import KEY, _checksum
+    from l3plugin.zero.partition_files import KEY, checksum
 
     paths = [_partition(folder, r) for r in (0, 1)]
     sums = []
@@ -208,7 +208,7 @@ def _nan_with_consistent_record(folder):
             inner["single_partition_of_fp32_groups"][0][5] = float("nan")
         states = [inner["base_optimizer_state"]["state"].get(g, {})
                   for g in range(len(inner["single_partition_of_fp32_groups"]))]
-        sums.append(_checksum(inner["single_partition_of_fp32_groups"], states))
+        sums.append(checksum(inner["single_partition_of_fp32_groups"], states))
         torch.save(sd, path)
     for rank, path in enumerate(paths):
         _rewrite(path, lambda sd, r=rank: sd[KEY].update(checksum=sums[r], checksums=sums))
