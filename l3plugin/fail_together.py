@@ -4,8 +4,8 @@ Without this, a rank that raises (say, while reading its checkpoint partition) l
 the next collective until a timeout. Here every rank reports success or its error in one all-gather of a
 small fixed-size message, placed before the first collective of the operation; if any rank failed, every
 rank raises: the failing ranks their own error, the others ``PeerFailed`` naming the failing ranks and
-their messages. The exchange is waited with a bound (``l3plugin.waits``), so a rank that died outright
-still gives a ``CommTimeout`` instead of a hang.
+their messages. The exchange is waited with a bound (``l3plugin.waits``; at least the job-wide one, since
+ranks may arrive seconds apart), so a rank that died outright still gives a ``CommTimeout``, not a hang.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def agree(error: BaseException | None, group=None, *, what: str, outcome: str = 
             raise error
         return
     gathered = comm.start_all_gather(_encode(error, outcome, device), group, what=f"{what}: error agreement")
-    rows = gathered.wait(resolve_timeout(timeout)).view(world, MESSAGE_BYTES).cpu()
+    # Ranks reach an agreement at different times (one reads its files or builds its model later): wait at
+    # least the job-wide bound, even when the operation's own collectives use a tighter one.
+    rows = gathered.wait(max(resolve_timeout(timeout), resolve_timeout(None))).view(world, MESSAGE_BYTES).cpu()
     reports = dict(zip(group_ranks(group), map(_decode, rows)))
     if error is not None:
         raise error
