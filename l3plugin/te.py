@@ -3,7 +3,9 @@
 ``te_attention_class()`` builds (lazily, once) a subclass of Megatron-Core's TEDotProductAttention that
 behaves exactly like it, except that ``cp_comm_type="l3plugin_all_gather"`` routes attention to
 l3plugin's all-gather CP attention with document masking (``l3plugin.megatron.attention``). Put it in a
-TE layer spec (``submodules.core_attention``) and set ``--cp-comm-type l3plugin_all_gather``.
+TE layer spec (``submodules.core_attention``) and set ``--cp-comm-type l3plugin_all_gather``; its
+``cp_layout`` parameter ("2cp" or "balanced", see ``l3plugin.cp.layout``; with "balanced" also call
+``l3plugin.megatron.attention.rope_follows_cp_layout`` on the model) applies to that route only.
 
 TE is optional and GPU-only. A half-installed TE raises RuntimeError (not ImportError) at import, and
 without TE Megatron makes ``te`` a MagicMock (subclassing it silently yields a mock), so availability
@@ -47,8 +49,11 @@ def te_attention_class():
 
         def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                      softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type="p2p",
-                     pg_collection=None, **kwargs):
+                     pg_collection=None, cp_layout="2cp", **kwargs):
             ours = cp_comm_type == CP_COMM_TYPE
+            if cp_layout != "2cp" and not ours:
+                raise ValueError(f"cp_layout={cp_layout!r} needs cp_comm_type={CP_COMM_TYPE!r} (TE's own CP "
+                                 f"attention uses the 2cp layout), got cp_comm_type={cp_comm_type!r}")
             # TE rejects unknown cp_comm_type values: give it a valid one it will never use.
             super().__init__(config, layer_number, attn_mask_type, attention_type,
                              attention_dropout=attention_dropout, softmax_scale=softmax_scale,
@@ -58,7 +63,7 @@ def te_attention_class():
             self.l3plugin_attention = (
                 AllGatherCPCoreAttention(config, layer_number, attn_mask_type, attention_type,
                                          attention_dropout=attention_dropout, softmax_scale=softmax_scale,
-                                         pg_collection=pg_collection) if ours else None)
+                                         pg_collection=pg_collection, cp_layout=cp_layout) if ours else None)
 
         def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
                     packed_seq_params=None, **kwargs):
