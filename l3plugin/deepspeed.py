@@ -158,8 +158,6 @@ def _read_ahead(engine, stock_load_checkpoint, args, kwargs):
     DeepSpeed touches anything; None when it will not read any (mirrors its conditions)."""
     import inspect
 
-    from l3plugin.zero.checkpoint import read_partitions, read_universal
-
     call = inspect.signature(stock_load_checkpoint).bind(engine, *args, **kwargs)
     call.apply_defaults()
     a = call.arguments
@@ -176,11 +174,19 @@ def _read_ahead(engine, stock_load_checkpoint, args, kwargs):
             tag = f.read().strip()
     if not os.path.isdir(os.path.join(a["load_dir"], str(tag))):
         return None  # stock warns and returns (None, None)
+    return _read_zero(engine, a["load_dir"], tag, optimizer_states)
+
+
+def _read_zero(engine, load_dir, tag, optimizer_states: bool):
+    """This rank's verified ZeRO state from checkpoint ``load_dir/tag`` (ours, stock's, or universal when
+    the config says so), in new tensors (``l3plugin.zero.checkpoint.Loaded``)."""
+    from l3plugin.zero.checkpoint import read_partitions, read_universal
+
     allow = _options(engine)["checkpoint_allow_nonfinite"]
     zero = engine.optimizer.zero
-    if universal:
-        return read_universal(zero, os.path.join(a["load_dir"], str(tag)), optimizer_states, allow)
-    return read_partitions(zero, _partition_files(engine, a["load_dir"], tag), optimizer_states, allow)
+    if engine.load_universal_checkpoint():
+        return read_universal(zero, os.path.join(load_dir, str(tag)), optimizer_states, allow)
+    return read_partitions(zero, _partition_files(engine, load_dir, tag), optimizer_states, allow)
 
 
 def _partition_files(engine, load_dir, tag) -> list[str]:
@@ -276,14 +282,9 @@ def install() -> None:
             apply_loaded(self.optimizer.zero, read.loaded)
             return True
         # Called on its own: read, verify, agree and apply in one go.
-        allow = _options(self)["checkpoint_allow_nonfinite"]
-        if self.load_universal_checkpoint():
-            self.optimizer.load_universal(os.path.join(load_dir, tag), load_optimizer_states, allow_nonfinite=allow)
-            return True
-        # Every rank's partition (ours or stock DeepSpeed's), for the DP size that saved them (it may differ
-        # from ours).
-        names = self._get_all_zero_checkpoint_names(load_dir, tag, self.bfloat16_enabled())
-        self.optimizer.load_partitions(names, load_optimizer_states, allow_nonfinite=allow)
+        from l3plugin.zero.checkpoint import load_agreed
+
+        load_agreed(self.optimizer.zero, lambda: _read_zero(self, load_dir, tag, load_optimizer_states))
         return True
 
     stock_load_checkpoint, deco = wrap(DeepSpeedEngine, "load_checkpoint")

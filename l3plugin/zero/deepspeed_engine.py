@@ -21,8 +21,8 @@ optimizer or BF16_Optimizer. What the engines call, and what we do:
 - checkpoints: ``state_dict`` is what DeepSpeed's own ZeRO-1/2 optimizer writes (layout and keys in
   ``l3plugin.zero.checkpoint``, plus DeepSpeed's ``ds_version``, ``LossScaler``, ``ZeroStageEnum`` and
   ``fragment_address`` objects), so a stock engine resumes it and ``zero_to_fp32`` / ``ds_to_universal``
-  read it; ``load_partitions`` reads ours or stock's from any data-parallel size; ``load_universal`` reads a
-  universal checkpoint folder.
+  read it; loading (ours or stock's, any data-parallel size, or universal) goes through
+  ``l3plugin.deepspeed``'s ``load_checkpoint`` and ``l3plugin.zero.checkpoint``.
 - accessors: every trainable parameter gets ``_hp_mapping`` and the ``get_full_hp_param`` /
   ``set_full_hp_param`` / ``get_full_hp_grad`` / ``set_full_hp_grad`` methods that
   ``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` / ``safe_get_full_grad``
@@ -236,13 +236,6 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
             for group in sd["param_slice_mappings"]]
         return {"loss_scaler": LossScaler(scale=1.0), "dynamic_loss_scale": False, "overflow": bool(self.overflow),
                 "clip_grad": float(self.zero.settings.clip_grad), **sd, "ds_version": version}
-
-    def load_universal(self, folder, load_optimizer_states=True, **checks):
-        """Load a DeepSpeed universal checkpoint (the tag folder written by ``ds_to_universal``).
-        ``checks``: ``allow_nonfinite`` and ``agree`` of ``l3plugin.zero.checkpoint.load_universal``."""
-        from l3plugin.zero.checkpoint import load_universal
-
-        load_universal(self.zero, folder, load_optimizer_states, **checks)
 
     def load_partitions(self, sources, load_optimizer_states=True, **checks):
         """Load the partitions saved by every data-parallel rank (paths or dicts), any DP size.
