@@ -112,9 +112,14 @@ class CPLayout:
         """Positions of the full sequence this rank holds, in local order."""
         return torch.cat([torch.arange(a, b) for a, b in self.rank_ranges(cp_rank)])
 
-    def gathered_order(self) -> torch.Tensor:
-        """Global positions of the rank-major concatenation of every rank's local tokens (all-gather order)."""
+    @functools.cached_property
+    def _gathered_order(self) -> torch.Tensor:
         return torch.cat([self.indices(r) for r in range(self.cp_size)])
+
+    def gathered_order(self) -> torch.Tensor:
+        """Global positions of the rank-major concatenation of every rank's local tokens (all-gather order).
+        Computed once per layout (attention asks for it in every layer); do not modify it."""
+        return self._gathered_order
 
     def check(self, seq_len: int, cp_size: int) -> "CPLayout":
         """Refuse a layout built for another sequence length or CP size."""
@@ -125,6 +130,7 @@ class CPLayout:
         return self
 
 
+@functools.lru_cache(maxsize=64, typed=True)  # built in every attention call; typed: True is not 1
 def two_chunk_layout(seq_len: int, cp_size: int) -> CPLayout:
     """The paper's layout: rank i holds chunks i and 2*cp-1-i of 2*cp equal chunks."""
     check_positive_int("seq_len", seq_len)
