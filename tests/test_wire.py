@@ -1,0 +1,50 @@
+"""The emulated wire's option parsing and its refusals (the namespace itself needs root: used by bench/)."""
+
+import pytest
+
+from l3plugin.testing import wire
+
+
+@pytest.mark.parametrize("text, bits", [("4gbit", 4_000_000_000), ("500mbit", 500_000_000), ("62.5mbps", 500_000_000),
+                                        ("2.5GBIT", 2_500_000_000), ("off", None)])
+def test_parse_rate(text, bits):
+    assert wire.parse_rate(text) == bits
+
+
+@pytest.mark.parametrize("text", ["4gbt", "fast", "-1gbit", "0bit", "2tbit"])
+def test_bad_rate_names_the_option_and_the_valid_forms(text):
+    with pytest.raises(ValueError, match=r"--wire .*" + text.replace("-", r"\-")):
+        wire.parse_rate(text)
+
+
+def test_bad_rate_from_enter_is_a_clean_exit():
+    with pytest.raises(SystemExit, match="tc unit"):
+        wire.enter("4gbt")
+
+
+def test_off_stays_here():
+    link = wire.enter("off")
+    assert not link.inside and link.rate is None and "off" in link.describe()
+    with pytest.raises(wire.WireError, match="namespace"):
+        link.set_rate(1_000_000)
+
+
+def test_preset_keeps_the_gpu_ratio(monkeypatch):
+    monkeypatch.setattr(wire, "matmul_flops", lambda dtype_name: 50e9)
+    bits, note = wire.preset_rate("h100", "float32")
+    gpu_flops, gpu_bytes, _ = wire.PRESETS["h100"]
+    assert bits / 8 == pytest.approx(50e9 * gpu_bytes / gpu_flops, rel=1e-6)
+    assert "50.0 GFLOP/s" in note and "989" in note
+
+
+def test_not_root_is_refused_with_the_reason(monkeypatch):
+    monkeypatch.setattr(wire.os, "geteuid", lambda: 1000)
+    monkeypatch.delenv(wire.ENV_RATE, raising=False)
+    with pytest.raises(SystemExit, match="needs root"):
+        wire.enter("4gbit")
+
+
+def test_missing_tools_are_named(monkeypatch):
+    monkeypatch.setattr(wire.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(wire.shutil, "which", lambda tool: None if tool == "tc" else "/usr/bin/" + tool)
+    assert "tc not found" in wire.why_not_here()
