@@ -199,10 +199,12 @@ def run_inside(bits: int, command: list[str], note: str = "") -> int:
 
 
 # -- measured inside a RankPool worker ------------------------------------------------------------------
-def time_collectives_alone(numel: int, repeats: int = 3) -> dict:
+def time_collectives_alone(numel: int, repeats: int = 3, ops: dict | None = None) -> dict:
     """Wall and CPU seconds of an fp32 all-reduce and of a point-to-point exchange (each rank sends ``numel``
     fp32 elements to the next and receives as many), with no compute beside them; medians. Run on every rank
-    of a RankPool: the bench prints these next to its results, so wire time can be told from CPU time."""
+    of a RankPool: the bench prints these next to its results, so wire time can be told from CPU time.
+    ``ops``: name -> function, timed instead of those two (a bench's own collectives, e.g. CP's K/V
+    all-gather; each should send about ``numel`` fp32 elements per rank, as collectives_alone_text says)."""
     import torch
     import torch.distributed as dist
 
@@ -215,7 +217,7 @@ def time_collectives_alone(numel: int, repeats: int = 3) -> dict:
             work.wait()
 
     out = {}
-    for name, fn in (("all-reduce", lambda: dist.all_reduce(data)), ("exchange", exchange)):
+    for name, fn in (ops or {"all-reduce": lambda: dist.all_reduce(data), "exchange": exchange}).items():
         walls, cpus = [], []
         for _ in range(repeats + 1):
             dist.barrier()
