@@ -28,6 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from l3plugin.testing import wire  # noqa: E402
+
 
 def start_once(env, code="pass") -> float:
     t = time.perf_counter()
@@ -56,7 +60,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--deepspeed-rounds", type=int, default=5, help="0 skips the import deepspeed table")
+    wire.add_argument(parser)
     args = parser.parse_args()
+    link = wire.enter(args.wire)
+    print(f"{link.describe()}\n  (this bench starts interpreters and sends nothing: the wire changes nothing here; "
+          "collectives alone: none)")
     import l3plugin_autoload
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/zero.py            # ~25M-param bf16 model, gas 4 and 8, 5 rounds
     .venv/bin/python bench/zero.py --quick    # tiny model, 2 rounds: a smoke run
+    .venv/bin/python bench/zero.py --wire 4gbit   # on an emulated wire (root): traffic costs wall time, not CPU
 
 Every variant uses zero_optimization {reduce_bucket_size, allgather_bucket_size: --bucket, overlap_comm (true
 unless the name says "no overlap"), contiguous_gradients: true} and torch AdamW; "ours" adds the top-level key
@@ -53,6 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from l3plugin.testing import wire  # noqa: E402
 from l3plugin.testing.ranks import RankPool  # noqa: E402
 
 # name: (stage, l3plugin options or None for stock, overlap_comm, extra DeepSpeed config); "half" = gas // 2
@@ -60,15 +62,21 @@ VARIANTS = {
     "stock ZeRO-1": (1, None, True, {}),
     "ours ZeRO-1": (1, {}, True, {}),
     "ours ZeRO-1 no overlap": (1, {}, False, {}),
+    "ours ZeRO-1 overlap_param_gather": (1, {"overlap_param_gather": True}, True, {}),
     "stock ZeRO-2": (2, None, True, {}),
     "ours ZeRO-2 reduce_every=1": (2, {"reduce_every": 1}, True, {}),
     "ours ZeRO-2 reduce_every=1 no overlap": (2, {"reduce_every": 1}, False, {}),
+    "ours ZeRO-2 carry": (2, {"carry_reductions": True}, True, {}),
+    "ours ZeRO-2 carry + overlap_param_gather": (2, {"carry_reductions": True, "overlap_param_gather": True},
+                                                 True, {}),
     "stock ZeRO-2 fp32 grad_accum": (2, None, True, {"data_types": {"grad_accum_dtype": "fp32"}}),
     "ours ZeRO-2 reduce_every=gas/2": (2, {"reduce_every": "half"}, True, {}),
 }
 STOCK_OF_STAGE = {1: "stock ZeRO-1", 2: "stock ZeRO-2"}
-NO_OVERLAP_TWIN = {"ours ZeRO-1": "ours ZeRO-1 no overlap",
-                   "ours ZeRO-2 reduce_every=1": "ours ZeRO-2 reduce_every=1 no overlap"}
+NO_OVERLAP_TWIN = {"ours ZeRO-1": "ours ZeRO-1 no overlap", "ours ZeRO-1 overlap_param_gather": "ours ZeRO-1 no overlap",
+                   "ours ZeRO-2 reduce_every=1": "ours ZeRO-2 reduce_every=1 no overlap",
+                   "ours ZeRO-2 carry": "ours ZeRO-2 reduce_every=1 no overlap",
+                   "ours ZeRO-2 carry + overlap_param_gather": "ours ZeRO-2 reduce_every=1 no overlap"}
 # isend: on gloo l3plugin's reduce-scatter is a point-to-point exchange (one isend per peer and bucket)
 REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter", "all_reduce", "all_reduce_coalesced", "reduce", "isend")
 SHORT_OP = {"isend": "P2P", "reduce_scatter_tensor": "RS", "reduce_scatter": "RS", "all_reduce": "AR", "all_gather_into_tensor": "AG",
@@ -293,6 +301,43 @@ def timed_round(name):
     return normal, local, cpu
 
 
+def collectives_alone(params, bucket, repeats=3):
+    """(wall s, CPU s) of what ours sends per reduction and per step with no compute beside it: the fp32
+    reduce-scatter of every bucket (started together, then waited, as in a backward) and the bf16 parameter
+    all-gather; medians."""
+    import torch
+    import torch.distributed as dist
+
+    from l3plugin import comm
+
+    world = dist.get_world_size()
+    sizes = [min(bucket, params - start) for start in range(0, params, bucket)]
+    grads = [torch.ones(-(-n // world) * world) for n in sizes]
+    shards = [torch.ones(-(-n // world), dtype=torch.bfloat16) for n in sizes]
+
+    def reduce_scatter():
+        flights = [comm.start_reduce_scatter_sum(g, dist.group.WORLD, torch.float32, tag=i) for i, g in enumerate(grads)]
+        for flight in flights:
+            flight.wait()
+
+    def all_gather():
+        flights = [comm.start_all_gather(s, dist.group.WORLD) for s in shards]
+        for flight in flights:
+            flight.wait()
+
+    out = {}
+    for name, fn in (("fp32 reduce-scatter of all buckets", reduce_scatter), ("bf16 parameter all-gather", all_gather)):
+        walls, cpus = [], []
+        for _ in range(repeats + 1):
+            dist.barrier()
+            start, cpu = time.perf_counter(), time.process_time()
+            fn()
+            walls.append(time.perf_counter() - start)
+            cpus.append(time.process_time() - cpu)
+        out[name] = (statistics.median(walls[1:]), statistics.median(cpus[1:]))
+    return out
+
+
 def free_engines():
     ENGINES.clear()
     BATCHES.clear()
@@ -310,7 +355,19 @@ def main():
     parser.add_argument("--bucket", type=float, default=1e6, help="reduce/allgather bucket size (elements)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds: a smoke run")
     parser.add_argument("--census-detail", action="store_true", help="print what the gradient census counted")
+    parser.add_argument("--variants", nargs="+", metavar="NAME", help="run only these variants (names as printed; "
+                        "their baselines are added)")
+    wire.add_argument(parser)
     args = parser.parse_args()
+    link = wire.enter(args.wire, "bfloat16")
+    if args.variants:
+        unknown = [n for n in args.variants if n not in VARIANTS]
+        if unknown:
+            parser.error(f"--variants {unknown}: valid names are {list(VARIANTS)}")
+        wanted = set(args.variants)
+        wanted |= {STOCK_OF_STAGE[VARIANTS[n][0]] for n in args.variants} | {NO_OVERLAP_TWIN.get(n) for n in args.variants}
+        for name in [n for n in VARIANTS if n not in wanted]:
+            del VARIANTS[name]
     if args.quick:
         args.width, args.layers, args.micro_batch, args.rounds, args.bucket = 256, 2, 16, 2, 2e4
     bucket = int(args.bucket)
@@ -323,6 +380,9 @@ def main():
               f"elements; {args.rounds} rounds\nmicro-batch {args.micro_batch} samples per rank: forward+backward "
               f"{max(ms for ms, _ in compute):.0f} ms (plain bf16 model, both ranks at once, slower rank); "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+        print(link.describe())
+        for name, per_rank in collectives_alone_rows(pool, params, bucket):
+            print(f"  alone on this wire, no compute: {name}: {per_rank}", flush=True)
         for gas in args.gas:
             info = {name: pool.run(prepare_variant, name, gas, args.micro_batch, args.width, args.layers, bucket,
                                    timeout=1800) for name in VARIANTS}
@@ -341,6 +401,13 @@ def main():
             print_table(gas, args, params, info, step, exposed, busy)
             print(f"(load average {os.getloadavg()[0]:.1f} at the end of gas {gas})", flush=True)
     print(f"\ntotal run time {time.perf_counter() - began:.0f} s")
+
+
+def collectives_alone_rows(pool, params, bucket):
+    results = pool.run(collectives_alone, params, bucket, timeout=600)
+    for name in results[0]:
+        wall, cpu = max(r[name][0] for r in results), max(r[name][1] for r in results)
+        yield name, f"{1000 * wall:.0f} ms wall, {1000 * cpu:.0f} ms CPU (slower rank, median)"
 
 
 def ratio_text(top, bottom):

@@ -33,6 +33,11 @@ class InFlight:
         self.source, self.description = source, description
         self._result = result  # the output tensor, or a function computing it once the works are done
 
+    def done(self) -> bool:
+        """True when every work has finished (no wait): ``wait`` then returns at once. gloo's point-to-point
+        works (the exchange reduce-scatter) report completion only once waited: on gloo this stays False."""
+        return all(work.is_completed() for work in self.works)
+
     def wait(self, timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
         for work in self.works:
             wait_work(work, timeout=timeout, what=self.description)

@@ -50,6 +50,13 @@ OPTIONS = {
                      "steps, default 1); larger N holds a full fp32 gradient buffer between reductions but "
                      "sends 1/N as much"),
     "wait_timeout": ((int, float), None, "seconds a collective may take before a rank-named error (default 600)"),
+    "carry_reductions": ((bool,), False, "ZeRO-2: reduce-scatters still running when a micro-batch's backward "
+                         "ends run on under the next forward (waited where their bucket is next needed) instead "
+                         "of at the end of the backward; holds those buckets' full fp32 buffers across the "
+                         "micro-batch boundary"),
+    "overlap_param_gather": ((bool,), False, "start the bf16 parameter all-gathers at the step and wait for each "
+                             "bucket just before the forward of the first module using it; holds a gathered bf16 "
+                             "copy of the parameters until the next forward has used them"),
     "checkpoint_allow_nonfinite": ((bool,), False, "resume from a checkpoint whose weights or optimizer states "
                                    "hold NaN/Inf (refused by default)"),
 }
@@ -132,6 +139,9 @@ def check_supported(engine) -> None:
     elif every is not None and every > engine.gradient_accumulation_steps():
         problems.append(f'"{KEY}.reduce_every" is {every}; valid range is 1..gradient_accumulation_steps '
                         f"({engine.gradient_accumulation_steps()})")
+    if _options(engine)["carry_reductions"] and stage == 1:
+        problems.append(f'"{KEY}.carry_reductions" is true with zero_optimization.stage 1; ZeRO-1 reduce-scatters '
+                        "only in the last micro-batch, whose reductions the step needs: remove it or use stage 2")
     if problems:
         raise ValueError("l3plugin FP32-reducing ZeRO cannot run this config: " + "; ".join(problems)
                          + ". " + SUPPORTED)
@@ -263,7 +273,8 @@ def install() -> None:
         built = DeepSpeedFP32ReduceZero(
             self, optimizer, bucket_numel=opts["bucket_numel"] or int(self.zero_reduce_bucket_size()),
             accumulate_dtype=dtypes[opts["accumulate_dtype"]], reduce_dtype=dtypes[opts["reduce_dtype"]],
-            reduce_every=opts["reduce_every"] or 1, overlap=overlap is not False, wait_timeout=opts["wait_timeout"])
+            reduce_every=opts["reduce_every"] or 1, overlap=overlap is not False, wait_timeout=opts["wait_timeout"],
+            carry_reductions=opts["carry_reductions"], overlap_param_gather=opts["overlap_param_gather"])
         # PipelineEngine.__init__ asserts stage < 2 right after this; ours supports stage 2 (see below).
         self.__dict__["_l3plugin_hide_stage2"] = isinstance(self, PipelineEngine)
         return built

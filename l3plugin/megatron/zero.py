@@ -20,17 +20,24 @@ from l3plugin.zero.optimizer import FP32ReduceZero
 
 def megatron_zero(model_chunks, optimizer, *, stage=1, clip_grad=0.0, gradient_scale=None, group=None,
                   **settings):
-    """``group`` overrides the gradient-reduction group (default: parallel_state's DP x CP group)."""
+    """``group`` overrides the gradient-reduction group (default: parallel_state's DP x CP group).
+    ``overlap_param_gather=True`` (a ZeroSettings field): ``zero.step()`` only starts the parameter
+    all-gathers; each chunk's layers wait for theirs in their forward pre-hooks (Megatron's
+    --overlap-param-gather, for l3plugin's optimizer)."""
     from megatron.core import parallel_state as ps
 
     tp_rank = ps.get_tensor_model_parallel_rank()
     names = {p: f"chunk{c}.{n}" for c, chunk in enumerate(model_chunks) for n, p in chunk.named_parameters()}
-    return FP32ReduceZero(
+    zero = FP32ReduceZero(
         optimizer, group if group is not None else ps.get_data_parallel_group(with_context_parallel=True),
         chunks=[list(chunk.parameters()) for chunk in model_chunks],
         norm_group=ps.get_model_parallel_group(),
         counts_in_norm=lambda p: getattr(p, "tensor_model_parallel", False) or tp_rank == 0,
         param_names=names, stage=stage, clip_grad=clip_grad, gradient_scale=gradient_scale, **settings)
+    if zero.settings.overlap and zero.settings.overlap_param_gather:
+        for chunk in model_chunks:
+            zero.wait_params_in_forward(chunk)
+    return zero
 
 
 def attach_to_schedule(config, zero: FP32ReduceZero):

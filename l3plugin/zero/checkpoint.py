@@ -262,7 +262,7 @@ def apply_loaded(zero, loaded: Loaded) -> None:
         for key, value in (values or {}).items():
             zero.optimizer.param_groups[g][key] = copy.deepcopy(value)
     zero.zero_grad()
-    zero.all_gather_params()
+    zero.all_gather_params(wait=True)
 
 
 @torch.no_grad()

@@ -89,6 +89,7 @@ def _tensor_parallel_rank(mpu) -> int:
 class DeepSpeedFP32ReduceZero(ZeROOptimizer):
     def __init__(self, engine, basic_optimizer: torch.optim.Optimizer, *, bucket_numel: int,
                  accumulate_dtype, reduce_dtype, reduce_every: int = 1, overlap: bool = True,
+                 carry_reductions: bool = False, overlap_param_gather: bool = False,
                  wait_timeout: float | None = None):
         super().__init__()
         from deepspeed.runtime.utils import is_model_parallel_parameter
@@ -99,8 +100,10 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
         settings = ZeroSettings(stage=engine.zero_optimization_stage(), bucket_numel=bucket_numel,
                                 accumulate_dtype=accumulate_dtype, reduce_dtype=reduce_dtype,
                                 clip_grad=engine.gradient_clipping(), overlap=overlap,
+                                overlap_param_gather=overlap_param_gather,
                                 **({} if wait_timeout is None else {"wait_timeout": wait_timeout}))
         self.reduce_every = reduce_every
+        self.carry_reductions = carry_reductions and overlap
         self._engine = weakref.ref(engine)
         self._micro_batch = 0  # backward passes since the last step
         self._reduce_this_backward = False
@@ -121,6 +124,12 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
                                    norm_group=norm_group, counts_in_norm=counts_in_norm,
                                    param_names=engine.param_names)
         self.optimizer = basic_optimizer  # its param groups now hold our fp32 shards (LR schedulers work)
+        self._hooks = []
+        if settings.overlap and overlap_param_gather:
+            self._hooks += self.zero.wait_params_in_forward(engine.module)
+        if self.carry_reductions:  # free what has finished on the wire while the next forward runs
+            self._hooks += [sub.register_forward_pre_hook(lambda *_: self.zero.complete_finished_reductions())
+                            for sub in engine.module.modules() if next(sub.parameters(recurse=False), None) is not None]
         # Parameters per param group in the flat order of our checkpoints: DeepSpeed saves their names
         # and shapes as "param_shapes", which zero_to_fp32 uses to cut the flat fp32 groups.
         self.bf16_groups = [[p for b in self.zero.buckets if b.spec.group == g for p in b.params]
@@ -166,8 +175,14 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
 
     def after_backward(self):
         """End of a backward pass (or the boundary): if it ended with reductions, start what is left and
-        wait for all, so no full-size buffer and no collective is carried to the next micro-batch."""
-        if self._reduce_this_backward or self.is_gradient_accumulation_boundary():
+        wait for all, so no full-size buffer and no collective is carried to the next micro-batch. With
+        ``carry_reductions`` (before the boundary) they are not waited here but where their buffer is next
+        written (the next backward's gradient hooks) or read (the step, ``safe_get_full_grad``): they run on
+        under the next forward, holding their full fp32 buckets across the micro-batch boundary."""
+        if self._reduce_this_backward and self.carry_reductions and not self._at_boundary():
+            self.zero.launch_reductions()
+            self.zero.complete_finished_reductions()
+        elif self._reduce_this_backward or self.is_gradient_accumulation_boundary():
             self.zero.finish_grad_sync()
 
     def reduce_gradients(self, pipeline_parallel=False):  # DeepSpeedEngine, ZeRO-1, at the boundary
@@ -220,7 +235,7 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
     refresh_fp32_params = _restore_from_bit16_weights
 
     def update_lp_params(self):
-        self.zero.all_gather_params()
+        self.zero.all_gather_params(wait=True)
 
     def state_dict(self):
         """The partition file content stock ``DeepSpeedZeroOptimizer.state_dict`` writes (rigid form)."""

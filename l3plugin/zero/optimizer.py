@@ -139,6 +139,7 @@ class FP32ReduceZero:
         for g, pg in enumerate(optimizer.param_groups):
             pg["params"] = [b.master for b in self.buckets if b.spec.group == g]
         self._launch_order: list[int] = []  # armed buckets not started yet, in the order they must start
+        self._gathers: dict = {}  # bucket index -> its started parameter all-gather (comm.InFlight)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in ordered]
 
     # -- construction helpers -----------------------------------------------------------------------
@@ -240,6 +241,13 @@ class FP32ReduceZero:
         """Complete the started reduce-scatters of the buckets of ``params`` (all if None)."""
         for bucket in self.buckets_of(params):
             if bucket.in_flight is not None:
+                self._complete(bucket)
+
+    def complete_finished_reductions(self) -> None:
+        """Complete (without waiting) the reduce-scatters that have already finished, freeing their full
+        buffers early: called between micro-batches when reductions are carried into the next forward."""
+        for bucket in self.buckets:
+            if bucket.in_flight is not None and bucket.in_flight.done():
                 self._complete(bucket)
 
     def reduce_scatter(self, params=None) -> None:
@@ -351,24 +359,64 @@ class FP32ReduceZero:
         self.zero_grad()
         return norm
 
+    # -- parameter all-gather ------------------------------------------------------------------------------
+    # Started bucket by bucket in ascending order (the order of the forward, and the same on every rank),
+    # completed (waited, copied into the parameters) in ``wait_param_gather``: at once, or with
+    # ``overlap_param_gather`` from forward pre-hooks just before the parameters are used.
     @torch.no_grad()
-    def all_gather_params(self) -> None:
+    def all_gather_params(self, wait: bool | None = None) -> None:
         """Write the fp32 shards into every rank's parameters, gathered in the parameters' dtype.
 
-        With ``overlap`` the next bucket's all-gather is started before this one is waited and copied
-        out (two buckets in flight at most: bounded memory); every one is waited here, before returning,
-        because the frameworks run the next forward right after the step."""
-        def start(bucket):
-            return comm.start_all_gather(bucket.master.detach().to(bucket.spec.dtype), self.group,
-                                         what=f"parameter bucket {bucket.spec.index}")
+        ``wait`` (default: not ``overlap_param_gather``): complete every bucket before returning; with
+        overlap the next bucket's all-gather is started before this one is copied out (two in flight at
+        most: bounded memory). Without waiting every all-gather is started here (always all of them, so the
+        collectives are issued in the same order on every rank whatever later waits for them) and each bucket
+        is completed by ``wait_param_gather``: from the forward pre-hooks of ``wait_params_in_forward``, or
+        before anything else reads the parameters (checkpoints, the next step)."""
+        self.wait_param_gather()  # the previous step's gathers land first: they write the same parameters
+        if wait is None:
+            wait = not (self.settings.overlap and self.settings.overlap_param_gather)
+        ahead = 2 if self.settings.overlap else 1
+        for index, bucket in enumerate(self.buckets):
+            self._gathers[index] = comm.start_all_gather(bucket.master.detach().to(bucket.spec.dtype), self.group,
+                                                         what=f"parameter bucket {index}")
+            if wait and index + 1 >= ahead:
+                self._finish_gather(index + 1 - ahead)
+        if wait:
+            self.wait_param_gather()
 
-        ahead = start(self.buckets[0]) if self.settings.overlap else None
-        for i, bucket in enumerate(self.buckets):
-            flight = ahead if ahead is not None else start(bucket)
-            ahead = start(self.buckets[i + 1]) if self.settings.overlap and i + 1 < len(self.buckets) else None
-            full = flight.wait(self.wait_timeout)
-            for slot, p in zip(bucket.spec.slots, bucket.params):
-                p.copy_(full[slot.offset:slot.offset + slot.numel].view_as(p))
+    @torch.no_grad()
+    def _finish_gather(self, index: int) -> None:
+        full = self._gathers.pop(index).wait(self.wait_timeout)
+        bucket = self.buckets[index]
+        for slot, p in zip(bucket.spec.slots, bucket.params):
+            p.copy_(full[slot.offset:slot.offset + slot.numel].view_as(p))
+
+    def wait_param_gather(self, params=None) -> None:
+        """Complete the started parameter all-gathers of the buckets of ``params`` (all if None): local work
+        only (the collectives were all started by ``all_gather_params``)."""
+        if self._gathers:
+            for bucket in self.buckets_of(params):
+                if bucket.spec.index in self._gathers:
+                    self._finish_gather(bucket.spec.index)
+
+    def wait_params_in_forward(self, module: torch.nn.Module) -> list:
+        """Forward pre-hooks on every submodule of ``module`` that owns parameters of this optimizer: each
+        completes its parameters' all-gather just before its forward, so with ``overlap_param_gather`` the
+        gathers of later layers run on the wire under the forward of earlier ones (what the paper and Megatron
+        call overlapping the parameter all-gather with the next forward). A state-dict pre-hook on ``module``
+        completes all of them before the weights are read for a checkpoint. Parameters must be used inside
+        their own module's forward (true for nn.Linear, Embedding, norms, ...): one read otherwise before the
+        next forward sees the previous step's values; call ``wait_param_gather()`` first. Returns the hook
+        handles."""
+        handles = []
+        for sub in module.modules():
+            owned = [p for p in sub.parameters(recurse=False) if p in self.slots]
+            if owned:
+                handles.append(sub.register_forward_pre_hook(
+                    lambda _module, _args, owned=owned: self.wait_param_gather(owned)))
+        handles.append(module.register_state_dict_pre_hook(lambda *_: self.wait_param_gather()))
+        return handles
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wait_reductions()  # a started collective is never abandoned: other ranks take part in it
@@ -382,6 +430,7 @@ class FP32ReduceZero:
     @torch.no_grad()
     def refresh_master_from_params(self) -> None:
         """Reset the fp32 shards from the (bf16) parameters, e.g. after loading model weights only."""
+        self.wait_param_gather()
         for bucket in self.buckets:
             bucket.master.copy_(self._initial_master(bucket.spec, bucket.params))
 

@@ -21,6 +21,10 @@ class ZeroSettings:
     clip_grad: float = 0.0  # max global L2 norm of the fp32 gradient; 0 = no clipping
     gradient_scale: float | None = None  # multiplies the summed gradient; None = 1 / group size (average)
     overlap: bool = True  # start reduce-scatters as soon as a bucket is final and wait late; False: blocking
+    # With overlap: step() only starts the bf16 parameter all-gathers; each bucket is waited just before the
+    # forward of the first module using it (hooks from wait_params_in_forward). Costs one gathered bf16 copy of
+    # the parameters in flight until the next forward has used them.
+    overlap_param_gather: bool = False
     wait_timeout: float | None = None  # seconds a collective may take before a rank-named error;
     # None: $L3PLUGIN_WAIT_TIMEOUT or 600 (l3plugin.waits)
 
@@ -42,7 +46,8 @@ class ZeroSettings:
         self.bucket_numel = int(self.bucket_numel)
         if not (isinstance(self.clip_grad, (int, float)) and math.isfinite(self.clip_grad) and self.clip_grad >= 0):
             raise ValueError(f"clip_grad={self.clip_grad!r} must be a finite number >= 0 (0 disables clipping)")
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"overlap={self.overlap!r} must be True or False")
+        for name in ("overlap", "overlap_param_gather"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.wait_timeout is not None:
             resolve_timeout(self.wait_timeout, "wait_timeout")

@@ -9,7 +9,7 @@ from l3plugin.testing import toy_pipeline as toy
 HIDDEN, SEQ, MBS = 8, 4, 2
 
 
-def zero_step(stage, p, v, m, k, overlap=True):
+def zero_step(stage, p, v, m, k, overlap=True, steps=1, **settings):
     import torch.distributed as dist
     from megatron.core.transformer import TransformerConfig
 
@@ -27,19 +27,23 @@ def zero_step(stage, p, v, m, k, overlap=True):
     chunks = toy.build_chunks(config, num_layers=layers, hidden=HIDDEN, pp_rank=mesh.coords["pp"],
                               pp_size=p, vpp_size=v)
     params = [q for c in chunks for q in c.parameters()]
-    zero = megatron_zero(chunks, torch.optim.SGD(params, lr=0.1), stage=stage, bucket_numel=10_000, overlap=overlap)
+    zero = megatron_zero(chunks, torch.optim.SGD(params, lr=0.1), stage=stage, bucket_numel=10_000, overlap=overlap,
+                         **settings)
     attach_to_schedule(config, zero)
     batches = toy.make_microbatches(m, SEQ, MBS, HIDDEN)  # every DP rank the same data: easy reference
-    with record_collectives() as log:
-        forward_backward_pipelining_flexible(
-            forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-            num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
-        in_flight = sum(b.in_flight is not None for b in zero.buckets)  # still running when the schedule returns
-        zero.step()
+    for _ in range(steps):  # a later step's forward uses the parameters the previous step gathered
+        with record_collectives() as log:
+            forward_backward_pipelining_flexible(
+                forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
+                num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+            in_flight = sum(b.in_flight is not None for b in zero.buckets)  # running when the schedule returns
+            zero.step()
+    pending = len(zero._gathers)
+    zero.wait_param_gather()
     dp_ranks = dist.get_process_group_ranks(zero.group)
     ops = [(c.op, str(c.dtype), c.numel, "dp" if c.group == dp_ranks else "other") for c in log]
     weights = {lid: layer.weight.detach().clone() for c in chunks for lid, layer in zip(c.layer_ids, c.layers)}
-    return {"ops": ops, "buckets": len(zero.buckets), "weights": weights, "in_flight": in_flight}
+    return {"ops": ops, "buckets": len(zero.buckets), "weights": weights, "in_flight": in_flight, "pending": pending}
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -76,3 +80,15 @@ def test_overlapped_round_reductions_are_bit_identical(ranks, stage):
         assert b["ops"] == o["ops"]
         assert all(torch.equal(b["weights"][lid], o["weights"][lid]) for lid in b["weights"])
         assert b["in_flight"] == 0 and o["in_flight"] > 0
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameter_gathers_overlapped_with_the_next_forward_are_bit_identical(ranks, stage):
+    """overlap_param_gather: step() only starts the all-gathers, each layer waits for its bucket in its
+    forward pre-hook; three steps (two forwards on gathered parameters) equal the blocking path bit for bit."""
+    p, v, m, k = 2, 2, 5, 2
+    blocking = ranks.run(4, zero_step, stage, p, v, m, k, False, 3, timeout=120)
+    overlapped = ranks.run(4, zero_step, stage, p, v, m, k, True, 3, overlap_param_gather=True, timeout=120)
+    for b, o in zip(blocking, overlapped):
+        assert all(torch.equal(b["weights"][lid], o["weights"][lid]) for lid in b["weights"])
+        assert b["pending"] == 0 and o["pending"] == o["buckets"]

@@ -68,6 +68,7 @@ def train_and_watch(stage, overlap, gas=4, steps=2, **options):
         if step == steps - 1:
             grads = [safe_get_full_grad(p) for p in engine.module.parameters()]
         engine.step()
+    zero.wait_param_gather()  # with overlap_param_gather the last step's gathers land in the next forward
     return {"masters": [safe_get_full_fp32_param(p) for p in engine.module.parameters()],
             "params": [p.detach().clone() for p in engine.module.parameters()], "grads": grads,
             "counts": counts_at_epilogue, "between": between, "buckets": len(zero.buckets),
@@ -126,7 +127,9 @@ def _same(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("stage,options", [(1, {}), (2, {}), (2, {"reduce_every": 2}), (2, {"reduce_every": 3})])
+@pytest.mark.parametrize("stage,options", [(1, {}), (2, {}), (2, {"reduce_every": 2}), (2, {"reduce_every": 3}),
+                                          (1, {"overlap_param_gather": True}),
+                                          (2, {"carry_reductions": True, "overlap_param_gather": True})])
 def test_overlap_is_bit_identical_and_starts_reductions_during_backward(ranks, stage, options):
     gas = 4
     blocking = ranks.run(2, train_and_watch, stage, False, gas, **options, timeout=120)
@@ -164,6 +167,47 @@ def test_gradient_memory_between_micro_batches(ranks, stage, options):
 def test_fp32_error_vs_fp64_stays_below_1e_6(ranks, stage, options):
     for err in ranks.run(2, fp64_error, stage, 8, **options, timeout=120):
         assert err < 1e-6, err
+
+
+def carried_and_gathered(wire_numel):
+    """ZeRO-2 with carry_reductions + overlap_param_gather under DeepSpeedEngine: after a non-final micro-batch
+    the reductions still running are carried (their buckets in flight, nothing else), and after the step the
+    parameter all-gathers are pending until the forward: every parameter is stale before it (the step's
+    update is not in it yet) and current after it. ``wire_numel``: a big bucket so some reduction is still
+    running at the end of backward (a real exchange, not a local copy)."""
+    from l3plugin.zero import FP32ReduceZero  # noqa: F401  (the engine builds it)
+
+    engine = engine_for(config(2, True, 2, carry_reductions=True, overlap_param_gather=True,
+                               bucket_numel=wire_numel))
+    zero = engine.optimizer.zero
+    rank = dist.get_rank()
+    engine.backward(loss_of(engine(batch(rank, 0, 0))))
+    engine.step()
+    carried = {"in_flight": sum(b.in_flight is not None for b in zero.buckets),
+               "full": sum(b.full is not None for b in zero.buckets)}
+    engine.backward(loss_of(engine(batch(rank, 0, 1))))
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    engine.step()  # the boundary: optimizer step, parameter all-gathers started, not waited
+    pending = len(zero._gathers)
+    stale = [torch.equal(a, p) for a, p in zip(before, engine.module.parameters())]
+    engine(batch(rank, 1, 0))  # the forward's pre-hooks complete every gather
+    fresh = [torch.equal(a, p) for a, p in zip(before, engine.module.parameters())]
+    return {"carried": carried, "pending": pending, "buckets": len(zero.buckets), "stale": stale, "fresh": fresh,
+            "left": len(zero._gathers)}
+
+
+def test_carried_reductions_and_param_gathers_wait_where_needed(ranks):
+    for r in ranks.run(2, carried_and_gathered, 400, timeout=120):
+        assert r["carried"]["full"] == r["carried"]["in_flight"]  # only the carried buckets keep full buffers
+        assert r["pending"] == r["buckets"] and all(r["stale"])  # nothing written before the forward
+        assert r["left"] == 0 and not any(r["fresh"])  # the forward completed every bucket, each changed
+
+
+def test_carry_and_param_gather_options_are_checked(ranks):
+    for message in ranks.run(2, error_of, 2, carry_reductions="yes", timeout=60):
+        assert "carry_reductions" in message and "bool" in message
+    for message in ranks.run(2, error_of, 1, carry_reductions=True, timeout=60):
+        assert "carry_reductions" in message and "stage 1" in message
 
 
 @pytest.mark.parametrize("stage", [1, 2])
