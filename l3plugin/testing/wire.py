@@ -182,10 +182,33 @@ def enter(spec: str, dtype_name: str = "bfloat16") -> Wire:
     sys.exit(run_inside(bits, [sys.executable, *sys.argv], note))
 
 
+NAMESPACE_PREFIX = "l3wire"
+
+
+def remove_stale_namespaces() -> None:
+    """Delete namespaces this module made for processes that are gone (a bench killed with SIGKILL)."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for name in listing:
+        pid = name[len(NAMESPACE_PREFIX):]
+        if name.startswith(NAMESPACE_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 def run_inside(bits: int, command: list[str], note: str = "") -> int:
-    """Run ``command`` in a new network namespace whose loopback is shaped at ``bits``/s; its exit status."""
-    namespace = f"l3wire{os.getpid()}"
+    """Run ``command`` in a new network namespace whose loopback is shaped at ``bits``/s; its exit status.
+    SIGTERM / SIGHUP end the command and still remove the namespace."""
+    import signal
+
+    remove_stale_namespaces()
+    namespace = f"{NAMESPACE_PREFIX}{os.getpid()}"
     _run(["ip", "netns", "add", namespace])
+
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
+    child = None
     try:
         inside = ["ip", "netns", "exec", namespace]
         _run(inside + ["ip", "link", "set", "lo", "up"])
@@ -193,8 +216,15 @@ def run_inside(bits: int, command: list[str], note: str = "") -> int:
                        "burst", str(BURST_BYTES), "latency", QUEUE_LATENCY])
         env = dict(os.environ, **{ENV_RATE: str(bits), ENV_NOTE: note,
                                   "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"})
-        return subprocess.call(inside + command, env=env)
+        child = subprocess.Popen(inside + command, env=env)
+        return child.wait()
     finally:
+        if child is not None and child.poll() is None:
+            child.terminate()
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
 
 
