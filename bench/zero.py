@@ -316,7 +316,8 @@ def collectives_alone(params, bucket, repeats=3):
     shards = [torch.ones(-(-n // world), dtype=torch.bfloat16) for n in sizes]
 
     def reduce_scatter():
-        flights = [comm.start_reduce_scatter_sum(g, dist.group.WORLD, torch.float32, tag=i) for i, g in enumerate(grads)]
+        flights = [comm.start_reduce_scatter_sum(g, dist.group.WORLD, torch.float32, tag=i)
+                   for i, g in enumerate(grads)]
         for flight in flights:
             flight.wait()
 
@@ -325,17 +326,8 @@ def collectives_alone(params, bucket, repeats=3):
         for flight in flights:
             flight.wait()
 
-    out = {}
-    for name, fn in (("fp32 reduce-scatter of all buckets", reduce_scatter), ("bf16 parameter all-gather", all_gather)):
-        walls, cpus = [], []
-        for _ in range(repeats + 1):
-            dist.barrier()
-            start, cpu = time.perf_counter(), time.process_time()
-            fn()
-            walls.append(time.perf_counter() - start)
-            cpus.append(time.process_time() - cpu)
-        out[name] = (statistics.median(walls[1:]), statistics.median(cpus[1:]))
-    return out
+    return wire.time_collectives_alone(1, repeats, ops={"fp32 reduce-scatter of all buckets": reduce_scatter,
+                                                        "bf16 parameter all-gather": all_gather})
 
 
 def free_engines():
