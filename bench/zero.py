@@ -44,6 +44,7 @@ Everything printed is measured; nothing is computed from a model of the hardware
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -290,15 +291,54 @@ def timed_round(name):
 
     engine = ENGINES[name]
     dist.barrier()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    train_step(engine)
-    normal, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    with waits_timed(engine) as waits:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        train_step(engine)
+        normal, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     dist.barrier()
     with local_collectives(extra_targets=cached_comm_functions(), p2p=True):
         start = time.perf_counter()
         train_step(engine)
         local = time.perf_counter() - start
-    return normal, local, cpu
+    return normal, local, cpu, waits
+
+
+# Where ours blocks on communication: (method of FP32ReduceZero, label). _complete waits for one bucket's
+# reduce-scatter (during backward when its buffer is written again, at a backward's end, at the step);
+# finish_grad_sync is the end-of-backward / step sync (launches and _complete waits); wait_param_gather
+# completes parameter all-gathers (in the forward with overlap_param_gather); all_gather_params includes
+# the gathers' waits otherwise. A rank waiting longer than its peer also waits for the peer's compute.
+WAITS = (("_complete", "RS waits"), ("finish_grad_sync", "finish_grad_sync (backward ends, step)"),
+         ("wait_param_gather", "AG waits in fwd"), ("all_gather_params", "AG in step"))
+
+
+@contextlib.contextmanager
+def waits_timed(engine):
+    """Seconds this rank spends inside the WAITS methods during the block ({} for stock engines)."""
+    from l3plugin.zero.optimizer import FP32ReduceZero
+
+    spent: dict = {}
+    if not hasattr(engine.optimizer, "zero"):
+        yield spent
+        return
+    originals = {method: getattr(FP32ReduceZero, method) for method, _ in WAITS}
+
+    def timed(method, original):
+        def run(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                spent[method] = spent.get(method, 0.0) + time.perf_counter() - start
+        return run
+
+    for method, original in originals.items():
+        setattr(FP32ReduceZero, method, timed(method, original))
+    try:
+        yield spent
+    finally:
+        for method, original in originals.items():
+            setattr(FP32ReduceZero, method, original)
 
 
 def collectives_alone(params, bucket, repeats=3):
@@ -381,6 +421,7 @@ def main():
             step = {name: [] for name in VARIANTS}
             exposed = {name: [] for name in VARIANTS}
             busy = {name: [] for name in VARIANTS}
+            waits = {name: [] for name in VARIANTS}  # per round: per rank {method: seconds}
             for round_index in range(args.rounds):
                 for name in list(VARIANTS)[::1 if round_index % 2 == 0 else -1]:
                     per_rank = pool.run(timed_round, name, timeout=1800)
@@ -389,8 +430,10 @@ def main():
                     exposed[name].append(normal - local)
                     # Both ranks' CPU seconds over what the machine's cores offer in the step's wall time.
                     busy[name].append(sum(r[2] for r in per_rank) / (os.cpu_count() * normal))
+                    waits[name].append([r[3] for r in per_rank])
             pool.run(free_engines, timeout=300)
             print_table(gas, args, params, info, step, exposed, busy)
+            print_waits(gas, waits)
             print(f"(load average {os.getloadavg()[0]:.1f} at the end of gas {gas})", flush=True)
     print(f"\ntotal run time {time.perf_counter() - began:.0f} s")
 
@@ -400,6 +443,20 @@ def collectives_alone_rows(pool, params, bucket):
     for name in results[0]:
         wall, cpu = max(r[name][0] for r in results), max(r[name][1] for r in results)
         yield name, f"{1000 * wall:.0f} ms wall, {1000 * cpu:.0f} ms CPU (slower rank, median)"
+
+
+def print_waits(gas, waits):
+    """Per rank, the median ms ours spent blocked in each WAITS method per step: which rank waits, and where."""
+    print(f"\ngas {gas}, where ours waits per step (ms, median of rounds), rank 0 / rank 1: "
+          + ", ".join(label for _, label in WAITS))
+    for name, rounds in waits.items():
+        if not rounds or not rounds[0][0]:
+            continue
+        cells = []
+        for method, label in WAITS:
+            per_rank = [statistics.median(1000 * r[rank].get(method, 0.0) for r in rounds) for rank in range(2)]
+            cells.append(f"{label} {per_rank[0]:.0f} / {per_rank[1]:.0f}")
+        print(f"  {name:<40} " + "; ".join(cells), flush=True)
 
 
 def ratio_text(top, bottom):
