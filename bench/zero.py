@@ -39,6 +39,9 @@ Everything printed is measured; nothing is computed from a model of the hardware
   per op (RS reduce-scatter, AR all-reduce, AG all-gather, R reduce, P2P point-to-point sends) and dtype. On
   gloo, l3plugin reduce-scatters by a point-to-point exchange (gloo's reduce-scatter is an all-reduce underneath
   and slower; l3plugin/comm.py): ours shows P2P there.
+- where ours waits (a second table): per rank, the median ms per step spent blocked in the optimizer's waits
+  (WAITS below). Tells the wire's tail from waiting for a slower peer's compute.
+--wire RATE runs everything on an emulated wire (l3plugin/testing/wire.py); --variants picks a subset.
 """
 
 from __future__ import annotations
