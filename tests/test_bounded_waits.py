@@ -53,7 +53,7 @@ def p2p_peer_never_joins(operation, timeout):
     return timed(run)
 
 
-def cp_peer_never_joins(operation, timeout):
+def cp_peer_never_joins(operation, timeout, overlap=False):
     """all-gather: rank 1 never calls attention. reduce-scatter: rank 1 skips the backward."""
     from l3plugin.cp.attention import all_gather_attention
 
@@ -61,11 +61,17 @@ def cp_peer_never_joins(operation, timeout):
     if operation == "all-gather" and dist.get_rank() == 1:
         time.sleep(AWAY)
         return "stayed away"
-    out = timed(lambda: all_gather_attention(q, q, q, [0, 16], group=dist.group.WORLD, wait_timeout=timeout))
+    out = timed(lambda: all_gather_attention(q, q, q, [0, 16], group=dist.group.WORLD, wait_timeout=timeout,
+                                             overlap=overlap))
     if dist.get_rank() == 1:
         time.sleep(AWAY)
         return "skipped the backward"
     return timed(lambda: out.sum().backward())
+
+
+def cp_overlapped_peer_never_joins(operation, timeout):
+    """The same with the communication in parts (cp/overlap.py): the first part waited times out."""
+    return cp_peer_never_joins(operation, timeout, overlap=True)
 
 
 @pytest.mark.parametrize("fn,operation,expected", [
@@ -78,6 +84,11 @@ def cp_peer_never_joins(operation, timeout):
     (cp_peer_never_joins, "reduce-scatter", "rank 0: reduce-scatter (point-to-point exchange on gloo) (CP dK/dV "
                                             "(2, 8, 2, 4)) of 256 float32 elements (0.0 MiB) in group ranks [0, 1] "
                                             "did not finish within 2 s"),
+    (cp_overlapped_peer_never_joins, "all-gather", "rank 0: all-gather (CP K/V part 0 (2, 4, 2, 4)) of 64 float32 "
+                                                   "elements (0.0 MiB) in group ranks [0, 1] did not finish within 2 s"),
+    (cp_overlapped_peer_never_joins, "reduce-scatter", "rank 0: reduce-scatter (point-to-point exchange on gloo) (CP "
+                                                       "dK/dV part 0 (2, 4, 2, 4)) of 128 float32 elements (0.0 MiB) "
+                                                       "in group ranks [0, 1] did not finish within 2 s"),
 ])
 def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks, fn, operation, expected):
     from l3plugin.testing.ranks import DistributedTestError

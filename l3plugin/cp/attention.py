@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from l3plugin.cp.kernels import select_kernel
 from l3plugin.cp.layout import check_bool, check_cu_seqlens, make_layout
+from l3plugin.cp.overlap import PARTS, overlapped_attention, part_plan
 from l3plugin.cp.sharding import document_metadata
 from l3plugin import comm
 from l3plugin.waits import resolve_timeout
@@ -74,7 +75,7 @@ def _check_inputs(q, k, v):
 
 
 def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softmax_scale=None,
-                         kernel="auto", wait_timeout=None, layout="2cp"):
+                         kernel="auto", wait_timeout=None, layout="2cp", overlap=True):
     """Attention of this rank's queries over the whole packed sequence, with document masking.
 
     q: [s_local, heads_q, head_dim]; k, v: [s_local, heads_kv, head_dim], this rank's tokens in the
@@ -84,10 +85,13 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
     layout from it); group: the CP process group (None or size 1: no CP).
     wait_timeout: seconds the K/V all-gather and the dK/dV reduce-scatter may take (None:
     ``l3plugin.waits.resolve_timeout``, i.e. $L3PLUGIN_WAIT_TIMEOUT or 600).
+    overlap: gather K/V and reduce-scatter dK/dV in parts, each waited only when a local range needs it
+    (cp/overlap.py; bit-identical to False at cp=2); False: one collective each way, waited at once.
     Returns [s_local, heads_q, head_dim], differentiable in q, k and v.
     """
     _check_inputs(q, k, v)
     check_bool("causal", causal)
+    check_bool("overlap", overlap)
     timeout = resolve_timeout(wait_timeout)
     cp = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
@@ -97,14 +101,20 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
                          f"chunks (S must be divisible by 2*cp = {2 * cp})")
     cu = check_cu_seqlens(cu_seqlens, seq_len)
     plan = make_layout(layout, seq_len, cp, cu)  # the same on every rank: built from the global cu_seqlens
+    fn = select_kernel(kernel, q)
+    metas = document_metadata(cu, seq_len, cp, rank, causal=causal, layout=plan)
+    if cp > 1 and overlap:
+        def attend(i, q_rows, k_prefix, v_prefix):
+            return fn(q_rows, k_prefix, v_prefix, metas[i], causal=causal, softmax_scale=softmax_scale)
+
+        return overlapped_attention(q, k, v, attend, part_plan(plan, rank, causal, PARTS), group, timeout)
     if cp > 1:
         k_full, v_full = GatherKV.apply(k, v, group, timeout, plan.gathered_order())
     else:
         # Without CP every layout holds the whole sequence in order.
         k_full, v_full = k, v
-    fn = select_kernel(kernel, q)
     outs, first = [], 0
-    for meta in document_metadata(cu, seq_len, cp, rank, causal=causal, layout=plan):
+    for meta in metas:
         rows = meta.end - meta.start
         outs.append(fn(q[first:first + rows], k_full[:meta.kv_len], v_full[:meta.kv_len], meta,
                        causal=causal, softmax_scale=softmax_scale))

@@ -1,0 +1,157 @@
+"""All-gather CP attention with its communication under the compute: the K/V all-gather and the dK/dV
+reduce-scatter in parts, each waited only when a local range needs it.
+
+A local range [a, b) attends the gathered keys [0, b) (causal; [0, S) otherwise). The K/V are gathered
+in ``parts`` collectives (every rank's local tokens cut into equal slices, in local order, hence by
+position), so a range runs as soon as the parts holding the positions before its end are in, while later
+parts still travel. With the paper's layout at cp=2, rank 0's first chunk needs only its own keys, rank
+1's first chunk only the first half of rank 0's tokens.
+
+In the backward, ranges are differentiated last first. The dK/dV a range adds reach only positions
+before its end, so once no range left reaches the other ranks' tokens of a part, that part's
+reduce-scatter starts and travels while the earlier ranges are differentiated. This rank's gradient for
+its own tokens is not sent: it is added after the reduce-scatter (which sums the others' with a zero for
+this rank's own slice).
+
+Exact: the same kernel calls on the same values, in the same order, as the plain path in attention.py;
+dK/dV are summed in the same order, so at cp=2 every result is bit-identical to it (beyond cp=2 the
+reduce-scatter's sum over ranks is ordered differently). Memory: the same (one gathered K/V buffer).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from l3plugin import comm
+from l3plugin.cp.layout import CPLayout
+
+PARTS = 2  # K/V collectives per attention call; with the paper's layout at cp=2 more parts gain nothing
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """How this rank's attention call waits for the parts, for one (layout, rank, causal, parts)."""
+
+    slices: tuple  # per part: (lo, hi) of every rank's local order
+    positions: tuple  # per part: [cp, hi - lo] global positions of every rank's tokens in it
+    rows: tuple  # per local range: its number of queries
+    needs: tuple  # per local range: the last part it waits for (-1: its keys are all this rank's own)
+    kv_lens: tuple  # per local range: the keys it attends, [0, kv_len)
+    first_other: tuple  # per part: the first position of another rank's token in it
+
+
+@functools.lru_cache(maxsize=64)
+def part_plan(layout: CPLayout, rank: int, causal: bool, parts: int) -> PartPlan:
+    cp, seq_len = layout.cp_size, layout.seq_len
+    s_local = seq_len // cp
+    parts = max(1, min(parts, s_local))
+    cuts = [round(j * s_local / parts) for j in range(parts + 1)]
+    by_rank = layout.gathered_order().view(cp, s_local)
+    others = [r for r in range(cp) if r != rank]
+    positions = tuple(by_rank[:, lo:hi] for lo, hi in zip(cuts, cuts[1:]))
+    arrival = torch.full((seq_len,), -1)  # the part each position arrives in; -1: own
+    for p, pos in enumerate(positions):
+        arrival[pos[others].reshape(-1)] = p
+    arrived_by = torch.cummax(arrival, 0).values  # [x]: the last part needed for keys [0, x]
+    ranges = layout.rank_ranges(rank)
+    kv_lens = tuple(b if causal else seq_len for _, b in ranges)
+    return PartPlan(slices=tuple(zip(cuts, cuts[1:])), positions=positions, rows=tuple(b - a for a, b in ranges),
+                    needs=tuple(int(arrived_by[n - 1]) for n in kv_lens), kv_lens=kv_lens,
+                    first_other=tuple(int(pos[others].min()) for pos in positions))
+
+
+def _alias(buffer, length):
+    """buffer[:, :length] as a new leaf on the same memory, with its own version counter: later parts are
+    written into ``buffer`` in place after a kernel saved this view, but only at positions >= length
+    (they arrive after every position a waiting range needs), so what the kernel saved never changes."""
+    view = buffer.new_empty(0).set_(buffer.untyped_storage(), buffer.storage_offset(),
+                                    (buffer.size(0), length) + buffer.shape[2:], buffer.stride())
+    return view.requires_grad_()
+
+
+class OverlappedAttention(torch.autograd.Function):
+    """q [s_local, hq, d], k, v [s_local, hkv, d] (local order) -> out [s_local, hq, d]; ``attend(i, q_rows,
+    k, v)`` runs the kernel of local range i on keys [0, kv_len). Gathers, attends, reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attend, plan, group, timeout, track):
+        cp, me = dist.get_world_size(group), dist.get_rank(group)
+        local = torch.stack([k, v])  # [2, s_local, h, d]: one collective per part for both
+        flights = [comm.start_all_gather(local[:, lo:hi], group,
+                                         what=f"CP K/V part {p} {(2, hi - lo) + tuple(k.shape[1:])}")
+                   for p, (lo, hi) in enumerate(plan.slices)]
+        full = local.new_empty((2, cp * local.size(1)) + local.shape[2:])
+        full[:, own_positions(plan, me, full.device)] = local
+        others = [r for r in range(cp) if r != me]
+        arrived, first = -1, 0
+        ctx.ranges = []  # per range: (rows, its output with its graph, q leaf, K/V leaf)
+        for i, kv_len in enumerate(plan.kv_lens):
+            while arrived < plan.needs[i]:
+                arrived += 1
+                _place(full, flights[arrived].wait(timeout), plan.positions[arrived], others, cp)
+            rows = slice(first, first + plan.rows[i])
+            first = rows.stop
+            q_leaf, kv_leaf = q[rows].detach().requires_grad_(), _alias(full, kv_len)
+            with torch.set_grad_enabled(track):  # each range's graph, differentiated in our backward
+                out = attend(i, q_leaf, kv_leaf[0], kv_leaf[1])
+            ctx.ranges.append((rows, out, q_leaf, kv_leaf))
+        for flight in flights[arrived + 1:]:  # parts no range here needs: still finish them
+            flight.wait(timeout)
+        ctx.plan, ctx.group, ctx.timeout, ctx.me, ctx.cp = plan, group, timeout, me, cp
+        ctx.q_shape, ctx.local_shape = q.shape, local.shape
+        return torch.cat([out.detach() for _, out, _, _ in ctx.ranges])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        plan, me, cp = ctx.plan, ctx.me, ctx.cp
+        dq = grad_out.new_zeros(ctx.q_shape)
+        dfull = grad_out.new_zeros((2, cp * ctx.local_shape[1]) + ctx.local_shape[2:])
+        flights = {}
+
+        def start_parts(reach):  # parts no remaining range adds to (outside this rank's own tokens)
+            for p, positions in enumerate(plan.positions):
+                if p not in flights and plan.first_other[p] >= reach:
+                    # [cp, 2, n, h, d]: every rank's tokens of this part, rank-major
+                    send = dfull[:, positions.to(dfull.device)].transpose(0, 1).contiguous()
+                    send[me] = 0  # this rank's own gradient is added after, not sent
+                    flights[p] = comm.start_reduce_scatter_sum(
+                        send.view(-1), ctx.group, send.dtype, what=f"CP dK/dV part {p} {tuple(send.shape[1:])}",
+                        tag=p)
+
+        start_parts(max(plan.kv_lens))
+        for i in reversed(range(len(ctx.ranges))):
+            rows, out, q_leaf, kv_leaf = ctx.ranges[i]
+            if out.requires_grad:
+                gq, gkv = torch.autograd.grad(out, (q_leaf, kv_leaf), grad_out[rows], allow_unused=True)
+                if gq is not None:
+                    dq[rows] = gq
+                if gkv is not None:
+                    dfull[:, :gkv.size(1)] += gkv
+            ctx.ranges[i] = None  # free this range's graph
+            start_parts(max(plan.kv_lens[:i], default=0))
+        mine = dfull[:, own_positions(plan, me, dfull.device)]  # this rank's own gradient, local order
+        for p, (lo, hi) in enumerate(plan.slices):
+            mine[:, lo:hi] += flights[p].wait(ctx.timeout).view_as(mine[:, lo:hi])
+        return dq, mine[0], mine[1], None, None, None, None, None
+
+
+def overlapped_attention(q, k, v, attend, plan: PartPlan, group, timeout):
+    """OverlappedAttention; the ranges' graphs are built only when a backward can follow."""
+    track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return OverlappedAttention.apply(q, k, v, attend, plan, group, timeout, track)
+
+
+def own_positions(plan: PartPlan, rank: int, device) -> torch.Tensor:
+    """Global positions of ``rank``'s tokens in local order."""
+    return torch.cat([pos[rank] for pos in plan.positions]).to(device)
+
+
+def _place(full, gathered, positions, others, cp):
+    """Write the other ranks' tokens of one gathered part ([cp * 2 * n * h * d], rank-major) into ``full``."""
+    parts = gathered.view(cp, 2, positions.size(1), *full.shape[2:])
+    full[:, positions[others].reshape(-1).to(full.device)] = parts[others].transpose(0, 1).reshape(
+        2, -1, *full.shape[2:])
