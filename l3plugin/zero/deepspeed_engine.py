@@ -127,6 +127,12 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
         self._hooks = []
         if settings.overlap and overlap_param_gather:
             self._hooks += self.zero.wait_params_in_forward(engine.module)
+            # PipelineModule may use a tied module's weight through a forward_fn, outside that module's
+            # forward (its pre-hook would not fire): tied weights are completed when the pipeline module starts.
+            tied = [p for m in getattr(engine.module, "tied_modules", {}).values() for p in m.parameters()]
+            if tied:
+                self._hooks.append(engine.module.register_forward_pre_hook(
+                    lambda *_: self.zero.wait_param_gather(tied)))
         if self.carry_reductions:  # free what has finished on the wire while the next forward runs
             self._hooks += [sub.register_forward_pre_hook(lambda *_: self.zero.complete_finished_reductions())
                             for sub in engine.module.modules() if next(sub.parameters(recurse=False), None) is not None]

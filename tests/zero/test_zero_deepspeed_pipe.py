@@ -15,12 +15,18 @@ def loss_fn(out, label):
     return (out.float() - label).pow(2).mean()
 
 
-def layers():
+def tied_output(module, x):
+    """The second use of the tied weight through a forward_fn: outside the tied module's own forward."""
+    return torch.nn.functional.linear(x, module.weight)
+
+
+def layers(tied_forward_fn=False):
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
+    last = (TiedLayerSpec("tied", torch.nn.Linear, WIDTH, WIDTH, bias=False, forward_fn=tied_output)
+            if tied_forward_fn else TiedLayerSpec("tied", torch.nn.Linear, WIDTH, WIDTH, bias=False))
     return [TiedLayerSpec("tied", torch.nn.Linear, WIDTH, WIDTH, bias=False), LayerSpec(torch.nn.Linear, WIDTH, WIDTH),
-            LayerSpec(torch.nn.Tanh), LayerSpec(torch.nn.Linear, WIDTH, WIDTH), LayerSpec(torch.nn.Tanh),
-            TiedLayerSpec("tied", torch.nn.Linear, WIDTH, WIDTH, bias=False)]
+            LayerSpec(torch.nn.Tanh), LayerSpec(torch.nn.Linear, WIDTH, WIDTH), LayerSpec(torch.nn.Tanh), last]
 
 
 def micro_batch(dp_rank, step, mb):
@@ -151,14 +157,14 @@ def test_pipeline_checkpoint_resume_is_bit_exact(ranks, tmp_path, stage):
         assert all(len(a[n]) == len(b[n]) == 4 and all(torch.equal(x, y) for x, y in zip(a[n], b[n])) for n in a)
 
 
-def pipeline_overlap(stage, overlap, reduce_every):
+def pipeline_overlap(stage, overlap, reduce_every, **options):
     """Train with overlap_comm on or off; record, at the first post-backward epilogue, how many bucket
     reductions had been handed to torch.distributed (ZeRO-2: no tied-weight collectives before it)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     from l3plugin.debug import record_collectives
 
-    plugin = {"fp32_reduce_zero": True, "bucket_numel": 20}  # several buckets per stage
+    plugin = {"fp32_reduce_zero": True, "bucket_numel": 20, **options}  # several buckets per stage
     if stage == 2:
         plugin["reduce_every"] = reduce_every
     deepspeed = quiet_deepspeed()
@@ -166,7 +172,8 @@ def pipeline_overlap(stage, overlap, reduce_every):
     from deepspeed.pipe import PipelineModule
 
     torch.manual_seed(0)
-    module = PipelineModule(layers=layers(), num_stages=2, loss_fn=loss_fn, partition_method="uniform")
+    module = PipelineModule(layers=layers(tied_forward_fn=bool(options)), num_stages=2, loss_fn=loss_fn,
+                            partition_method="uniform")
     cfg = ds_config(stage, gas=GAS, plugin=plugin, clip=CLIP)
     cfg["zero_optimization"]["overlap_comm"] = overlap
     engine, *_ = deepspeed.initialize(model=module, config=cfg, model_parameters=module.parameters())
@@ -185,15 +192,19 @@ def pipeline_overlap(stage, overlap, reduce_every):
     engine.optimizer.after_backward = watched
     with record_collectives() as log:
         train(engine, STEPS)
+    zero.wait_param_gather()  # with overlap_param_gather the last step's gathers land in the next forward
     return {"fp32": {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()},
             "bf16": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
             "first_count": counts[0], "held": held, "buckets": len(engine.optimizer.zero.buckets)}
 
 
-@pytest.mark.parametrize("stage,reduce_every", [(1, 1), (2, 1), (2, 4)])
-def test_pipeline_overlap_is_bit_identical(ranks, stage, reduce_every):
-    blocking = ranks.run(4, pipeline_overlap, stage, False, reduce_every, timeout=180)
-    overlapped = ranks.run(4, pipeline_overlap, stage, True, reduce_every, timeout=180)
+@pytest.mark.parametrize("stage,reduce_every,options", [(1, 1, {}), (2, 1, {}), (2, 4, {}),
+                                                        (2, 1, {"overlap_param_gather": True})])
+def test_pipeline_overlap_is_bit_identical(ranks, stage, reduce_every, options):
+    """With overlap_param_gather the tied weight's second use goes through a forward_fn (outside its module's
+    forward): it must still see the gathered values."""
+    blocking = ranks.run(4, pipeline_overlap, stage, False, reduce_every, **options, timeout=180)
+    overlapped = ranks.run(4, pipeline_overlap, stage, True, reduce_every, **options, timeout=180)
     for b, o in zip(blocking, overlapped):
         assert all(torch.equal(b[k][n], o[k][n]) for k in ("fp32", "bf16") for n in b[k])
         if stage == 2 and reduce_every == 1:  # the first backward's buckets went out during that backward
