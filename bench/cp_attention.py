@@ -114,7 +114,7 @@ def _timed(step, keep):
     return out
 
 
-def all_gather_run(seq_len, cp, cu, causal, layout, keep=False):
+def all_gather_run(seq_len, cp, cu, causal, layout, overlap=True, keep=False):
     import torch.distributed as dist
 
     from l3plugin.cp.attention import all_gather_attention
@@ -126,7 +126,7 @@ def all_gather_run(seq_len, cp, cu, causal, layout, keep=False):
     def step():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = all_gather_attention(*leaves, torch.tensor(cu), group=group, causal=causal, kernel=KERNEL,
-                                   layout=layout)
+                                   layout=layout, overlap=overlap)
         out.backward(g)
         return out.detach(), [t.grad for t in leaves]
 
@@ -152,9 +152,10 @@ def ring_run(seq_len, cp, cu, keep=False):
     def heads_first(kv):  # [2, s, hkv, d] -> two [1, hkv, s, d]
         return [t.transpose(0, 1)[None].contiguous() for t in kv]
 
-    def rotate(t):
+    def rotate(t, tag):
         buf = torch.empty_like(t)
-        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, nxt), dist.P2POp(dist.irecv, buf, prv)])
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, nxt, tag=tag),
+                                       dist.P2POp(dist.irecv, buf, prv, tag=tag)])
         return reqs, buf
 
     def pieces(s):
@@ -179,7 +180,7 @@ def ring_run(seq_len, cp, cu, keep=False):
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"))
         for s in range(cp):
-            reqs, incoming = rotate(kv) if s < cp - 1 else ([], None)
+            reqs, incoming = rotate(kv, 1) if s < cp - 1 else ([], None)
             kb, vb = heads_first(kv)
             for rows, cols, mask in plans[s]:
                 o, l = flash(pack_heads(q[rows], rep), kb[:, :, cols], vb[:, :, cols], attn_mask=mask)
@@ -190,14 +191,16 @@ def ring_run(seq_len, cp, cu, keep=False):
             for r in reqs:
                 r.wait()
             kv = incoming
-        # Backward: K/V travel the ring again; each chunk's dK/dV accumulator follows it one hop
-        # behind and, after cp hops, arrives back at its owner.
+        # Backward: K/V travel the ring again. A chunk's owner keeps its own part of the chunk's dK/dV;
+        # the accumulator starts at the next rank and follows the chunk one hop behind, waited only after
+        # the next step's compute, then goes home: cp - 1 hops, the last one exposed.
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros_like(kv)
         dq = torch.zeros_like(q)
+        d_reqs, dkv_in = [], None
         for s in range(cp):
-            reqs, incoming = rotate(kv) if s < cp - 1 else ([], None)
+            reqs, incoming = rotate(kv, 1) if s < cp - 1 else ([], None)
             kb, vb = heads_first(kv)
+            dkv = torch.zeros_like(kv)  # this step's part of the visiting chunk's dK/dV
             for rows, cols, mask in plans[s]:
                 gq, gk, gv = flash_bwd(pack_heads(g[rows], rep), pack_heads(q[rows], rep), kb[:, :, cols],
                                        vb[:, :, cols], pack_heads(out[rows], rep), pack_heads(lse[rows], rep),
@@ -205,11 +208,20 @@ def ring_run(seq_len, cp, cu, keep=False):
                 dq[rows] += unpack_heads(gq, rep)
                 dkv[0, cols] += gk[0].transpose(0, 1)
                 dkv[1, cols] += gv[0].transpose(0, 1)
-            if cp > 1:
-                d_reqs, dkv_next = rotate(dkv)
-                for r in reqs + d_reqs:
+            if s == 0:
+                own = dkv
+            else:
+                for r in d_reqs:
                     r.wait()
-                kv, dkv = incoming, dkv_next
+                if s > 1:
+                    dkv += dkv_in  # what the ranks before on the ring added to this chunk
+                d_reqs, dkv_in = rotate(dkv, 2)  # to the chunk's next visitor, or home after the last
+            for r in reqs:
+                r.wait()
+            kv = incoming
+        for r in d_reqs:
+            r.wait()
+        dkv = own + dkv_in if cp > 1 else own
         return out, [dq, dkv[0], dkv[1]]
 
     return _timed(step, keep)
@@ -235,23 +247,22 @@ def max_diff(a, b):
     return max(float((x - y).abs().max()) for x, y in zip([a["out"]] + a["grads"], [b["out"]] + b["grads"]))
 
 
-def timed_rows(pool, s, rounds):
-    cu_docs = document_lengths(s, torch.Generator().manual_seed(s))
-    runs = contenders(s, cu_docs)
+def timed_rows(pool, runs, rounds, checks, warm_up=True):
+    """Interleaved rounds of ``runs`` (name -> (rank function, args)); ``checks``: name pairs whose outputs
+    and gradients are compared first (also a warm-up). ``warm_up``: one more round first, not counted.
+    Returns (times, {pair: max abs difference})."""
     names = list(runs)
-    # Correctness first (and a warm-up): ring and all-gather must agree.
-    checks = {n: pool.run(runs[n][0], *runs[n][1], keep=True, timeout=3600) for n in
-              ("cp2 causal", "ring causal", "cp2 docs 2cp", "ring docs")}
-    diff = max(max_diff(a, b) for x, y in (("cp2 causal", "ring causal"), ("cp2 docs 2cp", "ring docs"))
-               for a, b in zip(checks[x], checks[y]))
+    kept = {n: pool.run(runs[n][0], *runs[n][1], keep=True, timeout=3600) for n in dict.fromkeys(sum(checks, ()))}
+    diff = {(x, y): max(max_diff(a, b) for a, b in zip(kept[x], kept[y])) for x, y in checks}
+    del kept
     times = {n: [] for n in names}  # per round: [per-rank {"wall", "busy"}]
-    for r in range(rounds + 1):
+    for r in range(rounds + warm_up):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
             result = pool.run(runs[n][0], *runs[n][1], timeout=3600)
-            if r:  # round 0 is a warm-up
+            if r or not warm_up:
                 times[n].append(result)
-    return cu_docs, times, diff
+    return times, diff
 
 
 def report(s, cu_docs, times, diff):
@@ -287,31 +298,163 @@ def report(s, cu_docs, times, diff):
         print(f"  cp2 speedup, {label + ':':<23}{both(one, two)}   (work max/min {imbalance(work):.3f}, "
               f"ideal {sum(work) / max(work):.2f}; target >= 1.8)")
     print(f"  balanced / 2cp, docs (cp2):         {both('cp2 docs balanced', 'cp2 docs 2cp')}")
-    print(f"  ring vs all-gather max abs difference (out and grads): {diff:.1e}")
+    print(f"  ring vs all-gather max abs difference (out and grads): {max(diff.values()):.1e}")
     if above:
         # Both cp=1 ranks run the same work: how far apart they are is the noise of one measurement.
         spread = max(abs(ranks[0]["busy"] / ranks[1]["busy"] - 1) for n in above for ranks in times[n])
         print(f"  note: a speedup above 2.0 is more than 2 cores give for the same attention calls; this row's "
               f"noise: the two cp=1 ranks, doing identical work, differ by up to {100 * spread:.0f}% (busy)")
 
+# ---- on the emulated wire ---------------------------------------------------------------------------
+PROBE_RATE = "2gbit"  # --wire auto: the rate first entered, from which the final one is derived
+
+
+def wire_contenders(s, cu_docs, masks):
+    """name -> (rank function, args): cp=2 all-gather (both layouts for documents), each with its
+    communication waited at once ("plain", overlap=False) and overlapped (cp/overlap.py), and the ring."""
+    runs = {}
+    for mask, cu, layouts in (("causal", [0, s], ["2cp"]), ("docs", cu_docs, ["2cp", "balanced"])):
+        if mask not in masks:
+            continue
+        for layout in layouts:
+            name = f"all-gather {mask}" + (f" {layout}" if mask == "docs" else "")
+            runs[name + " plain"] = (all_gather_run, (s, 2, cu, True, layout, False))
+            runs[name + " overlapped"] = (all_gather_run, (s, 2, cu, True, layout, True))
+        runs[f"ring {mask}"] = (ring_run, (s, 2, cu))
+    return runs
+
+
+def kv_collectives_alone(seq_len):
+    """Wall and CPU seconds of the K/V all-gather and the dK/dV reduce-scatter of cp=2 attention at S,
+    alone (the calls all_gather_attention makes: l3plugin/comm.py). Run on every rank."""
+    import torch.distributed as dist
+
+    from l3plugin import comm
+    from l3plugin.testing import wire
+
+    group = dist.group.WORLD
+    local = torch.randn(2, seq_len // 2, HKV, D)  # K and V of this rank's S/2 tokens
+    grads = torch.randn(2 * local.numel())  # dK/dV of the whole sequence, rank-major
+    ops = {"K/V all-gather": lambda: comm.start_all_gather(local, group).wait(),
+           "dK/dV reduce-scatter": lambda: comm.start_reduce_scatter_sum(grads, group, grads.dtype).wait()}
+    return wire.time_collectives_alone(local.numel(), ops=ops)
+
+
+def kv_alone(pool, seq_len):
+    """(all-gather wall seconds of the slower rank, printable lines) for S."""
+    from l3plugin.testing import wire
+
+    results = pool.run(kv_collectives_alone, seq_len, timeout=600)
+    gather = max(r["K/V all-gather"][0] for r in results)
+    return gather, wire.collectives_alone_text(results, 2 * (seq_len // 2) * HKV * D)
+
+
+def pick_rate(pool, link, seq_len, share):
+    """--wire auto: the rate at which the K/V all-gather alone takes ``share`` of cp=2 causal attention
+    (fwd+bwd, unshaped) at S=seq_len. A tbf transfer costs CPU time plus bytes / rate, so two measurements
+    (unshaped and at the probe rate) give the rate; it is measured again after. Returns why, printable."""
+    from l3plugin.testing import wire
+
+    probe = link.rate
+    link.set_rate(None)
+    attention = [max(r["wall"] for r in pool.run(all_gather_run, seq_len, 2, [0, seq_len], True, "2cp", False,
+                                                   timeout=3600)) for _ in range(2)][-1]
+    unshaped = kv_alone(pool, seq_len)[0]
+    link.set_rate(probe)
+    probed = kv_alone(pool, seq_len)[0]
+    target = share * attention
+    rate = int(probe * max(probed - unshaped, 1e-3) / max(target - unshaped, 1e-3))
+    rate = min(max(rate, 10**7), 10**11)
+    link.set_rate(rate)
+    now = kv_alone(pool, seq_len)[0]
+    return (f"rate picked so that the K/V all-gather alone takes {share:.0%} of cp=2 causal attention "
+            f"(fwd+bwd) at S={seq_len}: attention {attention:.2f} s unshaped; the all-gather alone "
+            f"{1000 * unshaped:.0f} ms unshaped, {1000 * probed:.0f} ms at {wire.rate_text(probe)} -> "
+            f"{wire.rate_text(rate)}, where it takes {1000 * now:.0f} ms ({now / attention:.1%}). The all-gather "
+            f"is O(S), causal attention O(S^2): at 2S its share halves. Under documents attention is "
+            f"O(S x document length): its share stays about the same with S.")
+
+
+def wire_report(s, cu_docs, times, diff, gather_alone):
+    def per_round(name, key):  # the slowest rank (ranks wait for each other)
+        return [max(rank[key] for rank in ranks) for ranks in times[name]]
+
+    def busy_share(name):  # process CPU seconds of both ranks / (2 cores x wall), per round
+        return [sum(rank["busy"] for rank in ranks) / (2 * max(rank["wall"] for rank in ranks))
+                for ranks in times[name]]
+
+    def ratio(a, b):  # median over rounds of per-round ratios, and their range
+        ratios = [x / y for x, y in zip(per_round(a, "wall"), per_round(b, "wall"))]
+        return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+
+    pair_ratio = pairs(cu_docs) / pairs([0, s])
+    print(f"S={s}  ({load()}; documents: {len(cu_docs) - 1}, pairs {pair_ratio:.3f} of causal)")
+    print(f"  {'contender':<36} {'wall s':>7} {'busy r0 s':>9} {'busy r1 s':>9} {'CPU-busy':>8} "
+          f"{'all-gather alone / wall':>23}")
+    for n in times:
+        wall = statistics.median(per_round(n, "wall"))
+        busy = [statistics.median(ranks[r]["busy"] for ranks in times[n]) for r in range(2)]
+        print(f"  {n:<36} {wall:>7.3f} {busy[0]:>9.3f} {busy[1]:>9.3f} {statistics.median(busy_share(n)):>8.2f} "
+              f"{gather_alone / wall:>23.1%}")
+    for ag in [n for n in times if n.startswith("all-gather")]:
+        ring = "ring " + ag.split()[1]
+        print(f"  {ring + ' / ' + ag + ':':<52} {ratio(ring, ag)}   (above 1: the all-gather is faster)")
+    for ag in [n for n in times if n.endswith(" overlapped")]:
+        plain = ag.replace(" overlapped", " plain")
+        print(f"  {ag + ' / plain:':<52} {ratio(ag, plain)}   (below 1: overlapping helps)")
+    for (a, b), d in diff.items():
+        print(f"  max abs difference (out and grads), {a} vs {b}: {d:.1e}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=int, nargs="*", default=[2048, 4096, 8192], help="timed sizes")
+    parser.add_argument("--seq", type=int, nargs="*", help="timed sizes (default 2048 4096 8192; on a wire "
+                        "8192 16384 32768)")
     parser.add_argument("--work-seq", type=int, nargs="*", default=[8192, 16384, 32768, 65536, 131072],
-                        help="sizes of the analytic work table")
+                        help="sizes of the analytic work table (none: skip it)")
     parser.add_argument("--draws", type=int, default=20, help="document draws per work-table row")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--rounds", type=int, help="timed rounds after one warm-up round (default 5; on a "
+                        "wire 3)")
+    parser.add_argument("--masks", nargs="+", choices=("causal", "docs"), default=["causal", "docs"],
+                        help="on a wire: which masks to time (causal at S=32K is most of the run time)")
+    parser.add_argument("--kv-share", type=float, default=0.2, help="--wire auto: the share of cp=2 causal "
+                        "attention time the K/V all-gather alone should take at the smallest S")
+    from l3plugin.testing import wire
+
+    wire.add_argument(parser)
     args = parser.parse_args(argv)
+    on_wire = args.wire != "off"
+    args.seq = args.seq or ([8192, 16384, 32768] if on_wire else [2048, 4096, 8192])
+    args.rounds = args.rounds or (3 if on_wire else 5)
+    link = wire.enter(PROBE_RATE if args.wire == "auto" else args.wire, "float32")
     print(f"{load()} at start ({os.cpu_count()} CPUs)\n")
-    work_table(args.work_seq, args.draws)
+    if args.work_seq:
+        work_table(args.work_seq, args.draws)
     from l3plugin.testing.ranks import RankPool
 
+    began = time.perf_counter()
     print(f"== Timed, fwd+bwd, fp32, kernel {KERNEL}: 2 gloo ranks on this CPU, cp 4 and 8 only simulated "
           f"above; median of {args.rounds} interleaved rounds ==")
+    print(link.describe(), flush=True)
     with RankPool(2) as pool:
+        if args.wire == "auto":
+            print("  " + pick_rate(pool, link, min(args.seq), args.kv_share), flush=True)
         for s in args.seq:
-            report(s, *timed_rows(pool, s, args.rounds))
-    print(f"\n{load()} at the end")
+            cu_docs = document_lengths(s, torch.Generator().manual_seed(s))
+            if not on_wire:
+                checks = (("cp2 causal", "ring causal"), ("cp2 docs 2cp", "ring docs"))
+                report(s, cu_docs, *timed_rows(pool, contenders(s, cu_docs), args.rounds, checks))
+                continue
+            gather, lines = kv_alone(pool, s)
+            print(f"S={s}, K/V of {s // 2} tokens per rank, {HKV} heads of {D}, fp32:\n{lines}", flush=True)
+            checks = []  # at the first S only (each check is a run more); they warm every kind of contender up
+            for m in ("causal", "docs 2cp") if s == args.seq[0] else ():
+                if m.split()[0] in args.masks:
+                    checks += [(f"all-gather {m} plain", f"all-gather {m} overlapped"),
+                               (f"all-gather {m} overlapped", f"ring {m.split()[0]}")]
+            wire_report(s, cu_docs, *timed_rows(pool, wire_contenders(s, cu_docs, args.masks), args.rounds,
+                                                checks, warm_up=False), gather)
+    print(f"\n{load()} at the end; timed part {time.perf_counter() - began:.0f} s")
     return 0
 
 
