@@ -3,6 +3,8 @@ layouts, and a ring-attention baseline (written for this benchmark) on the same 
 
     .venv/bin/python bench/cp_attention.py                  # timed S = 2048, 4096, 8192 (a few minutes)
     .venv/bin/python bench/cp_attention.py --seq 4096 --rounds 3
+    .venv/bin/python bench/cp_attention.py --wire auto      # on an emulated wire, S = 8K/16K/32K (~15 min)
+    .venv/bin/python bench/cp_attention.py --wire auto --seq 8192 16384 --rounds 2 --work-seq   # ~5 min
 
 Prints tables, asserts nothing. fp32, one packed sequence, heads_q=8, heads_kv=2 (GQA), head_dim=64,
 forward + backward, kernel "cpu-flash" (torch's CPU flash-attention ops, the CPU default).
@@ -20,10 +22,21 @@ median over rounds of per-round ratios:
 - cp=2 all-gather: causal, and documents with the "2cp" and "balanced" layouts;
 - cp=2 ring (2cp layout, causal and documents): K/V (and in the backward dK/dV) travel the ring while
   each rank attends its queries to the visiting chunks with torch's CPU flash ops, merging partial
-  results by log-sum-exp; P2P is posted before the compute so it overlaps. For fairness it computes the
+  results by log-sum-exp; P2P is posted before the compute so it overlaps (a chunk's dK/dV accumulator
+  starts at the next rank, is waited one step late and goes home: cp-1 hops, the last one exposed; the
+  ring keeps only local K/V, so the backward sends them again). For fairness it computes the
   same work-proportional pieces as the all-gather kernel (l3plugin.cp.kernels.query_blocks) cut to
   each visiting chunk, so it skips fully masked key blocks too, and stacks GQA query heads as the
   kernel does (l3plugin.cp.kernels.pack_heads).
+On a wire (``--wire RATE|PRESET|auto``, l3plugin/testing/wire.py: the bench re-executes itself in a network
+namespace whose loopback is rate-limited, so traffic costs wall time and little CPU, as on GPUs): cp=2 only,
+all-gather with the "2cp" and "balanced" layouts, each "plain" (overlap=False: one K/V all-gather and
+one dK/dV reduce-scatter, waited at once) and "overlapped" (the default, cp/overlap.py), against the
+ring; the correctness checks and the warm-up run at the first S only. ``auto`` picks the rate at which
+the K/V all-gather alone takes ``--kv-share`` (0.2) of cp=2 causal attention at the smallest S, from
+two measurements, and prints them. Printed per S: the K/V all-gather and the dK/dV reduce-scatter alone
+at that rate (wall and CPU), per contender wall, busy, CPU-busy (both ranks' CPU seconds / (2 cores x
+wall)) and the all-gather's share of its step, and the medians of per-round ratios (with their range).
 "wall" is the step's elapsed time (cp=2: the slowest rank's; ranks wait for each other), "busy" a rank's
 process CPU time in it (time blocked in a collective is not busy). Other processes on the machine
 stretch wall times but hardly CPU times, so every ratio is printed for both; cp=2 "busy" speedups

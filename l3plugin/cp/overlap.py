@@ -15,7 +15,8 @@ this rank's own slice).
 
 Exact: the same kernel calls on the same values, in the same order, as the plain path in attention.py;
 dK/dV are summed in the same order, so at cp=2 every result is bit-identical to it (beyond cp=2 the
-reduce-scatter's sum over ranks is ordered differently). Memory: the same (one gathered K/V buffer).
+reduce-scatter's sum over ranks is ordered differently). Memory: about the same (one gathered K/V
+buffer; in the backward one dK/dV buffer of the whole sequence, plus the parts being sent).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import torch.distributed as dist
 from l3plugin import comm
 from l3plugin.cp.layout import CPLayout
 
-PARTS = 2  # K/V collectives per attention call; with the paper's layout at cp=2 more parts gain nothing
+# K/V collectives per attention call. The paper's layout at cp=2 cannot use more: its ranges wait for half
+# or all of the other rank's tokens. (Not tuned for the balanced layout.)
+PARTS = 2
 
 
 @dataclass(frozen=True)
