@@ -4,7 +4,7 @@
 forward_backward functions (and ignores unknown future ones). It runs the per-rank order of
 ``l3plugin.schedule.build_schedule`` with Megatron's own building blocks: ``forward_step`` and
 ``backward_step``, ``deallocate_output_tensor``, ``config.no_sync_func`` / ``grad_sync_func`` /
-``finalize_model_grads_func``, forward-only evaluation and ``collect_non_loss_data``.
+``param_sync_func`` / ``finalize_model_grads_func``, forward-only evaluation and ``collect_non_loss_data``.
 
 Differences from the stock interleaved schedule, all deliberate:
 - any m >= 1 and any k in 1..m (k from ``config.microbatch_group_size_per_vp_stage``, default p);
@@ -50,6 +50,29 @@ def forward_only_schedule(schedule: Schedule) -> Schedule:
         forwards = tuple(a for a in plan.actions if a.op == FORWARD)
         ranks.append(RankPlan(plan.rank, len(forwards), forwards))
     return dataclasses.replace(schedule, ranks=tuple(ranks))
+
+
+def param_sync_points(plan: RankPlan, pp_rank: int, num_chunks: int) -> dict[int, list[int]]:
+    """When ``config.param_sync_func`` starts each chunk's parameter all-gather, as stock's interleaved
+    schedule does it (with --overlap-param-gather and --align-param-gather): chunks 0 and 1 before the
+    first forward (key -1); chunk c + 1 (c + 1 >= 2) at this rank's i-th forward when its (i + pp_rank)-th
+    forward is the first of chunk c. Rank r runs its i-th forward at about the time rank 0 runs its
+    (i + r)-th, so every pipeline rank launches a chunk's gather at the same moment. Returns
+    {forward index (or -1): [chunks]}; nothing without virtual stages (stock's 1F1B never calls it)."""
+    if num_chunks < 2:
+        return {}
+    forwards = [a for a in plan.actions if a.op == FORWARD]
+    points = {-1: [0, 1]}
+    seen = set()
+    first_of_chunk = []
+    for action in forwards:
+        first_of_chunk.append(action.chunk not in seen)
+        seen.add(action.chunk)
+    for i in range(len(forwards)):
+        j = i + pp_rank
+        if j < len(forwards) and first_of_chunk[j] and 2 <= forwards[j].chunk + 1 < num_chunks:
+            points.setdefault(i, []).append(forwards[j].chunk + 1)
+    return points
 
 
 def _process_groups(p2p_communicator, pg_collection):
@@ -142,6 +165,10 @@ def forward_backward_pipelining_flexible(
     if grad_sync_func is not None and not isinstance(grad_sync_func, list):
         grad_sync_func = [grad_sync_func] * v
     round_sync_func = getattr(config, "round_grad_sync_func", None)
+    param_sync_func = None if forward_only else config.param_sync_func
+    if param_sync_func is not None and not isinstance(param_sync_func, list):
+        param_sync_func = [param_sync_func] * v
+    param_syncs = param_sync_points(plan, r, v) if param_sync_func is not None else {}
     no_sync_context = None
 
     def disable_grad_sync():
@@ -163,14 +190,20 @@ def forward_backward_pipelining_flexible(
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
 
     disable_grad_sync()
+    for c in param_syncs.get(-1, ()):
+        param_sync_func[c](model[c].parameters())
     forward_data_store = []
     total_num_tokens = None
     saved = {}  # (microbatch, chunk) -> (input tensor, output tensor) kept for the backward
     first_forward_seen = set()
+    forward_index = 0
     for index, action in enumerate(plan.actions):
         recv_msg, send_msg = schedule.action_messages(r, action)
         mb, c = action.microbatch, action.chunk
         if action.op == FORWARD:
+            for chunk_to_sync in param_syncs.get(forward_index, ()):
+                param_sync_func[chunk_to_sync](model[chunk_to_sync].parameters())
+            forward_index += 1
             stage = schedule.stage_of(r, c)
             input_tensor = None if recv_msg is None else channels.recv(
                 recv_msg, schedule.owner_of(recv_msg.src_stage)[0])

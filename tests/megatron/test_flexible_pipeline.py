@@ -201,3 +201,63 @@ def test_grad_sync_hooks_fire_at_chunk_and_round_ends(ranks, p, v, m, k):
         for c, grads in rec["grad_sync"]:
             _, ref = toy.serial_reference(batches, num_layers=2 * p * v, hidden=HIDDEN)
             assert all(torch.equal(w, ref[lid][0]) for lid, (w, _) in grads.items())
+
+
+def run_with_param_sync(p, v, m, k, stock):
+    """This rank's sequence of forwards and ``config.param_sync_func`` calls, as (kind, chunk)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from l3plugin.megatron import forward_backward_pipelining_flexible
+    from l3plugin.mesh import init_mesh
+    from l3plugin.testing.megatron_cpu_shim import stock_schedules_on_cpu
+
+    mesh = init_mesh(pp=p, vpp=v if v > 1 else None)
+    layers = 2 * p * v
+    config = toy_config(p, v, layers, k)
+    chunks = toy.build_chunks(config, num_layers=layers, hidden=HIDDEN, pp_rank=mesh.coords["pp"],
+                              pp_size=p, vpp_size=v)
+    chunk_ids = {id(chunk): c for c, chunk in enumerate(chunks)}
+    events = []
+
+    def forward_step(data_iterator, model):
+        events.append(("forward", chunk_ids[id(model)]))
+        return toy.forward_step(data_iterator, model)
+
+    def param_sync(c):
+        def start(params):
+            assert list(params) == list(chunks[c].parameters())
+            events.append(("param_sync", c))
+        return start
+
+    config.param_sync_func = [param_sync(c) for c in range(v)] if v > 1 else param_sync(0)
+    batches = toy.make_microbatches(m, SEQ, MBS, HIDDEN)
+    kwargs = dict(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
+                  model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+    if stock:
+        with stock_schedules_on_cpu():
+            get_forward_backward_func()(**kwargs)
+    else:
+        forward_backward_pipelining_flexible(**kwargs)
+        before = len(events)
+        kwargs["data_iterator"] = [iter(batches) for _ in chunks]
+        forward_backward_pipelining_flexible(**kwargs, forward_only=True)
+        assert all(kind == "forward" for kind, _ in events[before:]), "param sync in forward-only"
+        del events[before:]
+    return events
+
+
+PARAM_SYNC_GRID = [(2, 1, 4, 2), (2, 3, 4, 2), (2, 4, 6, 3), (4, 3, 8, 4)]
+
+
+@pytest.mark.parametrize("p,v,m,k", PARAM_SYNC_GRID, ids=[f"p{p}v{v}m{m}k{k}" for p, v, m, k in PARAM_SYNC_GRID])
+def test_param_sync_func_is_called_where_stock_calls_it(ranks, p, v, m, k):
+    # Megatron-LM sets config.param_sync_func (--overlap-param-gather --align-param-gather) so that the
+    # schedule starts each chunk's parameter all-gather ahead of its first forward.
+    ours = ranks.run(p, run_with_param_sync, p, v, m, k, False, timeout=120)
+    stock = ranks.run(p, run_with_param_sync, p, v, m, k, True, timeout=120)
+    for rank, (a, b) in enumerate(zip(ours, stock)):
+        assert a == b, f"pipeline rank {rank}: ours {a}\nstock {b}"
+        synced = [c for kind, c in a if kind == "param_sync"]
+        assert synced == (list(range(v)) if v > 1 else []), (rank, synced)
+        for c in synced:  # started before the chunk's first forward
+            assert a.index(("param_sync", c)) < a.index(("forward", c)), (rank, c)
