@@ -376,8 +376,7 @@ def pick_rate(pool, link, seq_len, share):
     link.set_rate(probe)
     probed = kv_alone(pool, seq_len)[0]
     target = share * attention
-    rate = int(probe * max(probed - unshaped, 1e-3) / max(target - unshaped, 1e-3))
-    rate = min(max(rate, 10**7), 10**11)
+    rate = wire.rate_for_time(target, unshaped, probed, probe)
     link.set_rate(rate)
     now = kv_alone(pool, seq_len)[0]
     return (f"rate picked so that the K/V all-gather alone takes {share:.0%} of cp=2 causal attention "

@@ -48,3 +48,10 @@ def test_missing_tools_are_named(monkeypatch):
     monkeypatch.setattr(wire.os, "geteuid", lambda: 0)
     monkeypatch.setattr(wire.shutil, "which", lambda tool: None if tool == "tc" else "/usr/bin/" + tool)
     assert "tc not found" in wire.why_not_here()
+
+
+def test_rate_for_time_solves_cpu_time_plus_bytes_over_rate():
+    # A transfer of 10 Mbit costing 2 ms of CPU: 7 ms at 2 Gbit/s; 12 ms wanted -> 1 Gbit/s.
+    assert wire.rate_for_time(0.012, 0.002, 0.007, 2 * 10**9) == 10**9
+    assert wire.rate_for_time(0.001, 0.002, 0.007, 2 * 10**9) == 10**11  # unreachable target: fastest rate
+    assert wire.rate_for_time(1e6, 0.002, 0.007, 2 * 10**9) == 10**7     # and the slowest

@@ -228,6 +228,14 @@ def run_inside(bits: int, command: list[str], note: str = "") -> int:
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
 
 
+def rate_for_time(target: float, unshaped: float, probed: float, probe_rate: int) -> int:
+    """The rate (bits/s) at which a transfer takes ``target`` seconds, from its time unshaped and at
+    ``probe_rate``: over tbf a transfer costs its CPU time plus bytes / rate, so the two give both terms.
+    Clamped to 10 Mbit/s..100 Gbit/s; measure again at the result (TCP adds its own overhead)."""
+    rate = int(probe_rate * max(probed - unshaped, 1e-4) / max(target - unshaped, 1e-4))
+    return min(max(rate, 10**7), 10**11)
+
+
 # -- measured inside a RankPool worker ------------------------------------------------------------------
 def time_collectives_alone(numel: int, repeats: int = 3, ops: dict | None = None) -> dict:
     """Wall and CPU seconds of an fp32 all-reduce and of a point-to-point exchange (each rank sends ``numel``
