@@ -3,21 +3,37 @@ CPU run timing l3plugin's flexible schedule against Megatron-Core's stock interl
 
     .venv/bin/python bench/pp_schedule.py              # everything (simulation + 4-rank CPU run)
     .venv/bin/python bench/pp_schedule.py --no-real    # simulation tables only (seconds)
+    .venv/bin/python bench/pp_schedule.py --wire auto  # 2 ranks, pp=2, vpp 2..4 on an emulated wire (~8 min)
 
 Prints tables, asserts nothing. Simulation costs: forward 1, backward 2, P2P latency 0 or 0.1 forward.
 "Bubble" is the paper's idle / (forward + backward) time of the worst rank; "in-flight" is the peak
 number of microbatch activations a rank holds (in units of one chunk's activations), worst rank.
+
+On a wire (``--wire RATE|PRESET|auto``, l3plugin/testing/wire.py; ``auto``: the rate at which one activation
+send alone takes ``--send-share`` of the smallest chunk's forward, from two measurements, printed): 2 gloo
+ranks (one per core), pp=2, for each vpp stock interleaved (k = p) and flexible k = p, 1.5p, 2p, each with
+the wire shaped and unshaped (the namespace's loopback), interleaved over rounds (order reversed every other
+round; a warm-up round first). Printed: one chunk's forward and one activation send alone; per contender the
+step time (slowest rank, median) off and on the wire, the medians of per-round ratios wire / no wire and
+wire / stock on the wire (range), CPU-busy, the peak bytes autograd holds for backward (a census through
+saved_tensors_hooks, larger rank; in-flight activations), the simulated peak in-flight, whether every run's
+gradients are identical, and where the flexible executor blocks (seconds in its receive and send calls).
+Stock runs with deallocate_pipeline_outputs off: it frees an output right after starting its isend, which
+gloo may still be reading (a known trap on gloo; NCCL's stream ordering makes it safe on GPUs).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
 
 from l3plugin.schedule.plan import build_schedule  # noqa: E402
 from l3plugin.schedule.simulate import simulate  # noqa: E402
@@ -76,26 +92,32 @@ def real_run(steps, hidden, seq, mbs):
     print(f"  identical gradients: {all(rank['identical'] for rank in times)}")
 
 
-def _timed_steps(steps, hidden, seq, mbs):
-    import torch
-    import torch.distributed as dist
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def toy_model(p, v, m, k, layers, hidden, seq, mbs, deallocate_outputs=True):
+    """On every rank: (mesh, this rank's model chunks, m microbatches) of the toy pipeline model."""
     from megatron.core.transformer import TransformerConfig
 
-    from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.mesh import init_mesh
     from l3plugin.testing import toy_pipeline as toy
-    from l3plugin.testing.megatron_cpu_shim import stock_schedules_on_cpu
 
-    p, v, m, k, layers = 4, 2, 8, 4, 16
     mesh = init_mesh(pp=p, vpp=v)
     config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=1,
                                pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v,
                                pipeline_dtype=torch.float32, microbatch_group_size_per_vp_stage=k,
-                               batch_p2p_comm=False, deallocate_pipeline_outputs=True)
+                               batch_p2p_comm=False, deallocate_pipeline_outputs=deallocate_outputs)
     chunks = toy.build_chunks(config, num_layers=layers, hidden=hidden, pp_rank=mesh.coords["pp"],
                               pp_size=p, vpp_size=v)
-    batches = toy.make_microbatches(m, seq, mbs, hidden)
+    return mesh, chunks, toy.make_microbatches(m, seq, mbs, hidden)
+
+
+def _timed_steps(steps, hidden, seq, mbs):
+    import torch
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from l3plugin.megatron import forward_backward_pipelining_flexible
+    from l3plugin.testing import toy_pipeline as toy
+    from l3plugin.testing.megatron_cpu_shim import stock_schedules_on_cpu
+
+    mesh, chunks, batches = toy_model(4, 2, 8, 4, 16, hidden, seq, mbs)
     stock_fn = get_forward_backward_func()
     out = {"flexible": [], "stock": [], "identical": True}
 
@@ -120,13 +142,263 @@ def _timed_steps(steps, hidden, seq, mbs):
     return out
 
 
+# ---- on the emulated wire: 2 ranks, pp=2 ----------------------------------------------------------------
+WIRE_P = 2
+PROBE_RATE = "2gbit"  # --wire auto: the rate first entered, from which the final one is derived
+
+
+class SavedActivations:
+    """Census of the tensors autograd saves for the backward (torch.autograd.graph.saved_tensors_hooks):
+    live bytes of unique storages, and their peak. A saved tensor is released when autograd drops it
+    (after its backward), which a finalizer on the packed handle observes."""
+
+    def __init__(self):
+        import torch
+
+        self.live, self.peak, self._refs = 0, 0, {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    class _Handle:
+        __slots__ = ("tensor", "__weakref__")
+
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+    def _pack(self, tensor):
+        import weakref
+
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        count, nbytes = self._refs.get(key, (0, storage.nbytes()))
+        if count == 0:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self._refs[key] = (count + 1, nbytes)
+        # A detached alias, not the tensor itself: Megatron's deallocate_output_tensor swaps an output's
+        # .data after sending it, and autograd's own saving keeps the old storage alive the same way.
+        handle = self._Handle(tensor.detach())
+        weakref.finalize(handle, self._release, key)
+        return handle
+
+    @staticmethod
+    def _unpack(handle):
+        return handle.tensor
+
+    def _release(self, key):
+        count, nbytes = self._refs[key]
+        if count == 1:
+            del self._refs[key]
+            self.live -= nbytes
+        else:
+            self._refs[key] = (count - 1, nbytes)
+
+
+# Where the flexible executor blocks (l3plugin/schedule/comm.py), timed per step: a receive returns when its
+# message is here; a send only posts (and completes finished sends); wait_sent / finish block on sends.
+CHANNEL_WAITS = (("recv", "recv"), ("send", "send"), ("wait_sent", "wait_sent"), ("finish", "finish"))
+
+
+@contextlib.contextmanager
+def timed_channel_waits(seconds):
+    """Within the block, add the seconds spent in each CHANNEL_WAITS method of PipelineChannels to
+    ``seconds[label]`` (the stock schedule does not use them: its entries stay 0)."""
+    from l3plugin.schedule.comm import PipelineChannels
+
+    originals = {method: getattr(PipelineChannels, method) for method, _ in CHANNEL_WAITS}
+
+    def timed(method, label):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return originals[method](*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - start
+        return wrapper
+
+    for method, label in CHANNEL_WAITS:
+        setattr(PipelineChannels, method, timed(method, label))
+    try:
+        yield
+    finally:
+        for method, original in originals.items():
+            setattr(PipelineChannels, method, original)
+
+
+def wire_contenders(v):
+    """(name, k, stock) timed for one vpp: stock interleaved (k = p) and flexible k = p, 1.5p, 2p."""
+    p = WIRE_P
+    return [(f"stock interleaved k={p}", p, True), (f"flexible k=p={p}", p, False),
+            (f"flexible k=1.5p={3 * p // 2}", 3 * p // 2, False), (f"flexible k=2p={2 * p}", 2 * p, False)]
+
+
+def _wire_step(v, m, k, stock, layers, hidden, seq, mbs):
+    """On every rank: one timed training step (wall, CPU busy, peak saved-activation bytes, grads)."""
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from l3plugin.megatron import forward_backward_pipelining_flexible
+    from l3plugin.testing import toy_pipeline as toy
+    from l3plugin.testing.megatron_cpu_shim import stock_schedules_on_cpu
+
+    # Stock frees an output (deallocate_output_tensor) right after starting its isend; on gloo the send may
+    # still be reading it, which would corrupt the receiver's input: stock keeps its outputs here.
+    mesh, chunks, batches = toy_model(WIRE_P, v, m, k, layers, hidden, seq, mbs, deallocate_outputs=not stock)
+    census = SavedActivations()
+    fn = get_forward_backward_func() if stock else forward_backward_pipelining_flexible
+    waits = {label: 0.0 for _, label in CHANNEL_WAITS}
+    with stock_schedules_on_cpu(), census.hooks, timed_channel_waits(waits):
+        dist.barrier(group=mesh.pp_group)
+        start, cpu = time.perf_counter(), time.process_time()
+        fn(forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks],
+           model=chunks, num_microbatches=m, seq_length=seq, micro_batch_size=mbs)
+        busy = time.process_time() - cpu
+        dist.barrier(group=mesh.pp_group)
+        wall = time.perf_counter() - start
+    grads = {lid: g[0] for c in chunks for lid, g in c.grads().items()}
+    return {"wall": wall, "busy": busy, "peak": census.peak, "grads": grads, "waits": waits}
+
+
+def _chunk_forward_seconds(v, layers, hidden, seq, mbs, repeats=5):
+    """On every rank: median seconds of one chunk's forward on one microbatch (no communication)."""
+    _, chunks, batches = toy_model(WIRE_P, v, 1, 1, layers, hidden, seq, mbs)
+    chunk = chunks[-1]
+    chunk.set_input_tensor(batches[0]["x"].detach().requires_grad_())
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        chunk(batches[0]["x"])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _activation_send_alone(numel):
+    """Wall/CPU seconds of one activation sent rank 0 -> rank 1 alone (wire.time_collectives_alone)."""
+    import torch.distributed as dist
+
+    from l3plugin.testing import wire
+
+    data = torch.ones(numel)
+
+    def send():
+        (dist.isend if dist.get_rank() == 0 else dist.irecv)(data, 1 - dist.get_rank()).wait()
+
+    return wire.time_collectives_alone(numel, ops={"activation send, one way": send})
+
+
+def wire_run(pool, link, args):
+    """pp=2 on 2 ranks; per vpp, every contender with the wire on and off, interleaved, in one run."""
+    from l3plugin.testing import wire
+
+    p, m, hidden, seq, mbs, layers = WIRE_P, args.microbatches, args.hidden, args.seq, args.mbs, args.layers
+    numel = seq * mbs * hidden
+    chunk_fwd = {v: max(pool.run(_chunk_forward_seconds, v, layers, hidden, seq, mbs)) for v in args.vpp}
+    print(f"Real run on the wire: 2 gloo ranks (one per core), pp={p}, m={m}, toy model {layers} layers of "
+          f"Linear({hidden})+tanh, fp32, activation [seq {seq}, mbs {mbs}, hidden {hidden}] = "
+          f"{numel * 4 / 1e6:.2f} MB; one chunk's forward on one microbatch (unshaped, measured): "
+          + ", ".join(f"vpp {v} ({layers // (p * v)} layers) {1000 * t:.1f} ms" for v, t in chunk_fwd.items()))
+    if args.wire == "auto":
+        smallest = chunk_fwd[max(args.vpp)]
+        probe = link.rate
+        link.set_rate(None)
+        unshaped = max(r["activation send, one way"][0] for r in pool.run(_activation_send_alone, numel))
+        link.set_rate(probe)
+        probed = max(r["activation send, one way"][0] for r in pool.run(_activation_send_alone, numel))
+        link.set_rate(wire.rate_for_time(args.send_share * smallest, unshaped, probed, probe))
+        print(f"  rate picked so that one activation send alone takes {args.send_share:.0%} of the smallest "
+              f"chunk's forward (vpp {max(args.vpp)}): {1000 * unshaped:.1f} ms unshaped, {1000 * probed:.1f} ms "
+              f"at {wire.rate_text(probe)} -> {wire.rate_text(link.rate)}")
+    rate = link.rate
+    alone = pool.run(_activation_send_alone, numel)
+    send = max(r["activation send, one way"][0] for r in alone)
+    print(link.describe())
+    print(wire.collectives_alone_text(alone, numel))
+    print("  activation send alone / one chunk's forward: "
+          + ", ".join(f"vpp {v} {send / t:.0%}" for v, t in chunk_fwd.items()), flush=True)
+    for v in args.vpp:
+        runs = [(name, k, stock, wired) for name, k, stock in wire_contenders(v) for wired in (False, True)]
+        times = {(name, wired): [] for name, _, _, wired in runs}
+        reference, differ = None, set()  # grads of the first run; who ever differed from them
+        for round_id in range(args.rounds + 1):  # round 0 warms up and is not counted
+            order = runs if round_id % 2 else runs[::-1]
+            for name, k, stock, wired in order:
+                link.set_rate(rate if wired else None)
+                result = pool.run(_wire_step, v, m, k, stock, layers, hidden, seq, mbs, timeout=1800)
+                reference = reference or [r["grads"] for r in result]
+                if not all(all(torch.equal(a[lid], r["grads"][lid]) for lid in a) for a, r in zip(reference, result)):
+                    differ.add(f"{name}{' on the wire' if wired else ''}")
+                if round_id:
+                    times[(name, wired)].append(result)
+        link.set_rate(rate)
+        wire_table(v, m, times, differ)
+
+
+def wire_table(v, m, times, differ):
+    p = WIRE_P
+
+    def walls(key):  # slowest rank, per round
+        return [max(r["wall"] for r in ranks) for ranks in times[key]]
+
+    def ratio(a, b):  # median of per-round ratios (range)
+        rs = [x / y for x, y in zip(walls(a), walls(b))]
+        return f"{statistics.median(rs):.3f} ({min(rs):.3f}-{max(rs):.3f})"
+
+    stock = f"stock interleaved k={p}"
+    print(f"\npp={p} vpp={v} m={m}: step ms (slowest rank, median), CPU-busy (both ranks' CPU / (2 cores x wall)), "
+          f"peak saved activations (census, larger rank) and simulated peak in-flight (chunk-microbatches)")
+    print(f"  {'schedule':<24} {'no wire ms':>10} {'wire ms':>9} {'wire/no-wire':>20} {'wire / stock wire':>20} "
+          f"{'CPU-busy wire':>13} {'saved MB':>8} {'in-flight':>9}")
+    for name, k, _ in wire_contenders(v):
+        off, on = (statistics.median(walls((name, w))) for w in (False, True))
+        busy = statistics.median(sum(r["busy"] for r in ranks) / (2 * max(r["wall"] for r in ranks))
+                                 for ranks in times[(name, True)])
+        peak = max(max(r["peak"] for r in ranks) for ranks in times[(name, True)]) / 1e6
+        inflight = max(plan.peak_inflight() for plan in build_schedule(p, v, m, k).ranks)
+        print(f"  {name:<24} {1000 * off:>10.0f} {1000 * on:>9.0f} {ratio((name, True), (name, False)):>20} "
+              f"{ratio((name, True), (stock, True)):>20} {busy:>13.2f} {peak:>8.1f} {inflight:>9}")
+    print(f"  gradients identical in every run: {'yes' if not differ else 'NO, ' + ', '.join(sorted(differ))}")
+    print("  where the flexible executor blocks, ms per step, median, rank 0 / rank 1 (no wire -> wire): "
+          + ", ".join(label for _, label in CHANNEL_WAITS))
+    for name, _, stock in wire_contenders(v):
+        if stock:
+            continue
+        cells = []
+        for _, label in CHANNEL_WAITS:
+            per_rank = [[statistics.median(1000 * ranks[r]["waits"][label] for ranks in times[(name, w)])
+                         for r in range(p)] for w in (False, True)]
+            cells.append(f"{label} {'/'.join(f'{x:.0f}' for x in per_rank[0])} -> "
+                         f"{'/'.join(f'{x:.0f}' for x in per_rank[1])}")
+        print(f"    {name:<22} " + "; ".join(cells))
+    sys.stdout.flush()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-real", action="store_true", help="skip the multi-process CPU run")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=None, help="toy model width (default 512)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 128; on a wire 256)")
+    parser.add_argument("--vpp", type=int, nargs="+", default=[2, 3, 4], help="on a wire: virtual stages")
+    parser.add_argument("--microbatches", type=int, default=8, help="on a wire: m")
+    parser.add_argument("--layers", type=int, default=24, help="on a wire: toy model layers (divisible by 2 x vpp)")
+    parser.add_argument("--mbs", type=int, default=2, help="on a wire: micro-batch size")
+    parser.add_argument("--rounds", type=int, default=3, help="on a wire: timed rounds after a warm-up round")
+    parser.add_argument("--send-share", type=float, default=0.25, help="--wire auto: the share of the smallest "
+                        "chunk's forward that one activation send alone should take")
+    from l3plugin.testing import wire
+
+    wire.add_argument(parser)
     args = parser.parse_args(argv)
+    args.hidden, args.seq = args.hidden or 512, args.seq or (128 if args.wire == "off" else 256)
+    for v in args.vpp:
+        if v < 2 or args.layers % (WIRE_P * v):
+            parser.error(f"--vpp {v}: needs vpp >= 2 and --layers ({args.layers}) divisible by 2 x vpp")
+    link = wire.enter(PROBE_RATE if args.wire == "auto" else args.wire, "float32")
+    if link.inside:
+        from l3plugin.testing.ranks import RankPool
+
+        with RankPool(2, preload=("megatron.core",)) as pool:
+            wire_run(pool, link, args)
+        return 0
     latencies = (0.0, 0.1)
     print("== Paper settings (p = 16) ==")
     simulation_table([(16, v, m) for v in (2, 4, 8) for m in (16, 32, 48)], latencies)
