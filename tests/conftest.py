@@ -12,3 +12,16 @@ def ranks():
     pools = RankPools(preload=("megatron.core",))
     yield pools
     pools.close()
+
+
+@pytest.hookimpl(trylast=True)  # after the session's fixtures (the pools) are torn down
+def pytest_sessionfinish(session, exitstatus):
+    """The suite ends with no worker process of ours alive; one left is killed and fails the run."""
+    from l3plugin.testing.ranks import kill_live_workers, live_workers
+
+    left = live_workers()
+    if left:
+        kill_live_workers()
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print(f"\nworker processes {left} were still running at the end of the session (killed now): "
+              "a pool was not closed", flush=True)

@@ -6,10 +6,11 @@ imported l3plugin for it."""
 import json
 import os
 import socket
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+
+from l3plugin.testing.ranks import run_command
 
 ZERO_TESTS = Path(__file__).resolve().parent / "zero"
 
@@ -42,8 +43,7 @@ def run(code, tmp_path, timeout=90, **env):
     full_env.update({"OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                      "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
                      "PYTHONWARNINGS": "always::RuntimeWarning", **env})
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=full_env, capture_output=True,
-                         text=True, timeout=timeout)
+    out = run_command([sys.executable, "-c", code], cwd=tmp_path, env=full_env, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 

@@ -138,15 +138,14 @@ wait_work(StuckWork(), timeout=0.1, what="receive from rank 1")
 def test_an_uncaught_timeout_ends_the_process(tmp_path):
     """Under torchrun the failing rank must exit so that the agent stops the job (measured: without this,
     the rank that raised stayed alive until the process group's own timeout)."""
-    import subprocess
     import sys
 
-    from l3plugin.testing.ranks import _free_port
+    from l3plugin.testing.ranks import _free_port, run_command
 
     script = tmp_path / "uncaught.py"
     script.write_text(UNCAUGHT.format(port=_free_port()))
     start = time.monotonic()
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    done = run_command([sys.executable, str(script)], timeout=120)
     assert done.returncode == 1, done.stderr
     assert "CommTimeout: rank 0: receive from rank 1 did not finish within 0.1 s" in done.stderr
     assert time.monotonic() - start < 60  # not the 600 s the stuck thread would hold the process

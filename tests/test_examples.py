@@ -1,9 +1,10 @@
 """Every example runs (small, CPU, gloo), so none can rot."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from l3plugin.testing.ranks import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -12,7 +13,7 @@ def run_torchrun(nproc, script, *args, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--standalone", str(ROOT / script), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    done = run_command(cmd, timeout=timeout, env=env, cwd=ROOT)
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return done.stdout
 

@@ -91,3 +91,123 @@ def test_rank_that_dies_is_named_with_exit_code(pool):
 def test_unpicklable_function_gives_a_clear_error(pool):
     with pytest.raises(TypeError, match="module-level function"):
         pool.run(lambda: 1)
+
+
+# -- no worker outlives its pool or its parent ------------------------------------------------------------
+def wait_gone(pids, seconds=15.0):
+    """The pids among ``pids`` still running after waiting up to ``seconds``."""
+    from l3plugin.testing.ranks import _alive
+
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = [pid for pid in pids if _alive(pid)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def stuck_in_collective():
+    """Rank 0 blocks in an all-reduce with no bound of ours; rank 1 never joins it."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))
+    time.sleep(600)
+
+
+def test_a_failed_call_kills_the_old_workers(pool):
+    old = pool.pids
+    with pytest.raises(DistributedTestError):
+        pool.run(raise_on_rank, 1, timeout=60)  # ranks 0 and 2 stay blocked in all_reduce
+    assert wait_gone(old, 0.5) == []
+    assert set(pool.pids).isdisjoint(old)
+
+
+PARENT = """
+import os, signal, sys, time
+sys.path.insert(0, {tests!r})
+from l3plugin.testing.ranks import RankPool, RankPools, live_workers
+
+
+def bounded():  # the bounded-wait cases, each of which leaves a rank blocked, then a normal end
+    import test_bounded_waits as bw
+    pools = RankPools()
+    for fn, operation in ((bw.cp_peer_never_joins, "reduce-scatter"), (bw.p2p_peer_never_joins, "recv")):
+        try:
+            pools.run(2, fn, operation, bw.TIMEOUT, timeout=60)
+        except AssertionError:
+            pass
+        print("pids", *pools.pool(2).pids, flush=True)
+    pools.close()
+    print("live after close", live_workers(), flush=True)
+
+
+def stuck():  # a parent interrupted or killed while its workers are stuck in a collective
+    import test_ranks_harness
+    pool = RankPool(2)
+    print("pids", *pool.pids, flush=True)
+    pool.run(test_ranks_harness.stuck_in_collective, timeout=600)
+
+
+if __name__ == "__main__":  # spawned workers import this file too
+    {{"bounded": bounded, "stuck": stuck}}[sys.argv[1]]()
+"""
+
+
+def start_parent(tmp_path, mode):
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT.format(tests=os.path.dirname(__file__)))
+    return subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT", "SIGTERM"])
+def test_workers_die_with_a_parent_killed_or_interrupted_mid_call(tmp_path, how):
+    import signal
+
+    parent = start_parent(tmp_path, "stuck")
+    pids = []
+    try:
+        line = parent.stdout.readline()
+        assert line.startswith("pids "), line
+        pids = [int(x) for x in line.split()[1:]]
+        time.sleep(2)  # the call is under way: rank 0 in all_reduce, rank 1 asleep
+        parent.send_signal(getattr(signal, how))
+        parent.wait(timeout=60)
+        assert wait_gone(pids) == [], f"workers {pids} of a parent ended by {how} are still running"
+    finally:  # never wait for the pipes here: leaked workers would hold them open
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+        parent.stderr.close()
+        for pid in wait_gone(pids, 0):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_bounded_wait_cases_leave_no_process(tmp_path):
+    parent = start_parent(tmp_path, "bounded")
+    out, err = parent.communicate(timeout=300)
+    assert parent.returncode == 0, err[-3000:]
+    pids = [int(x) for line in out.splitlines() if line.startswith("pids ") for x in line.split()[1:]]
+    assert len(pids) == 4 and "live after close []" in out, out
+    assert wait_gone(pids, 5) == []
+
+
+def test_run_command_leaves_no_process_of_the_tree():
+    import subprocess
+
+    from l3plugin.testing.ranks import run_command
+
+    # A command that ends but leaves a background child: the child is ended with it.
+    done = run_command(["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"], timeout=30)
+    assert wait_gone([int(done.stdout)], 5) == []
+    # A command that times out: its whole tree goes, not only the direct child.
+    with pytest.raises(subprocess.TimeoutExpired) as err:
+        run_command(["sh", "-c", "sleep 600 & echo $!; wait"], timeout=1)
+    assert wait_gone([int(err.value.stdout or err.value.output)], 5) == []
+    with pytest.raises(subprocess.CalledProcessError):
+        run_command(["sh", "-c", "exit 3"], timeout=30, check=True)

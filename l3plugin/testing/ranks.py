@@ -10,10 +10,17 @@ a hung rank, the Python stack where it hangs), and the pool is rebuilt so the ne
 
 ``fn`` must be importable by the workers (a module-level function); its arguments and result must
 pickle. Workers run with OMP_NUM_THREADS=1 and torch.set_num_threads(1): there are only 2 cores.
+
+No worker outlives its pool or its parent, whatever way they end: a failed or timed-out call kills the
+workers (SIGKILL: a rank stuck in a collective ignores everything else) before rebuilding; ``close`` and
+interpreter exit do the same for what is left; a worker dies with its parent (Linux: PR_SET_PDEATHSIG), so
+a parent killed by SIGKILL, Ctrl-C or a CI timeout leaves nothing behind. ``run_command`` gives launched
+process trees (torchrun, launchers) the same guarantee. ``live_workers()`` lists workers still running.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import multiprocessing as mp
 import os
@@ -22,6 +29,7 @@ import queue
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +60,85 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_STARTED_WORKERS: set[int] = set()  # pids of every worker this process started
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def live_workers() -> list[int]:
+    """Pids of the workers started by this process that are still running."""
+    return sorted(pid for pid in _STARTED_WORKERS if _alive(pid))
+
+
+def kill_live_workers():
+    for pid in live_workers():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+atexit.register(kill_live_workers)  # a pool nobody closed (the last resort before PR_SET_PDEATHSIG)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: have the kernel SIGKILL this process when its parent exits, however the parent ends."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # not Linux: atexit and close() remain
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def run_command(cmd, *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, timeout=...)`` that leaves no process of the tree behind: the command runs in
+    a session of its own, and the whole session is killed when it ends, times out or the caller is
+    interrupted (subprocess.run's timeout kills only the direct child: torchrun's workers would live on)."""
+    check = kwargs.pop("check", False)
+    kwargs.setdefault("text", True)
+    capture = kwargs.pop("capture_output", True)
+    if capture:
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        kwargs.setdefault("stderr", subprocess.PIPE)
+    with subprocess.Popen(cmd, start_new_session=True, **kwargs) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except BaseException:  # a timeout or Ctrl-C: the whole tree goes
+            _kill_session(proc.pid)
+            proc.communicate()
+            raise
+        finally:
+            _kill_session(proc.pid)  # what the command left running (its own children)
+    if check and proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _kill_session(session_id: int) -> None:
+    try:
+        os.killpg(session_id, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _reset_framework_state():
     """Leave no model-parallel state (nor its process groups and their threads) for the next call."""
     if "megatron.core.parallel_state" in sys.modules:
@@ -64,7 +151,8 @@ def _reset_framework_state():
 
 
 def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, collective_timeout,
-                 keep_state):
+                 keep_state, parent_pid):
+    _die_with_parent(parent_pid)
     # Environment first: torch reads OMP_NUM_THREADS when it is imported.
     os.environ.update({
         "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -152,9 +240,10 @@ class RankPool:
             p = ctx.Process(
                 target=_worker_main, name=f"l3plugin-rank{rank}", daemon=True,
                 args=(rank, self.world_size, port, self._task_qs[rank], self._result_q, self.preload,
-                      self._stack_file(rank), max(300.0, self.start_timeout), self.keep_state),
+                      self._stack_file(rank), max(300.0, self.start_timeout), self.keep_state, os.getpid()),
             )
             p.start()
+            _STARTED_WORKERS.add(p.pid)
             self._procs.append(p)
         outcomes = self._collect("ready", self.start_timeout)
         failures = [f for f in outcomes.values() if isinstance(f, RankFailure)]
@@ -174,11 +263,18 @@ class RankPool:
                 p.kill()
         for p in self._procs:
             p.join(timeout=10)
+            if p.is_alive():  # SIGKILL not delivered in 10 s: only a process stuck in the kernel does that
+                raise DistributedTestError(f"worker {p.name} (pid {p.pid}) survived SIGKILL for 10 s")
         for q in [self._result_q, *self._task_qs]:
             q.cancel_join_thread()
             q.close()
         self._procs = []
         shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids, in rank order."""
+        return [p.pid for p in self._procs]
 
     def restart(self):
         self._kill()
@@ -203,7 +299,15 @@ class RankPool:
 
     # -- calls -----------------------------------------------------------------------------------
     def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
-        """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order. Interrupted
+        (Ctrl-C) while the ranks work, it kills them before passing the interrupt on."""
+        try:
+            return self._run(fn, *args, timeout=timeout, **kwargs)
+        except KeyboardInterrupt:
+            self._kill()
+            raise
+
+    def _run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
         if not self._procs:
             self._start()
         task_id = next(self._ids)

@@ -1,7 +1,6 @@
 """Switching Megatron to the flexible schedule: the flag, install() and the launcher."""
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ from megatron.core import pipeline_parallel
 from megatron.core.pipeline_parallel import schedules
 
 import l3plugin.megatron as l3m
+from l3plugin.testing.ranks import run_command
 
 SCRIPT = Path(__file__).parent.parent / "data" / "print_selected_schedule.py"
 
@@ -49,8 +49,8 @@ def test_install_is_idempotent_and_reversible():
 @pytest.mark.parametrize("flag,expected", [(["--pipeline-schedule", "flexible"], "forward_backward_pipelining_flexible"),
                                            ([], "forward_backward_pipelining_with_interleaving")])
 def test_launcher_runs_a_script_with_the_plugin(flag, expected):
-    out = subprocess.run([sys.executable, "-m", "l3plugin.megatron.launch", str(SCRIPT), "--lr", "0.1", *flag],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    out = run_command([sys.executable, "-m", "l3plugin.megatron.launch", str(SCRIPT), "--lr", "0.1", *flag],
+                      timeout=120, check=True).stdout
     assert f"selected: {expected}" in out
     assert "selected-pp1: forward_backward_no_pipelining" in out
     assert "argv: ['--lr', '0.1']" in out  # our flag is consumed when Megatron-LM is not installed

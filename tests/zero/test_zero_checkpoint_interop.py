@@ -13,13 +13,14 @@ safe_get_full_optimizer_state), bit for bit.
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from ds_models import ds_config, engine_for, train
+
+from l3plugin.testing.ranks import run_command
 
 ON = {"fp32_reduce_zero": True}
 TIMEOUT = 180
@@ -162,8 +163,7 @@ def _ds_to_universal(folder):
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", os.path.join(folder, "t"),
            "--output_folder", os.path.join(folder, "t_universal"), "--inject_missing_state",
            "--num_extract_workers", "1", "--num_merge_workers", "1"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_command(cmd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return os.path.join(folder, "t_universal")
 
@@ -207,7 +207,7 @@ def test_standalone_zero_to_fp32_script_reads_ours(ranks, tmp_path, stage):
         cmd = [sys.executable, "-c", "import runpy, sys; ns = runpy.run_path(sys.argv[1]); "
                "ns['convert_zero_checkpoint_to_fp32_state_dict'](sys.argv[2], sys.argv[3], tag='t', "
                "max_shard_size=None)", str(script), str(tmp_path), str(tmp_path / "out")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_command(cmd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     rebuilt = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
     assert set(rebuilt) == set(exported)
