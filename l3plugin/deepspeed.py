@@ -59,6 +59,8 @@ OPTIONS = {
                              "copy of the parameters until the next forward has used them"),
     "checkpoint_allow_nonfinite": ((bool,), False, "resume from a checkpoint whose weights or optimizer states "
                                    "hold NaN/Inf (refused by default)"),
+    "checkpoint_fallback": ((bool,), True, "load_checkpoint without a tag falls back to the newest complete tag "
+                            "when the one 'latest' names is torn (a crash during its save), with a warning"),
 }
 SUPPORTED = ('Supported with "l3plugin": {"fp32_reduce_zero": true}: "bf16": {"enabled": true}, '
              '"zero_optimization": {"stage": 1 or 2} without offload, an optimizer, no fp16, no MoE, '
@@ -163,6 +165,32 @@ class _ReadAhead:
         self.verified, self.applied, self.loaded = verified, applied, None
 
 
+def _with_verified_tag(engine, stock_load_checkpoint, args, kwargs):
+    """(args, kwargs, tag) of a ``load_checkpoint`` call with the tag to load made explicit: the one given,
+    verified (l3plugin/checkpoint_commit.py), or without one the tag 'latest' names if complete, else the
+    newest complete tag (warned). Raises TornCheckpoint naming the tag and the file."""
+    import inspect
+    import warnings
+
+    from l3plugin.checkpoint_commit import choose_tag, verify_tag
+
+    if engine.load_universal_checkpoint():
+        return args, kwargs, None  # universal checkpoints are written by DeepSpeed's converter, not by a save
+    call = inspect.signature(stock_load_checkpoint).bind(engine, *args, **kwargs)
+    call.apply_defaults()
+    a = dict(call.arguments)
+    a.pop(next(iter(a)))  # self
+    if a["tag"] is not None:
+        if os.path.isdir(os.path.join(a["load_dir"], str(a["tag"]))):  # else stock warns and loads nothing
+            verify_tag(a["load_dir"], str(a["tag"]), checksums=False)
+        return (), a, str(a["tag"])
+    tag, warning = choose_tag(a["load_dir"], fallback=_options(engine)["checkpoint_fallback"])
+    if warning:
+        warnings.warn(f"rank {engine.global_rank}: {warning}", stacklevel=3)
+    a["tag"] = tag
+    return (), a, tag
+
+
 def _read_ahead(engine, stock_load_checkpoint, args, kwargs):
     """Read and verify the ZeRO partitions ``load_checkpoint(*args, **kwargs)`` will load, before stock
     DeepSpeed touches anything; None when it will not read any (mirrors its conditions)."""
@@ -216,6 +244,29 @@ def _partition_files(engine, load_dir, tag) -> list[str]:
         raise FileNotFoundError(f"checkpoint {os.path.join(load_dir, str(tag))} has no ZeRO partition files (looked "
                                 f"for {name})")
     return names
+
+
+class _RecordingWriter:
+    """Stands in for ``checkpoint_engine.save`` during one save: each file goes through
+    ``save_atomically`` and is recorded. The first error is kept, not raised, and later files are skipped,
+    so that this rank still reaches stock's barriers and the agreement after them (raising here would leave
+    the other ranks waiting in the barrier)."""
+
+    def __init__(self, checkpoint_engine, tag_dir):
+        self.stock_save = checkpoint_engine.save
+        self.tag_dir = tag_dir
+        self.records, self.error = {}, None
+
+    def save(self, state_dict, path):
+        from l3plugin.checkpoint_commit import save_atomically
+
+        if self.error is not None:
+            return
+        try:
+            record = save_atomically(lambda tmp: self.stock_save(state_dict, tmp), path)
+            self.records[os.path.relpath(path, self.tag_dir)] = record
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            self.error = exc
 
 
 def install() -> None:
@@ -298,6 +349,46 @@ def install() -> None:
         load_agreed(self.optimizer.zero, lambda: _read_zero(self, load_dir, tag, load_optimizer_states))
         return True
 
+    stock_save_checkpoint, deco = wrap(DeepSpeedEngine, "save_checkpoint")
+
+    @deco
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - stock's
+                        exclude_frozen_parameters=False):
+        """Crash-consistent (l3plugin/checkpoint_commit.py): every file is written to a temporary name, fsynced
+        and renamed, each rank records its files in a manifest, the ranks agree that all saved, and only then
+        does rank 0 point 'latest' at the tag (by rename). A save that fails on one rank raises on all and
+        leaves 'latest' where it was."""
+        if not _ours(self):
+            return stock_save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        import torch.distributed as dist
+
+        from l3plugin.checkpoint_commit import write_latest, write_manifest
+        from l3plugin.fail_together import agree
+
+        tag = str(f"global_step{self.global_steps}" if tag is None else tag)
+        writer = _RecordingWriter(self.checkpoint_engine, os.path.join(save_dir, tag))
+        self.checkpoint_engine.save = writer.save  # this save only (an instance attribute over the method)
+        try:
+            stock_save_checkpoint(self, save_dir, tag, client_state, False, exclude_frozen_parameters)
+            error = writer.error
+            if error is None:
+                write_manifest(os.path.join(save_dir, tag), dist.get_rank(), dist.get_world_size(), writer.records)
+        except Exception as exc:  # noqa: BLE001 - every rank raises in the agreement
+            error = exc
+        finally:
+            del self.checkpoint_engine.save
+        timeout = self.optimizer.zero.wait_timeout
+        agree(error, what=f"save of checkpoint tag {tag!r} in {save_dir}", device=self.device, timeout=timeout)
+        if save_latest:
+            error = None
+            if dist.get_rank() == 0:
+                try:
+                    write_latest(save_dir, tag)
+                except Exception as exc:  # noqa: BLE001
+                    error = exc
+            agree(error, what=f"pointing 'latest' in {save_dir} at {tag!r}", device=self.device, timeout=timeout)
+        return True
+
     stock_load_checkpoint, deco = wrap(DeepSpeedEngine, "load_checkpoint")
 
     @deco
@@ -315,11 +406,15 @@ def install() -> None:
             return OneAgreement(None, what=what, device=self.device, timeout=self.optimizer.zero.wait_timeout)
 
         read = _ReadAhead(agreement("checkpoint verification"), agreement("checkpoint load"))
+        tag = None
         try:
+            args, kwargs, tag = _with_verified_tag(self, stock_load_checkpoint, args, kwargs)
             read.loaded = _read_ahead(self, stock_load_checkpoint, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - every rank raises in the agreement
             read.verified(exc)
-        read.verified(None, "verified the ZeRO partitions" if read.loaded else "found no ZeRO partitions to read")
+        # The tag is in the outcome: ranks that chose different tags (files differ between nodes) all raise.
+        read.verified(None, ("verified the ZeRO partitions" if read.loaded else "found no ZeRO partitions to read")
+                      + (f" of tag {tag!r}" if tag is not None else ""))
         self.__dict__["_l3plugin_load"] = read
         try:
             out = stock_load_checkpoint(self, *args, **kwargs)

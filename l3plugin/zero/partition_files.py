@@ -181,13 +181,23 @@ class PartitionFiles:
         return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else {}
 
 
+def _folder_of(src: PartitionFiles) -> str:
+    first = src.sources[0]
+    return f" in {os.path.dirname(os.fspath(first))} (the checkpoint tag's folder)" \
+        if isinstance(first, (str, os.PathLike)) else ""
+
+
 def check_set(src: PartitionFiles) -> None:
     """Every file is in its place and belongs to the same checkpoint (our files record both)."""
     src[0]  # reads the first partition
     counts = src.inner[0].get("partition_count")
     counts = counts[0] if isinstance(counts, (list, tuple)) and counts else counts
     if isinstance(counts, int) and counts != len(src):
-        raise ValueError(f"the checkpoint was saved by {counts} ranks but {len(src)} partitions were given")
+        raise ValueError(f"{src.label(0)} records a checkpoint saved by {counts} data-parallel ranks, but "
+                         f"{len(src)} partition file(s) were found{_folder_of(src)}: "
+                         + (f"the partition(s) of rank(s) {list(range(len(src), counts))} are missing (a save "
+                            f"that did not finish, or files not copied)" if counts > len(src) else
+                            "more partitions than the checkpoint has: files of another checkpoint are mixed in"))
     reference = None
     for q in range(len(src)):
         meta = src.ours(q)
