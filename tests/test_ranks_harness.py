@@ -145,6 +145,8 @@ def bounded():  # the bounded-wait cases, each of which leaves a rank blocked, t
 
 def stuck():  # a parent interrupted or killed while its workers are stuck in a collective
     import test_ranks_harness
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal (a shell's background job inherits SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     pool = RankPool(2)
     print("pids", *pool.pids, flush=True)
     pool.run(test_ranks_harness.stuck_in_collective, timeout=600)

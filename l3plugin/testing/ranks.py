@@ -60,31 +60,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_STARTED_WORKERS: set[int] = set()  # pids of every worker this process started
+_STARTED_WORKERS: set[int] = set()  # pids of every worker this process started; each leads a process group
+
+
+def _stat(pid) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (state first), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
 
 
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
+    if os.path.isdir("/proc/self"):
+        fields = _stat(pid)
+        return fields is not None and fields[0] not in ("Z", "X")
+    try:  # no /proc: ask the kernel
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
         return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
 
 
 def live_workers() -> list[int]:
-    """Pids of the workers started by this process that are still running."""
-    return sorted(pid for pid in _STARTED_WORKERS if _alive(pid))
+    """Pids of the workers started by this process, and of anything they started, that still run."""
+    live = {pid for pid in _STARTED_WORKERS if _alive(pid)}
+    if os.path.isdir("/proc/self"):
+        for entry in os.listdir("/proc"):
+            fields = _stat(entry) if entry.isdigit() else None
+            if fields and fields[0] not in ("Z", "X") and int(fields[2]) in _STARTED_WORKERS:  # [2]: pgrp
+                live.add(int(entry))
+    return sorted(live)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def kill_live_workers():
-    for pid in live_workers():
+    """SIGKILL every worker this process started and whatever they started (their process groups)."""
+    for pgid in _STARTED_WORKERS:
+        _kill_group(pgid)
+    for pid in live_workers():  # a worker killed before it made its group
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -122,21 +144,14 @@ def run_command(cmd, *, timeout: float, **kwargs) -> subprocess.CompletedProcess
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except BaseException:  # a timeout or Ctrl-C: the whole tree goes
-            _kill_session(proc.pid)
+            _kill_group(proc.pid)
             proc.communicate()
             raise
         finally:
-            _kill_session(proc.pid)  # what the command left running (its own children)
+            _kill_group(proc.pid)  # what the command left running (its own children)
     if check and proc.returncode:
         raise subprocess.CalledProcessError(proc.returncode, cmd, stdout, stderr)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
-def _kill_session(session_id: int) -> None:
-    try:
-        os.killpg(session_id, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _reset_framework_state():
@@ -152,6 +167,7 @@ def _reset_framework_state():
 
 def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, collective_timeout,
                  keep_state, parent_pid):
+    os.setpgid(0, 0)  # a group of its own: killing it ends what the worker started too (helpers, pools)
     _die_with_parent(parent_pid)
     # Environment first: torch reads OMP_NUM_THREADS when it is imported.
     os.environ.update({
@@ -259,8 +275,9 @@ class RankPool:
 
     def _kill(self):
         for p in self._procs:
+            _kill_group(p.pid)  # the worker and anything it started, even after the worker itself ended
             if p.is_alive():
-                p.kill()
+                p.kill()  # a worker killed before it made its group
         for p in self._procs:
             p.join(timeout=10)
             if p.is_alive():  # SIGKILL not delivered in 10 s: only a process stuck in the kernel does that
