@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 
-CP_COMM_TYPE = "l3plugin_all_gather"
+from l3plugin.megatron.attention import CP_COMM_TYPE
 
 
 def te_unavailable_reason() -> str | None:
@@ -49,7 +49,8 @@ def te_attention_class():
 
         def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                      softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type="p2p",
-                     pg_collection=None, cp_layout="2cp", **kwargs):
+                     pg_collection=None, cp_layout="2cp", cp_kv="regather", documents_required=False,
+                     **kwargs):
             ours = cp_comm_type == CP_COMM_TYPE
             if cp_layout != "2cp" and not ours:
                 raise ValueError(f"cp_layout={cp_layout!r} needs cp_comm_type={CP_COMM_TYPE!r} (TE's own CP "
@@ -63,7 +64,8 @@ def te_attention_class():
             self.l3plugin_attention = (
                 AllGatherCPCoreAttention(config, layer_number, attn_mask_type, attention_type,
                                          attention_dropout=attention_dropout, softmax_scale=softmax_scale,
-                                         pg_collection=pg_collection, cp_layout=cp_layout) if ours else None)
+                                         pg_collection=pg_collection, cp_layout=cp_layout, cp_kv=cp_kv,
+                                         documents_required=documents_required) if ours else None)
 
         def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
                     packed_seq_params=None, **kwargs):

@@ -23,8 +23,8 @@ import torch
 
 from l3plugin.cp.layout import check_bool, check_cu_seqlens, make_layout, two_chunk_layout
 
-__all__ = ["ChunkDocuments", "check_bool", "check_cu_seqlens", "document_ids", "document_metadata",
-           "local_chunks", "position_ids_per_document", "shard_batch", "shard_indices"]
+__all__ = ["ChunkDocuments", "check_bool", "check_cu_seqlens", "cu_seqlens_from_eod", "document_ids",
+           "document_metadata", "local_chunks", "position_ids_per_document", "shard_batch", "shard_indices"]
 
 
 def local_chunks(seq_len: int, cp_size: int, cp_rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -42,6 +42,23 @@ def document_ids(cu_seqlens, seq_len: int) -> torch.Tensor:
     """Document index of every position of the full sequence."""
     cu = check_cu_seqlens(cu_seqlens, seq_len)
     return torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
+
+
+def cu_seqlens_from_eod(tokens, eod: int) -> torch.Tensor:
+    """Document boundaries [0, ..., S] (int32, on the tokens' device) of one packed sequence whose
+    documents each end with the token ``eod``: a document ends right after its EOD, as Megatron's
+    --reset-attention-mask masks it (gpt_dataset.py: no token after an EOD sees the EOD or anything before)."""
+    tokens = torch.as_tensor(tokens)
+    if tokens.dim() == 2 and tokens.size(0) == 1:
+        tokens = tokens[0]
+    if tokens.dim() != 1 or tokens.numel() == 0:
+        raise ValueError(f"tokens must be one packed sequence, shape [S] or [1, S], got {tuple(tokens.shape)}: "
+                         f"document boundaries describe one sequence (use micro-batch size 1)")
+    seq_len = tokens.numel()
+    ends = (tokens == eod).nonzero().flatten() + 1
+    ends = ends[ends < seq_len]  # an EOD at the last position ends the sequence anyway
+    edges = torch.tensor([0, seq_len], device=tokens.device)
+    return torch.cat([edges[:1], ends, edges[1:]]).to(torch.int32)
 
 
 def position_ids_per_document(cu_seqlens, seq_len: int) -> torch.Tensor:

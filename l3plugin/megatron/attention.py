@@ -29,6 +29,9 @@ import torch
 
 from l3plugin.cp.attention import all_gather_attention
 from l3plugin.cp.layout import LAYOUT_NAMES, make_layout
+from l3plugin.planner.machine import CP_KV_MODES
+
+CP_COMM_TYPE = "l3plugin_all_gather"  # Megatron's --cp-comm-type / TransformerConfig.cp_comm_type value
 
 
 def check_layout_name(cp_layout) -> str:
@@ -43,11 +46,14 @@ class AllGatherCPCoreAttention(torch.nn.Module):
     """Drop-in ``core_attention``: all-gather K/V over CP, document + causal mask, reduce-scatter dK/dV."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, kernel="auto", cp_layout="2cp"):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, kernel="auto", cp_layout="2cp",
+                 cp_kv="regather", documents_required=False):
         super().__init__()
         from megatron.core import parallel_state
 
         check_layout_name(cp_layout)  # at model build, not mid-step
+        if cp_kv not in CP_KV_MODES:
+            raise ValueError(f"cp_kv={cp_kv!r} is invalid: choose one of {list(CP_KV_MODES)}")
 
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
@@ -59,6 +65,9 @@ class AllGatherCPCoreAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale
         self.kernel = kernel
         self.cp_layout = cp_layout
+        self.cp_kv = cp_kv
+        # Set when the run has document masks: a forward without boundaries would attend across documents.
+        self.documents_required = documents_required
         cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group()
 
@@ -93,23 +102,33 @@ class AllGatherCPCoreAttention(torch.nn.Module):
         out = torch.stack(outs, dim=1)  # [s, b, heads, dim]
         return out.reshape(out.size(0), out.size(1), -1)
 
-    @staticmethod
-    def _cu_seqlens(packed_seq_params, seq_len):
+    def _cu_seqlens(self, packed_seq_params, seq_len):
         if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
+            if self.documents_required:
+                raise ValueError(
+                    f"layer {self.layer_number}: document masks are on (--reset-attention-mask) but this forward "
+                    f"got no packed_seq_params.cu_seqlens_q. Megatron-LM's get_batch gives the batch, and with "
+                    f"it the document boundaries, only to the first and last pipeline stages: with document "
+                    f"masks every model chunk must be a first or last stage (PP <= 2, no virtual stages)")
             return torch.tensor([0, seq_len])
         return packed_seq_params.cu_seqlens_q
 
 
-def gpt_layer_spec_with_cp_attention(cp_layout="2cp", **local_spec_kwargs):
+def gpt_layer_spec_with_cp_attention(cp_layout="2cp", cp_kv="regather", **local_spec_kwargs):
     """Megatron-Core's local GPT layer spec (no TE) with ``AllGatherCPCoreAttention`` as core_attention,
-    sharding by ``cp_layout`` ("2cp", the paper's, or "balanced"; see the module docstring)."""
+    sharding by ``cp_layout`` ("2cp", the paper's, or "balanced"; see the module docstring) and keeping
+    K/V for the backward by ``cp_kv`` ("regather" or "keep", see l3plugin.cp.attention)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     check_layout_name(cp_layout)
+    if cp_kv not in CP_KV_MODES:
+        raise ValueError(f"cp_kv={cp_kv!r} is invalid: choose one of {list(CP_KV_MODES)}")
     spec = get_gpt_layer_local_spec(**local_spec_kwargs)
     core = AllGatherCPCoreAttention
-    if cp_layout != "2cp":  # Megatron calls core_attention(config=..., ...): a partial carries the option
-        core = functools.partial(AllGatherCPCoreAttention, cp_layout=cp_layout)
+    options = {k: v for k, v, default in (("cp_layout", cp_layout, "2cp"), ("cp_kv", cp_kv, "regather"))
+               if v != default}
+    if options:  # Megatron calls core_attention(config=..., ...): a partial carries the options
+        core = functools.partial(AllGatherCPCoreAttention, **options)
     spec.submodules.self_attention.submodules.core_attention = core
     return spec
 

@@ -22,6 +22,8 @@ import functools
 import sys
 import warnings
 
+from l3plugin.megatron.cp_route import add_cp_arguments, install_cp_route, prepare_cp_args, uninstall_cp_route
+
 SCHEDULES = ("default", "flexible")
 _state = {"stock": None, "schedule": None, "guarded": {}, "warned": False}
 _PIPELINED = ("forward_backward_pipelining_with_interleaving", "forward_backward_pipelining_without_interleaving")
@@ -69,12 +71,16 @@ def _early_bound(stock) -> list[str]:
 
 
 def add_arguments(parser):
+    """Add l3plugin's flags (once: a parser that already has them is returned as it is)."""
+    if "--pipeline-schedule" in getattr(parser, "_option_string_actions", {}):
+        return parser
     group = parser.add_argument_group("l3plugin")
     group.add_argument(
         "--pipeline-schedule", choices=SCHEDULES, default="default",
         help="'flexible': l3plugin's interleaved 1F1B for any number of microbatches and any "
              "--microbatch-group-size-per-virtual-pipeline-stage in 1..M (k < PP runs "
              "all-forward-all-backward). 'default': Megatron's stock schedules.")
+    add_cp_arguments(group)
     return parser
 
 
@@ -110,9 +116,30 @@ def get_forward_backward_func(pp_size=None, vp_size=None, *args, **kwargs):
     return _state["stock"](pp_size, vp_size, *args, **kwargs)
 
 
+def hook_megatron_lm_arguments() -> bool:
+    """Make Megatron-LM's parse_args accept l3plugin's flags (chained onto the script's
+    extra_args_provider) and check/prepare the parsed CP arguments. False without Megatron-LM."""
+    try:
+        import megatron.training.initialize as initialize
+    except ImportError:
+        return False  # megatron-core alone: no Megatron-LM argument parser to extend
+    parse_args = initialize.parse_args
+    if getattr(parse_args, "_l3plugin", False):
+        return True
+
+    def parse_args_with_l3plugin(extra_args_provider=None, *args, **kwargs):
+        return prepare_cp_args(parse_args(chain_extra_args(extra_args_provider), *args, **kwargs))
+
+    parse_args_with_l3plugin._l3plugin = True
+    parse_args_with_l3plugin.l3plugin_stock = parse_args
+    initialize.parse_args = parse_args_with_l3plugin
+    return True
+
+
 def install(schedule: str | None = None):
-    """Patch Megatron's get_forward_backward_func names. ``schedule`` fixes the choice; None reads
-    ``--pipeline-schedule`` from Megatron-LM's args at call time. Safe to call more than once."""
+    """Patch Megatron's get_forward_backward_func names (``schedule`` fixes the choice; None reads
+    ``--pipeline-schedule`` from Megatron-LM's args at call time), the CP route (cp_route.py) and, when
+    Megatron-LM is importable, its argument parsing. Safe to call more than once."""
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is invalid: choose one of {SCHEDULES}")
     import megatron.core.pipeline_parallel as pipeline_parallel
@@ -130,6 +157,8 @@ def install(schedule: str | None = None):
         if not getattr(fn, "l3plugin_guard", False):
             _state["guarded"][name] = fn
             setattr(schedules, name, _guard(name, fn))
+    install_cp_route()
+    hook_megatron_lm_arguments()
     early = _early_bound(_state["stock"])
     if early and schedule != "default":
         warnings.warn(f"{', '.join(early)} bound Megatron's get_forward_backward_func before "
@@ -150,4 +179,9 @@ def uninstall():
             module.get_forward_backward_func = _state["stock"]
     for name, fn in _state["guarded"].items():
         setattr(schedules, name, fn)
+    uninstall_cp_route()
+    initialize = sys.modules.get("megatron.training.initialize")
+    stock_parse = getattr(getattr(initialize, "parse_args", None), "l3plugin_stock", None)
+    if stock_parse is not None:
+        initialize.parse_args = stock_parse
     _state.update(stock=None, schedule=None, guarded={}, warned=False)

@@ -5,7 +5,10 @@ The stock schedules hard-code CUDA in a few places (measured in ../shared/notes/
   p2p_communication.py:313/321   torch.empty(..., device=torch.cuda.current_device())  (receive buffers)
   p2p_communication.py:398/242   torch.cuda.synchronize()
 Inside ``stock_schedules_on_cpu()`` those two modules see a ``torch`` whose "cuda" device means CPU.
-Nothing else changes. l3plugin's own code never needs this; product code must not import it.
+Megatron's local DotProductAttention takes its score buffer from the global memory buffer, allocated at
+torch.cuda.current_device() (megatron/core/utils.py:631), and runs its dropout under the CUDA RNG
+tracker's fork (dot_product_attention.py:217): ``stock_attention_on_cpu()`` redirects the first like the
+schedules and makes the fork a no-op (for attention_dropout=0 only). Nothing else changes. l3plugin's own code never needs this; product code must not import it.
 """
 
 from __future__ import annotations
@@ -67,3 +70,36 @@ def stock_schedules_on_cpu():
     finally:
         for m, original in zip(modules, saved):
             m.torch = original
+
+
+@contextlib.contextmanager
+def stock_attention_on_cpu():
+    """Within this block Megatron-Core's local DotProductAttention (its global memory buffer) runs on CPU."""
+    from megatron.core import utils
+    from megatron.core.transformer import dot_product_attention
+
+    saved = utils.torch, dot_product_attention.tensor_parallel
+    try:
+        utils.torch = _CpuTorch()
+        dot_product_attention.tensor_parallel = _NoForkTensorParallel(saved[1])
+        yield
+    finally:
+        utils.torch, dot_product_attention.tensor_parallel = saved
+
+
+class _NoForkTensorParallel:
+    """megatron.core.tensor_parallel whose RNG tracker's fork does nothing (no CUDA RNG on CPU)."""
+
+    class _Tracker:
+        @staticmethod
+        def fork(*_args, **_kwargs):
+            return contextlib.nullcontext()
+
+    def __init__(self, module):
+        self._module = module
+
+    def get_cuda_rng_tracker(self):
+        return self._Tracker()
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)

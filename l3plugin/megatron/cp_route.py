@@ -1,0 +1,323 @@
+"""Context parallelism from Megatron-LM's own flags: ``--context-parallel-size N --cp-comm-type
+l3plugin_all_gather`` (plus ``--reset-attention-mask`` for document masks) in an unmodified pretrain_gpt.py.
+
+Stock Megatron-LM gives CP only to Transformer Engine's attention (the local DotProductAttention asserts
+cp == 1), and its document masks (--reset-attention-mask) are a dense [s, s] mask that CP cannot use.
+``install_cp_route()`` (called by ``l3plugin.megatron.install()``, hence by the launcher and the patch)
+changes four things, each only while l3plugin's cp_comm_type is selected:
+
+- Model: every ``SelfAttention`` built with ``cp_comm_type="l3plugin_all_gather"`` (Megatron's
+  TransformerLayer passes the config's cp_comm_type when cp > 1) gets l3plugin's all-gather CP attention
+  as its core attention: ``AllGatherCPCoreAttention`` for the local spec, the TE subclass from
+  ``l3plugin.te`` for a TE spec (refused with the reason when TE cannot be imported). Keyed on the config,
+  so it works with Megatron-LM's own model_provider and with any spec, and for Megatron-Core users who set
+  ``TransformerConfig.cp_comm_type`` themselves. With the balanced layout every GPTModel's RoPE follows it.
+- Batch (Megatron-LM only): with --reset-attention-mask, ``get_batch_on_this_tp_rank`` adds the document
+  boundaries of the FULL sequence, from the EOD tokens before CP sharding (``cu_seqlens_from_eod``; sent
+  over TP from the rank that read the data), so pretrain_gpt's ``get_batch`` takes its packed-sequence
+  branch, where ``get_thd_batch_on_this_cp_rank`` shards by l3plugin's layout and returns
+  ``PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=<global boundaries>)``. Without
+  --reset-attention-mask, Megatron's own get_batch_on_this_cp_rank shards by the paper's layout, which is
+  l3plugin's "2cp". The dense mask is never built (``create_attention_mask_in_dataloader`` is turned off).
+- Arguments: bad combinations are refused when Megatron-LM has parsed them (``check_cp_args``).
+
+Megatron-LM's get_batch gives the batch only to the first and last pipeline stages; a middle stage
+(PP > 2, or a middle virtual stage) never sees the document boundaries, so with documents it raises
+instead of silently attending across documents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import sys
+
+import torch
+
+from l3plugin.cp.layout import LAYOUT_NAMES
+from l3plugin.cp.sharding import cu_seqlens_from_eod, shard_batch
+from l3plugin.megatron.attention import CP_COMM_TYPE, CP_KV_MODES, AllGatherCPCoreAttention
+
+TE_MODULE = "megatron.core.extensions.transformer_engine"
+_stock = {}  # (owner, attribute) -> (the original, rebind), for uninstall
+
+
+def _original(owner, attribute):
+    return _stock[(owner, attribute)][0]
+
+
+@dataclasses.dataclass(frozen=True)
+class CPRoute:
+    """l3plugin's CP as Megatron-LM's arguments select it."""
+
+    layout: str = "2cp"
+    cp_kv: str = "regather"
+    documents: bool = False  # --reset-attention-mask: document boundaries from EOD tokens
+
+
+def add_cp_arguments(group):
+    group.add_argument("--l3plugin-cp-layout", choices=LAYOUT_NAMES, default="2cp",
+                       help="with --cp-comm-type l3plugin_all_gather: which positions each CP rank holds. '2cp' "
+                            "(the paper's, Megatron's): chunks i and 2cp-1-i; 'balanced': documents dealt to ranks "
+                            "by attention work (needs --reset-attention-mask).")
+    group.add_argument("--l3plugin-cp-kv", choices=CP_KV_MODES, default="regather",
+                       help="with --cp-comm-type l3plugin_all_gather: 'regather' keeps only the local K/V for the "
+                            "backward and all-gathers them again there (TE's all-gather CP does the same); 'keep' "
+                            "saves the gathered K/V (no second all-gather, cp times the K/V memory).")
+    return group
+
+
+def _cp_comm_types(args) -> list:
+    value = getattr(args, "cp_comm_type", None)
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def check_cp_args(args) -> CPRoute | None:
+    """The route Megatron-LM's parsed ``args`` select, None if they do not select l3plugin's CP; raises a
+    ValueError naming the flag for a combination that cannot work."""
+    types = _cp_comm_types(args)
+    layout = getattr(args, "l3plugin_cp_layout", "2cp")
+    if CP_COMM_TYPE not in types:
+        if layout != "2cp" or getattr(args, "l3plugin_cp_kv", "regather") != "regather":
+            raise ValueError(f"--l3plugin-cp-layout / --l3plugin-cp-kv apply to --cp-comm-type {CP_COMM_TYPE} "
+                             f"only, but --cp-comm-type is {' '.join(map(str, types))}")
+        return None
+    if any(t != CP_COMM_TYPE for t in types):
+        raise ValueError(f"--cp-comm-type {' '.join(map(str, types))} mixes {CP_COMM_TYPE} with other types: "
+                         f"its document masks and sharding apply to the whole model; give it alone")
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp < 2:
+        raise ValueError(f"--cp-comm-type {CP_COMM_TYPE} with --context-parallel-size {cp}: it is a "
+                         f"context-parallel attention; set --context-parallel-size 2 or more, or drop the flag")
+    impl = getattr(args, "transformer_impl", "transformer_engine")
+    if impl == "transformer_engine":
+        from l3plugin.te import te_unavailable_reason
+
+        reason = te_unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"--cp-comm-type {CP_COMM_TYPE} with --transformer-impl transformer_engine needs "
+                             f"Transformer Engine: {reason}. Use --transformer-impl local (l3plugin's attention "
+                             f"needs no TE)")
+    elif impl != "local":
+        raise ValueError(f"--cp-comm-type {CP_COMM_TYPE} supports --transformer-impl local or "
+                         f"transformer_engine, got {impl}")
+    for flag in ("sft", "hybrid_context_parallel", "use_legacy_models"):
+        if getattr(args, flag, False):
+            raise ValueError(f"--cp-comm-type {CP_COMM_TYPE} does not support --{flag.replace('_', '-')} "
+                             f"(it brings its own packing or model); document masks come from "
+                             f"--reset-attention-mask")
+    documents = bool(getattr(args, "reset_attention_mask", False))
+    if documents and getattr(args, "micro_batch_size", 1) != 1:
+        raise ValueError(f"--reset-attention-mask with --cp-comm-type {CP_COMM_TYPE} needs --micro-batch-size 1 "
+                         f"(got {args.micro_batch_size}): the document boundaries describe one packed "
+                         f"sequence; raise --global-batch-size instead")
+    if layout == "balanced" and not documents:
+        raise ValueError("--l3plugin-cp-layout balanced deals documents to ranks: it needs "
+                         "--reset-attention-mask (documents from EOD tokens); use the default 2cp layout without")
+    return CPRoute(layout=layout, cp_kv=getattr(args, "l3plugin_cp_kv", "regather"), documents=documents)
+
+
+def prepare_cp_args(args):
+    """Check ``args`` and stop the data loader building the dense [s, s] mask: l3plugin's attention takes
+    causality from the layer and documents from the boundaries, never from a mask."""
+    if check_cp_args(args) is not None:
+        args.create_attention_mask_in_dataloader = False
+    return args
+
+
+def _megatron_lm_args():
+    training_globals = sys.modules.get("megatron.training.global_vars")
+    return getattr(training_globals, "_GLOBAL_ARGS", None)
+
+
+def active_route() -> CPRoute | None:
+    """The route of Megatron-LM's parsed arguments (None without Megatron-LM or l3plugin's cp_comm_type)."""
+    args = _megatron_lm_args()
+    return None if args is None else check_cp_args(args)
+
+
+def _route_for_model() -> CPRoute:
+    """Settings for a model built with our cp_comm_type: Megatron-LM's flags, else the defaults."""
+    return active_route() or CPRoute()
+
+
+# ---- model: core attention and RoPE ----
+
+def _target(core):
+    return core.func if isinstance(core, functools.partial) else core
+
+
+def _is_ours(core) -> bool:
+    target = _target(core)
+    return isinstance(target, type) and issubclass(target, AllGatherCPCoreAttention)
+
+
+def _is_te(core) -> bool:
+    """A core attention from Megatron's TE extension (without TE, Megatron's TE names are MagicMocks: a TE
+    spec then still names one, and gets the TE backend's refusal, not a silent local swap)."""
+    target = _target(core)
+    if getattr(target, "__module__", "").startswith(TE_MODULE):
+        return True
+    te_class = getattr(sys.modules.get(TE_MODULE), "TEDotProductAttention", None)
+    if te_class is None:
+        return False
+    return target is te_class or (isinstance(target, type) and isinstance(te_class, type)
+                                  and issubclass(target, te_class))
+
+
+def l3plugin_core_attention(core, route: CPRoute):
+    """What replaces the spec's ``core`` for ``route``: TE's spec gets l3plugin's TE backend (raises with the
+    reason where TE is missing), any other spec the local AllGatherCPCoreAttention; ours is kept as it is."""
+    if _is_ours(core):
+        return core
+    options = dict(cp_layout=route.layout, cp_kv=route.cp_kv, documents_required=route.documents)
+    if _is_te(core):
+        from l3plugin.te import te_attention_class
+
+        return functools.partial(te_attention_class(), **options)
+    return functools.partial(AllGatherCPCoreAttention, **options)
+
+
+def _self_attention_init(self, *args, **kwargs):
+    from megatron.core.transformer.attention import SelfAttention
+
+    stock = _original(SelfAttention, "__init__")
+    bound = inspect.signature(stock).bind(self, *args, **kwargs)
+    if bound.arguments.get("cp_comm_type") == CP_COMM_TYPE:
+        submodules = bound.arguments["submodules"]
+        core = l3plugin_core_attention(submodules.core_attention, _route_for_model())
+        # A copy: one spec object is shared by every layer (and maybe by other models).
+        bound.arguments["submodules"] = dataclasses.replace(submodules, core_attention=core)
+    stock(*bound.args, **bound.kwargs)
+
+
+def _gpt_model_init(self, *args, **kwargs):
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    _original(GPTModel, "__init__")(self, *args, **kwargs)
+    comm = self.config.cp_comm_type
+    if self.config.context_parallel_size > 1 and CP_COMM_TYPE in (comm if isinstance(comm, list) else [comm]):
+        layout = _route_for_model().layout
+        if layout != "2cp":
+            from l3plugin.megatron.attention import rope_follows_cp_layout
+
+            rope_follows_cp_layout(self, layout)
+
+
+# ---- batch (Megatron-LM): document boundaries from EOD, l3plugin's sharding ----
+
+def _eod_token() -> int:
+    from megatron.training import get_tokenizer
+
+    return int(get_tokenizer().eod)
+
+
+def _boundaries_on_tp_group(batch) -> torch.Tensor:
+    """The document boundaries, computed where the tokens are (TP rank 0 holds the whole batch; on the last
+    pipeline stage the others get no tokens) and sent to the rest of the TP group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tokens = batch.get("tokens")
+    group = parallel_state.get_tensor_model_parallel_group()
+    if group is None or dist.get_world_size(group) == 1:
+        return cu_seqlens_from_eod(tokens, _eod_token())
+    device = next(v.device for v in batch.values() if torch.is_tensor(v))
+    src = parallel_state.get_tensor_model_parallel_src_rank()
+    if dist.get_rank() == src:
+        cu = cu_seqlens_from_eod(tokens, _eod_token()).to(device)
+        count = torch.tensor([cu.numel()], dtype=torch.int64, device=device)
+    else:
+        count = torch.empty(1, dtype=torch.int64, device=device)
+    dist.broadcast(count, src, group=group)
+    if dist.get_rank() != src:
+        cu = torch.empty(int(count), dtype=torch.int32, device=device)
+    dist.broadcast(cu, src, group=group)
+    return cu
+
+
+def tp_batch_with_documents(data_iterator, *args, **kwargs):
+    """Megatron-LM's, plus the document boundaries as ``cu_seqlens`` [1, n] and ``max_seqlen`` [1] when
+    l3plugin's CP has document masks (pretrain_gpt's get_batch then takes its packed-sequence branch)."""
+    from megatron.training import utils as training_utils
+
+    batch = _original(training_utils, "get_batch_on_this_tp_rank")(data_iterator, *args, **kwargs)
+    route = active_route()
+    if route is None or not route.documents:
+        return batch
+    cu = _boundaries_on_tp_group(batch)
+    batch["cu_seqlens"] = cu.view(1, -1)
+    batch["max_seqlen"] = (cu[1:] - cu[:-1]).max().view(1).to(torch.int32)
+    return batch
+
+
+def packed_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size=None, cp_rank=None):
+    """Megatron-Core's, except for l3plugin's CP: this rank's positions by l3plugin's layout, and
+    PackedSeqParams in the "sbhd" format carrying the GLOBAL boundaries (TE's THD split is not ours)."""
+    from megatron.core import parallel_state, utils as core_utils
+
+    route = active_route()
+    if route is None:
+        return _original(core_utils, "get_thd_batch_on_this_cp_rank")(
+            batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size, cp_rank)
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cp_size = parallel_state.get_context_parallel_world_size() if cp_size is None else cp_size
+    cp_rank = parallel_state.get_context_parallel_rank() if cp_rank is None else cp_rank
+    cu = cu_seqlens.reshape(-1)
+    if cp_size > 1:
+        batch = shard_batch(batch, cp_size, cp_rank, layout=route.layout, cu_seqlens=cu)
+    longest = int(max_seqlen.reshape(-1)[0])
+    packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    return batch, packed
+
+
+# ---- install ----
+
+def _patch(owner, attribute: str, replacement, rebind: bool = False):
+    """Set ``owner.attribute`` (once: the first original is kept for uninstall). ``rebind``: also modules
+    that imported the function by name before (the two-line patch of pretrain_gpt.py calls install() after
+    its imports)."""
+    key = (owner, attribute)
+    if key not in _stock:
+        _stock[key] = (getattr(owner, attribute), rebind)
+    original = _stock[key][0]
+    setattr(owner, attribute, replacement)
+    if rebind:
+        _rebind(attribute, original, replacement)
+
+
+def _rebind(attribute, old, new):
+    for name, module in list(sys.modules.items()):
+        try:
+            if module is not None and name != __name__ and vars(module).get(attribute) is old:
+                setattr(module, attribute, new)
+        except TypeError:  # modules without __dict__
+            continue
+
+
+def install_cp_route():
+    """Patch Megatron-Core's SelfAttention and GPTModel, and Megatron-LM's batch functions when present
+    (idempotent). Inert unless a config / Megatron-LM's flags select cp_comm_type l3plugin_all_gather."""
+    from megatron.core import utils as core_utils
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.attention import SelfAttention
+
+    _patch(SelfAttention, "__init__", _self_attention_init)
+    _patch(GPTModel, "__init__", _gpt_model_init)
+    _patch(core_utils, "get_thd_batch_on_this_cp_rank", packed_batch_on_this_cp_rank, rebind=True)
+    try:
+        from megatron.training import utils as training_utils
+    except ImportError:
+        return  # megatron-core alone: no data pipeline of Megatron-LM's to extend
+    _patch(training_utils, "get_batch_on_this_tp_rank", tp_batch_with_documents, rebind=True)
+
+
+def uninstall_cp_route():
+    for (owner, attribute), (original, rebind) in list(_stock.items()):
+        if rebind:
+            _rebind(attribute, getattr(owner, attribute), original)
+        setattr(owner, attribute, original)
+    _stock.clear()

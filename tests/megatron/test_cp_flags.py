@@ -1,0 +1,235 @@
+"""CP from Megatron-LM's flags: --context-parallel-size 2 --cp-comm-type l3plugin_all_gather through the
+launcher, with document masks from EOD (--reset-attention-mask), checked against stock Megatron-Core at cp = 1
+with its own dense document mask. Megatron-LM is not on PyPI: the script is a stand-in that calls the same
+functions pretrain_gpt.py calls (tests/data/megatron_lm_standin/README.md)."""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from l3plugin.cp.sharding import cu_seqlens_from_eod
+
+STANDIN = Path(__file__).resolve().parents[1] / "data" / "megatron_lm_standin"
+SCRIPT = STANDIN / "pretrain_gpt_standin.py"
+MODEL = ["--num-layers", "2", "--seq-length", "32", "--transformer-impl", "local"]
+DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+OURS = ["--context-parallel-size", "2", "--cp-comm-type", "l3plugin_all_gather"]
+
+
+def run_standin(argv, out_dir, launcher=True):
+    """On every rank: the launcher runs the stand-in script; its saved results come back (without the
+    launcher: the script alone, and the error it raises, as text)."""
+    import runpy
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from l3plugin.megatron import launch, uninstall
+    from l3plugin.testing.megatron_cpu_shim import stock_attention_on_cpu
+
+    saved_argv, saved_path = list(sys.argv), list(sys.path)
+    sys.path.insert(0, str(STANDIN))
+    os.makedirs(out_dir, exist_ok=True)
+    out = os.path.join(out_dir, f"rank{dist.get_rank()}.pt")
+    try:
+        with stock_attention_on_cpu():  # stock's local attention, the reference, allocates on "cuda"
+            if not launcher:
+                sys.argv[:] = [str(SCRIPT), *argv, "--standin-result", out]
+                try:
+                    runpy.run_path(str(SCRIPT), run_name="__main__")
+                except AssertionError as exc:
+                    return str(exc)
+                return "ran"
+            assert launch.main([str(SCRIPT), *argv, "--standin-result", out]) == 0
+        return torch.load(out)
+    finally:
+        uninstall()
+        parallel_state.destroy_model_parallel()
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+        for name in [n for n in sys.modules if n.startswith("megatron.training")]:
+            del sys.modules[name]
+
+
+def assert_same_step(got, ref, tol=1e-5):
+    assert int(got["num_tokens"]) == int(ref["num_tokens"])
+    assert abs(float(got["loss"] - ref["loss"])) <= tol * abs(float(ref["loss"]))
+    assert got["grads"].keys() == ref["grads"].keys()
+    for name, g in ref["grads"].items():
+        err = float((got["grads"][name] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+        assert err < tol, f"{name}: relative error {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def stock_cp1(ranks, tmp_path_factory):
+    """Stock Megatron-Core: local DotProductAttention, the data loader's dense [s, s] document mask."""
+    out = ranks.run(2, run_standin, [*MODEL, *DOCS], str(tmp_path_factory.mktemp("stock")), timeout=180)
+    assert out[0]["core_attention"] == "DotProductAttention" and out[0]["seen"]["attention_mask"] == (1, 1, 32, 32)
+    return out[0]
+
+
+@pytest.mark.parametrize("layout", ["2cp", "balanced"])
+def test_two_flags_give_document_masked_cp_equal_to_stock_cp1(ranks, tmp_path, stock_cp1, layout):
+    argv = [*MODEL, *DOCS, *OURS, "--l3plugin-cp-layout", layout]
+    for r in ranks.run(2, run_standin, argv, str(tmp_path), timeout=180):
+        assert r["core_attention"] == "AllGatherCPCoreAttention"
+        # No dense mask; the GLOBAL document boundaries from the EOD tokens, in the sbhd format.
+        assert r["seen"] == {"attention_mask": None,
+                             "packed_seq_params": ("sbhd", [0, 5, 13, 14, 28, 32])}
+        assert_same_step(r, stock_cp1)
+
+
+def test_documents_matter(ranks, tmp_path, stock_cp1):
+    """Control: the same CP run without --reset-attention-mask (one document) differs from stock's masked
+    run, and equals stock cp = 1 without it (Megatron's own 2cp sharding; no packed_seq_params)."""
+    ours = ranks.run(2, run_standin, [*MODEL, *OURS], str(tmp_path / "ours"), timeout=180)[0]
+    assert ours["seen"] == {"attention_mask": None, "packed_seq_params": None}
+    assert abs(float(ours["loss"] - stock_cp1["loss"])) > 1e-3 * abs(float(stock_cp1["loss"])) or \
+        int(ours["num_tokens"]) != int(stock_cp1["num_tokens"])
+    stock = ranks.run(2, run_standin, MODEL, str(tmp_path / "stock"), timeout=180)[0]
+    assert_same_step(ours, stock)
+
+
+def test_without_the_route_stock_megatron_refuses_our_flags(ranks, tmp_path):
+    """Why the route exists: the same script and flags without the launcher stop in Megatron's local
+    attention (the failure the issue reports)."""
+    out = ranks.run(2, run_standin, [*MODEL, *DOCS, *OURS], str(tmp_path), launcher=False, timeout=180)
+    assert all("Context parallelism is only supported by TEDotProductAttention" in r for r in out)
+
+
+def ns(**kw):
+    base = dict(cp_comm_type=["l3plugin_all_gather"], context_parallel_size=2, transformer_impl="local",
+                reset_attention_mask=True, micro_batch_size=1, l3plugin_cp_layout="2cp", l3plugin_cp_kv="regather",
+                sft=False, hybrid_context_parallel=False, use_legacy_models=False,
+                create_attention_mask_in_dataloader=True)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_args_select_the_route_and_drop_the_dense_mask():
+    from l3plugin.megatron.cp_route import CPRoute, check_cp_args, prepare_cp_args
+
+    assert check_cp_args(ns()) == CPRoute(layout="2cp", cp_kv="regather", documents=True)
+    assert check_cp_args(ns(cp_comm_type=["p2p"], reset_attention_mask=True)) is None
+    args = prepare_cp_args(ns())
+    assert args.create_attention_mask_in_dataloader is False
+    stock = prepare_cp_args(ns(cp_comm_type=["p2p"]))
+    assert stock.create_attention_mask_in_dataloader is True  # stock runs are left alone
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(context_parallel_size=1), "--context-parallel-size 1"),
+    (dict(cp_comm_type=["l3plugin_all_gather", "p2p"]), "mixes"),
+    (dict(transformer_impl="transformer_engine"), "needs Transformer Engine"),
+    (dict(micro_batch_size=2), "--micro-batch-size 1 \\(got 2\\)"),
+    (dict(reset_attention_mask=False, l3plugin_cp_layout="balanced"), "balanced.*--reset-attention-mask"),
+    (dict(sft=True), "--sft"),
+    (dict(cp_comm_type=["p2p"], l3plugin_cp_layout="balanced"), "apply to --cp-comm-type l3plugin_all_gather"),
+])
+def test_bad_combinations_are_refused_naming_the_flag(change, message):
+    from l3plugin.megatron.cp_route import check_cp_args
+    from l3plugin.te import te_unavailable_reason
+
+    if "transformer_impl" in change and te_unavailable_reason() is None:
+        pytest.skip("Transformer Engine is importable here: the TE route is allowed")
+    with pytest.raises(ValueError, match=message):
+        check_cp_args(ns(**change))
+
+
+def test_cu_seqlens_from_eod_follows_megatrons_document_mask():
+    """The boundaries equal the documents of Megatron-Core's own dense mask (gpt_dataset.py)."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        tokens = torch.randint(0, 6, (40,), generator=gen)  # token 5 is the EOD, often adjacent or last
+        cu = cu_seqlens_from_eod(tokens[None], 5)
+        mask, _, _ = _get_ltor_masks_and_position_ids(tokens, 5, False, True, False, True)
+        doc = torch.repeat_interleave(torch.arange(cu.numel() - 1), (cu[1:] - cu[:-1]).long())
+        allowed = (doc[:, None] == doc[None, :]) & torch.ones(40, 40, dtype=torch.bool).tril()
+        assert torch.equal(~mask[0], allowed)
+    with pytest.raises(ValueError, match="one packed sequence"):
+        cu_seqlens_from_eod(torch.zeros(2, 8, dtype=torch.long), 5)
+
+
+def test_spec_swap_picks_the_backend():
+    """Local spec -> AllGatherCPCoreAttention with the route's options; TE's spec -> l3plugin's TE
+    backend, refused with the reason where TE cannot be imported; a spec already ours is kept."""
+    import functools
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from l3plugin.megatron.attention import AllGatherCPCoreAttention
+    from l3plugin.megatron.cp_route import CPRoute, l3plugin_core_attention
+    from l3plugin.te import te_unavailable_reason
+
+    route = CPRoute(layout="balanced", cp_kv="keep", documents=True)
+    core = l3plugin_core_attention(DotProductAttention, route)
+    assert core.func is AllGatherCPCoreAttention
+    assert core.keywords == dict(cp_layout="balanced", cp_kv="keep", documents_required=True)
+    mine = functools.partial(AllGatherCPCoreAttention, cp_layout="2cp")
+    assert l3plugin_core_attention(mine, route) is mine
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    if te_unavailable_reason() is None:
+        assert l3plugin_core_attention(TEDotProductAttention, route).func.__name__ == "L3TEDotProductAttention"
+    else:
+        with pytest.raises(RuntimeError, match="Transformer Engine"):
+            l3plugin_core_attention(TEDotProductAttention, route)
+
+
+def boundaries_over_tp():
+    """TP = 2 on a last pipeline stage: TP rank 0 read the data (tokens), rank 1 got labels only."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+
+    from l3plugin.megatron.cp_route import _boundaries_on_tp_group
+
+    sys.path.insert(0, str(STANDIN))
+    try:
+        from megatron.training import global_vars
+
+        global_vars._GLOBAL_TOKENIZER = SimpleNamespace(eod=9)
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+        tokens = torch.tensor([[1, 9, 2, 3, 9, 9, 4, 5]])
+        batch = {"tokens": tokens if dist.get_rank() == 0 else None, "labels": torch.zeros(1, 8, dtype=torch.long)}
+        return _boundaries_on_tp_group(batch).tolist()
+    finally:
+        parallel_state.destroy_model_parallel()
+        sys.path.remove(str(STANDIN))
+        for name in [n for n in sys.modules if n.startswith("megatron.training")]:
+            del sys.modules[name]
+
+
+def test_document_boundaries_reach_every_tp_rank(ranks):
+    assert ranks.run(2, boundaries_over_tp, timeout=60) == [[0, 2, 5, 6, 8]] * 2
+
+
+def test_a_stage_without_boundaries_refuses_instead_of_attending_across_documents():
+    """Megatron-LM's get_batch gives middle pipeline stages no batch: with documents that is an error."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import TransformerConfig
+
+    from l3plugin.megatron.attention import AllGatherCPCoreAttention
+
+    class OneRank:
+        def size(self):
+            return 1
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, attention_dropout=0.0)
+    q = torch.zeros(4, 1, 2, 4)
+    for required in (True, False):
+        core = AllGatherCPCoreAttention(config, 3, None, "self", pg_collection=SimpleNamespace(cp=OneRank()),
+                                        documents_required=required)
+        if required:
+            with pytest.raises(ValueError, match="layer 3: document masks are on.*first and last pipeline"):
+                core(q, q, q, None)
+        else:
+            assert core(q, q, q, None).shape == (4, 1, 8)
