@@ -21,8 +21,8 @@ OURS = ["--context-parallel-size", "2", "--cp-comm-type", "l3plugin_all_gather"]
 
 
 def run_standin(argv, out_dir, launcher=True):
-    """On every rank: the launcher runs the stand-in script; its saved results come back (without the
-    launcher: the script alone, and the error it raises, as text)."""
+    """On every rank: the launcher runs the stand-in script; its saved results come back. launcher=False:
+    the script alone, and the error it raises, as text; "patch": the script as the two-line patch changes it."""
     import runpy
 
     import torch.distributed as dist
@@ -37,6 +37,11 @@ def run_standin(argv, out_dir, launcher=True):
     out = os.path.join(out_dir, f"rank{dist.get_rank()}.pt")
     try:
         with stock_attention_on_cpu():  # stock's local attention, the reference, allocates on "cuda"
+            if launcher == "patch":
+                sys.argv[:] = [str(SCRIPT), *argv, "--standin-result", out]
+                os.environ["STANDIN_AS_PATCHED"] = "1"
+                runpy.run_path(str(SCRIPT), run_name="__main__")
+                return torch.load(out)
             if not launcher:
                 sys.argv[:] = [str(SCRIPT), *argv, "--standin-result", out]
                 try:
@@ -47,6 +52,7 @@ def run_standin(argv, out_dir, launcher=True):
             assert launch.main([str(SCRIPT), *argv, "--standin-result", out]) == 0
         return torch.load(out)
     finally:
+        os.environ.pop("STANDIN_AS_PATCHED", None)
         uninstall()
         parallel_state.destroy_model_parallel()
         sys.argv[:], sys.path[:] = saved_argv, saved_path
@@ -71,10 +77,10 @@ def stock_cp1(ranks, tmp_path_factory):
     return out[0]
 
 
-@pytest.mark.parametrize("layout", ["2cp", "balanced"])
-def test_two_flags_give_document_masked_cp_equal_to_stock_cp1(ranks, tmp_path, stock_cp1, layout):
+@pytest.mark.parametrize("layout, launcher", [("2cp", True), ("balanced", True), ("2cp", "patch")])
+def test_two_flags_give_document_masked_cp_equal_to_stock_cp1(ranks, tmp_path, stock_cp1, layout, launcher):
     argv = [*MODEL, *DOCS, *OURS, "--l3plugin-cp-layout", layout]
-    for r in ranks.run(2, run_standin, argv, str(tmp_path), timeout=180):
+    for r in ranks.run(2, run_standin, argv, str(tmp_path), launcher=launcher, timeout=180):
         assert r["core_attention"] == "AllGatherCPCoreAttention"
         # No dense mask; the GLOBAL document boundaries from the EOD tokens, in the sbhd format.
         assert r["seen"] == {"attention_mask": None,

@@ -2,6 +2,8 @@
 top, the same get_batch and forward_step, the model built as gpt_builders.py builds it. One forward and
 backward of one packed sequence (documents ending in EOD, several crossing the CP chunk borders); the
 loss, token count and gradients, summed over the CP group, are saved to --standin-result."""
+import os
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -81,8 +83,8 @@ def packed_documents(args):
                "position_ids": position_ids[None]}
 
 
-def main():
-    args = initialize_megatron()
+def main(extra_args_provider=None):
+    args = initialize_megatron(extra_args_provider)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(context_parallel_size=args.context_parallel_size)
     torch.manual_seed(args.seed)
@@ -99,4 +101,10 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if os.environ.get("STANDIN_AS_PATCHED"):
+        # What patches/megatron-lm-core_v0.16.1-pretrain_gpt.patch adds, after the imports above.
+        import l3plugin.megatron
+        l3plugin.megatron.install()
+        main(extra_args_provider=l3plugin.megatron.chain_extra_args(None))
+    else:
+        main()
