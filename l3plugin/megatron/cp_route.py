@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import inspect
 import sys
+import warnings
 
 import torch
 
@@ -121,8 +122,16 @@ def check_cp_args(args) -> CPRoute | None:
 def prepare_cp_args(args):
     """Check ``args`` and stop the data loader building the dense [s, s] mask: l3plugin's attention takes
     causality from the layer and documents from the boundaries, never from a mask."""
-    if check_cp_args(args) is not None:
+    route = check_cp_args(args)
+    if route is not None:
         args.create_attention_mask_in_dataloader = False
+    if route is not None and route.documents and not getattr(args, "calculate_per_token_loss", False):
+        # Megatron's schedule divides each CP rank's loss by that rank's own token count (schedules.py,
+        # forward_step_calc_loss); with EOD / masked tokens the counts differ between ranks.
+        warnings.warn("with --cp-comm-type l3plugin_all_gather and --reset-attention-mask, each CP rank's loss "
+                      "is divided by its own token count, so gradients are a mean of per-rank means, not the "
+                      "token mean over the sequence; add --calculate-per-token-loss for the exact token mean "
+                      "(then CP = N trains exactly like CP = 1)", UserWarning, stacklevel=2)
     return args
 
 

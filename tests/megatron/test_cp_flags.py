@@ -6,6 +6,7 @@ functions pretrain_gpt.py calls (tests/data/megatron_lm_standin/README.md)."""
 import argparse
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -120,8 +121,12 @@ def test_args_select_the_route_and_drop_the_dense_mask():
 
     assert check_cp_args(ns()) == CPRoute(layout="2cp", cp_kv="regather", documents=True)
     assert check_cp_args(ns(cp_comm_type=["p2p"], reset_attention_mask=True)) is None
-    args = prepare_cp_args(ns())
+    with pytest.warns(UserWarning, match="--calculate-per-token-loss"):
+        args = prepare_cp_args(ns())
     assert args.create_attention_mask_in_dataloader is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prepare_cp_args(ns(calculate_per_token_loss=True))  # the exact token mean: nothing to warn about
     stock = prepare_cp_args(ns(cp_comm_type=["p2p"]))
     assert stock.create_attention_mask_in_dataloader is True  # stock runs are left alone
 
