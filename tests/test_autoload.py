@@ -79,9 +79,9 @@ def test_opt_out_gives_stock_zero(tmp_path):
 
 
 def test_deepspeed_imported_from_inside_l3plugin(tmp_path):
-    """deepspeed finishes importing while l3plugin.zero.deepspeed_engine is half-built: installing then would
-    meet that half-built module, so the install waits for the first deepspeed.initialize."""
-    assert engine_optimizer(tmp_path, first="l3plugin.zero.deepspeed_engine") == "DeepSpeedFP32ReduceZero"
+    """deepspeed finishes importing while the l3plugin.deepspeed package is half-built (its optimizer module
+    imports deepspeed at its top): the hook must not import the package again; the package installs itself."""
+    assert engine_optimizer(tmp_path, first="l3plugin.deepspeed.optimizer") == "DeepSpeedFP32ReduceZero"
 
 
 def test_failed_install_warns_and_deepspeed_still_imports(tmp_path):

@@ -19,7 +19,7 @@ for the same model and config, so DeepSpeed's tools and a stock engine read it:
   numels of its fp32 part and padded states, a CRC32 of its tensors, and the CRC32 of every rank's
   partition (so a swapped, stale or foreign file is caught by its neighbours).
 
-The DeepSpeed adapter (``deepspeed_engine.py``) adds DeepSpeed's own objects (``ds_version``, its
+The DeepSpeed adapter (``l3plugin/deepspeed/optimizer.py``) adds DeepSpeed's own objects (``ds_version``, its
 ``LossScaler``, ``ZeroStageEnum``, ``fragment_address``) so a stock engine resumes the files.
 
 Loading (``load_sharded_state_dict``) reads that layout from any W_old, whoever wrote it (l3plugin, stock

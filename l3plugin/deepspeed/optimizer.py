@@ -1,6 +1,6 @@
 """``FP32ReduceZero`` behind the interface DeepSpeed's engines expect from a ZeRO-1/2 optimizer.
 
-``l3plugin.deepspeed`` makes ``deepspeed.initialize`` build this instead of DeepSpeed's own ZeRO-1/2
+``l3plugin.deepspeed`` (``engine.py``) makes ``deepspeed.initialize`` build this instead of DeepSpeed's own ZeRO-1/2
 optimizer or BF16_Optimizer. What the engines call, and what we do:
 
 - ``backward_prologue`` (start of every backward pass, both engines): count the micro-batch and decide
@@ -22,7 +22,7 @@ optimizer or BF16_Optimizer. What the engines call, and what we do:
   ``l3plugin.zero.checkpoint``, plus DeepSpeed's ``ds_version``, ``LossScaler``, ``ZeroStageEnum`` and
   ``fragment_address`` objects), so a stock engine resumes it and ``zero_to_fp32`` / ``ds_to_universal``
   read it; loading (ours or stock's, any data-parallel size, or universal) goes through
-  ``l3plugin.deepspeed``'s ``load_checkpoint`` and ``l3plugin.zero.checkpoint``.
+  ``l3plugin.deepspeed``'s ``load_checkpoint`` (``checkpoint.py``) and ``l3plugin.zero.checkpoint``.
 - accessors: every trainable parameter gets ``_hp_mapping`` and the ``get_full_hp_param`` /
   ``set_full_hp_param`` / ``get_full_hp_grad`` / ``set_full_hp_grad`` methods that
   ``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` / ``safe_get_full_grad``
@@ -84,6 +84,12 @@ def _tensor_parallel_rank(mpu) -> int:
         if hasattr(mpu, name):
             return getattr(mpu, name)()
     return 0
+
+
+def runs_fp32_reduce_zero(engine) -> bool:
+    """Whether ``engine`` was built with this optimizer (read without nn.Module's attribute lookup: it is
+    also asked while the engine is being built)."""
+    return isinstance(engine.__dict__.get("optimizer"), DeepSpeedFP32ReduceZero)
 
 
 class DeepSpeedFP32ReduceZero(ZeROOptimizer):

@@ -1,0 +1,47 @@
+"""Select l3plugin's FP32-reducing ZeRO-1/2 optimizer from a DeepSpeed JSON config.
+
+    # no import needed: the package's l3plugin-autoload.pth installs this module when deepspeed is imported
+    # (L3PLUGIN_NO_AUTOLOAD=1 turns that off; then: import l3plugin.deepspeed, or install(); idempotent)
+    config = {..., "bf16": {"enabled": true}, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {...}}, "scheduler": {...},
+              "l3plugin": {"fp32_reduce_zero": true}}
+    engine, *_ = deepspeed.initialize(model=model, config=config, ...)
+
+With the key, ``deepspeed.initialize`` builds ``l3plugin.zero.FP32ReduceZero`` on DeepSpeed's own
+``seq_data_parallel_group`` (DP x sequence-parallel): fp32 gradient accumulation, fp32 reduce-scatter,
+fp32 master shard, bf16 parameter all-gather. ZeRO-1 reduce-scatters once per step; ZeRO-2 every
+``reduce_every`` micro-batches (default 1, like stock ZeRO-2) and keeps only the fp32 gradient shard in
+between. Buckets are ``bucket_numel`` or ``zero_optimization.reduce_bucket_size`` elements; their
+reduce-scatters start from gradient hooks during backward unless ``zero_optimization.overlap_comm`` is
+false. Without the key (or with ``"fp32_reduce_zero": false``)
+DeepSpeed behaves exactly as stock. Options under ``"l3plugin"`` (see ``OPTIONS``) are validated.
+
+DeepSpeed has no plug-in registry, so ``install`` replaces these engine methods (declared in
+``l3plugin/patches.py``; ``l3plugin doctor`` checks them against the installed DeepSpeed), each falling
+through to the stock one unless the key is on: ``_do_sanity_check`` (validate the config first),
+``_do_optimizer_sanity_check`` (route to ZeRO), ``_configure_zero_optimizer`` (build ours),
+``load_checkpoint`` (verify the partitions first and fail together, see ``fail_together.py``),
+``_load_zero_checkpoint`` (read every rank's partition, ours or stock DeepSpeed's: resume on another DP
+size; or a universal checkpoint with ``checkpoint.load_universal``),
+``zero_optimization_stage`` + ``PipelineEngine.__init__`` (PipelineEngine refuses stage 2 for DeepSpeed's
+optimizer; ours supports it), ``PipelineEngine._exec_reduce_tied_grads`` (tied weights' gradients live in
+our fp32 buckets, not in ``weight.grad``) and ``PipelineEngine._exec_backward_pass`` (end-of-backward
+reductions), both also in the schedule's instruction table.
+``uninstall()`` restores everything. The package: ``config.py`` (the options and what is supported),
+``engine.py`` (the replaced methods), ``optimizer.py`` (the optimizer the engines drive, and what they call),
+``checkpoint.py`` (crash-consistent saves, verified loads, ``export_fp32_state_dict``).
+
+Checkpoints are stock ZeRO-1/2 checkpoints: a stock engine (same config without the key) resumes them with
+optimizer state; ``zero_to_fp32`` and ``ds_to_universal --inject_missing_state`` read them; our engine
+resumes stock ones (any DP size) and universal ones. ``export_fp32_state_dict(engine)`` gives the plain fp32
+state dict from a live engine.
+"""
+
+from l3plugin.deepspeed.checkpoint import export_fp32_state_dict
+from l3plugin.deepspeed.config import KEY, OPTIONS, SUPPORTED, check_supported, plugin_options
+from l3plugin.deepspeed.engine import install, uninstall
+
+__all__ = ["KEY", "OPTIONS", "SUPPORTED", "check_supported", "export_fp32_state_dict", "install", "plugin_options",
+           "uninstall"]
+
+install()

@@ -1,0 +1,183 @@
+"""The DeepSpeed engine methods l3plugin replaces (declared in ``l3plugin/patches.py``, set DEEPSPEED).
+
+Each falls through to DeepSpeed's own method unless the engine's config asks for the FP32-reducing ZeRO
+(``config.options_of``) or the engine runs it (``runs_fp32_reduce_zero``). What the adapter remembers about
+an engine lives in an ``EngineState`` held beside the engine (``state_of``), not in the engine.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from l3plugin.deepspeed import checkpoint
+from l3plugin.deepspeed.config import check_supported, options_of
+from l3plugin.deepspeed.optimizer import DeepSpeedFP32ReduceZero, runs_fp32_reduce_zero
+from l3plugin.patches import DEEPSPEED
+
+_ENGINE, _PIPE = "DeepSpeedEngine", "PipelineEngine"
+
+
+class EngineState:
+    """What the adapter remembers about one engine."""
+
+    def __init__(self):
+        # PipelineEngine.__init__ asserts stage < 2 right after the ZeRO optimizer is built; ours supports
+        # stage 2, so zero_optimization_stage answers 1 until that __init__ has returned.
+        self.hide_stage2 = False
+        self.load: checkpoint.ReadAhead | None = None  # the load_checkpoint in progress
+
+
+_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def state_of(engine) -> EngineState:
+    if engine not in _states:
+        _states[engine] = EngineState()
+    return _states[engine]
+
+
+def _stock(cls: str, name: str):
+    return DEEPSPEED.stock(f"{cls}.{name}")
+
+
+def install() -> None:
+    """Patch DeepSpeed's engines (once) so the ``"l3plugin"`` config key takes effect."""
+    DEEPSPEED.apply()
+
+
+def uninstall() -> None:
+    """Restore DeepSpeed's methods (tests use it to show the stock behaviour)."""
+    DEEPSPEED.undo()
+
+
+# -- building the optimizer ---------------------------------------------------------------------------------
+def do_sanity_check(self):
+    if options_of(self) is not None:  # first, so our message wins over DeepSpeed's generic ones
+        check_supported(self)
+    return _stock(_ENGINE, "_do_sanity_check")(self)
+
+
+def do_optimizer_sanity_check(self, basic_optimizer):
+    if options_of(self) is None:
+        return _stock(_ENGINE, "_do_optimizer_sanity_check")(self, basic_optimizer)
+    from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
+
+    check_supported(self)
+    return ZERO_OPTIMIZATION  # route to _configure_zero_optimizer, also where stock would pick BF16_Optimizer
+
+
+def configure_zero_optimizer(self, optimizer):
+    opts = options_of(self)
+    if opts is None:
+        return _stock(_ENGINE, "_configure_zero_optimizer")(self, optimizer)
+    check_supported(self)
+    if optimizer is None:
+        raise ValueError('l3plugin FP32-reducing ZeRO needs an optimizer: add "optimizer" to the config '
+                         "or pass optimizer= to deepspeed.initialize")
+    import torch
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    # DeepSpeed's overlap_comm defaults to off because its overlap costs extra buffers; ours costs
+    # nothing more (the bucket being reduced exists anyway), so it is on unless the config says false.
+    overlap = self._config._param_dict.get("zero_optimization", {}).get("overlap_comm")
+    built = DeepSpeedFP32ReduceZero(
+        self, optimizer, bucket_numel=opts["bucket_numel"] or int(self.zero_reduce_bucket_size()),
+        accumulate_dtype=dtypes[opts["accumulate_dtype"]], reduce_dtype=dtypes[opts["reduce_dtype"]],
+        reduce_every=opts["reduce_every"] or 1, overlap=overlap is not False, wait_timeout=opts["wait_timeout"],
+        carry_reductions=opts["carry_reductions"], overlap_param_gather=opts["overlap_param_gather"])
+    state_of(self).hide_stage2 = isinstance(self, PipelineEngine)
+    return built
+
+
+def zero_optimization_stage(self):
+    stage = _stock(_ENGINE, "zero_optimization_stage")(self)
+    return 1 if stage == 2 and state_of(self).hide_stage2 else stage
+
+
+def pipeline_engine_init(self, *args, **kwargs):
+    try:
+        _stock(_PIPE, "__init__")(self, *args, **kwargs)
+    finally:
+        state_of(self).hide_stage2 = False
+
+
+# -- the pipeline's instructions ----------------------------------------------------------------------------
+def exec_reduce_tied_grads(self):
+    if not runs_fp32_reduce_zero(self):
+        return _stock(_PIPE, "_exec_reduce_tied_grads")(self)
+    self.optimizer.reduce_tied_grads(self.module.get_tied_weights_and_groups())
+
+
+def exec_backward_pass(self, buffer_id):
+    _stock(_PIPE, "_exec_backward_pass")(self, buffer_id)
+    if runs_fp32_reduce_zero(self):  # the pipeline calls no post-backward epilogue on its first stages
+        self.optimizer.after_backward()
+
+
+# -- checkpoints (checkpoint.py) ----------------------------------------------------------------------------
+def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - stock's
+                    exclude_frozen_parameters=False):
+    """Crash-consistent (see ``checkpoint.py``)."""
+    stock = _stock(_ENGINE, "save_checkpoint")
+    if not runs_fp32_reduce_zero(self):
+        return stock(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+    from l3plugin.fail_together import agree
+
+    tag = str(f"global_step{self.global_steps}" if tag is None else tag)
+    error = checkpoint.save_files(self, stock, save_dir, tag, client_state, exclude_frozen_parameters)
+    agree(error, what=f"save of checkpoint tag {tag!r} in {save_dir}", device=self.device,
+          timeout=self.optimizer.zero.wait_timeout)
+    if save_latest:
+        checkpoint.point_latest(self, save_dir, tag)
+    return True
+
+
+def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                    load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+    """Fail together, touching nothing on a bad checkpoint (see ``checkpoint.py``)."""
+    stock = _stock(_ENGINE, "load_checkpoint")
+    call = checkpoint.LoadCall(load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                               load_module_only, custom_load_fn)
+    if not runs_fp32_reduce_zero(self):
+        return stock(self, **call.kwargs())
+    read = checkpoint.ReadAhead(self)
+    tag = None
+    try:
+        tag = checkpoint.choose_tag(self, call)
+        read.loaded = checkpoint.read_ahead(self, call)
+    except Exception as exc:  # noqa: BLE001 - every rank raises in the agreement
+        read.verified(exc)
+    # The tag is in the outcome: ranks that chose different tags (files differ between nodes) all raise.
+    read.verified(None, ("verified the ZeRO partitions" if read.loaded else "found no ZeRO partitions to read")
+                  + (f" of tag {tag!r}" if tag is not None else ""))
+    state_of(self).load = read
+    try:
+        out = stock(self, **call.kwargs())
+    except Exception as exc:  # noqa: BLE001 - every rank raises in the agreement
+        read.applied(exc)
+        raise
+    finally:
+        state_of(self).load = None
+    # A no-op when the partitions were applied. Otherwise this rank never applied them (stock returned
+    # early: no checkpoint found, load_module_only, ...): fine if no rank did, an error if others did.
+    path = out[0] if isinstance(out, tuple) and out else out
+    read.applied(None, f"ended without reading the ZeRO optimizer partitions (load path {path!r})")
+    return out
+
+
+def load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
+    if not runs_fp32_reduce_zero(self):
+        return _stock(_ENGINE, "_load_zero_checkpoint")(self, load_dir, tag, load_optimizer_states)
+    read = state_of(self).load  # set by load_checkpoint above
+    if read is not None and read.loaded is not None:
+        from l3plugin.zero.checkpoint import READ_PARTITIONS, apply_loaded
+
+        read.applied(None, READ_PARTITIONS)  # DeepSpeed's own part went well on every rank too
+        apply_loaded(self.optimizer.zero, read.loaded)
+        return True
+    # Called on its own: read, verify, agree and apply in one go.
+    from l3plugin.zero.checkpoint import load_agreed
+
+    load_agreed(self.optimizer.zero, lambda: checkpoint.read_zero(self, load_dir, tag, load_optimizer_states))
+    return True
