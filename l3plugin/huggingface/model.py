@@ -1,0 +1,98 @@
+"""Turn context parallelism on and off for a transformers model, without touching its modeling code.
+
+    from l3plugin.huggingface import enable_context_parallel
+    enable_context_parallel(model, group=cp_group, layout="balanced")   # done for you by the DeepSpeed key
+    loss = model(input_ids=ids, position_ids=pos, labels=labels).loss   # full rows in, this rank's part inside
+
+What it does: registers the all-gather CP attention in transformers' ``AttentionInterface`` and selects it
+(``model.set_attn_implementation``); adds a forward pre-hook that shards every call's full rows over the CP
+group (batch.py) and passes the documents down as a keyword argument; wraps ``model.loss_function`` so the
+loss is the whole sequence's token mean (attention.py). Outputs (logits, hidden states) are this rank's
+tokens in the layout's local order.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch.distributed as dist
+
+from l3plugin.cp import LAYOUT_NAMES
+from l3plugin.cp.layout import CPLayout
+from l3plugin.huggingface.attention import ATTENTION_NAME, CPLoss, cp_attention_forward
+from l3plugin.huggingface.batch import shard_inputs
+
+_STATE = "_l3plugin_cp_state"
+
+
+def register_attention() -> None:
+    """Register the CP attention under ``ATTENTION_NAME`` in transformers' global registry (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, cp_attention_forward)
+
+
+def _check_model(model) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"{type(model).__name__} is not a transformers PreTrainedModel (no config / "
+                        "set_attn_implementation); for your own model call l3plugin.cp.all_gather_attention "
+                        "with the CP group directly")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; context parallelism is for "
+                         "decoder-only causal LMs")
+
+
+def enable_context_parallel(model, group=None, layout="balanced"):
+    """Make ``model`` (a transformers causal LM) run context-parallel over ``group`` (None or size 1: the
+    same attention without CP). ``layout``: "balanced" (default: pieces dealt by document-masked work,
+    for packed documents) or "2cp" (the paper's two chunks per rank). Returns the model."""
+    _check_model(model)
+    if not (isinstance(layout, CPLayout) or layout in LAYOUT_NAMES):
+        raise ValueError(f"layout={layout!r} is invalid: valid are {LAYOUT_NAMES}")
+    if group is not None and not dist.is_initialized():
+        raise RuntimeError("enable_context_parallel got a process group but torch.distributed is not initialised")
+    state = getattr(model, _STATE, None)
+    if state is not None:
+        state["group"], state["layout"] = group, layout
+        return model
+    register_attention()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    signature = inspect.signature(model.forward)
+    var_keyword = next((n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+    state = {"group": group, "layout": layout, "previous": previous}
+
+    def pre_forward(module, args, kwargs):
+        call = dict(signature.bind_partial(*args, **kwargs).arguments)  # positional input_ids -> keyword
+        if var_keyword is not None:
+            call.update(call.pop(var_keyword, {}))
+        return (), shard_inputs(call, state["group"], state["layout"])
+
+    state["hook"] = model.register_forward_pre_hook(pre_forward, with_kwargs=True)
+    had_own = "_loss_function" in model.__dict__
+    state["stock_loss"] = model.__dict__.get("_loss_function") if had_own else None
+    model.loss_function = CPLoss(model.loss_function)
+    setattr(model, _STATE, state)
+    return model
+
+
+def disable_context_parallel(model):
+    """Undo ``enable_context_parallel``: the previous attention implementation, no hook, the stock loss."""
+    state = getattr(model, _STATE, None)
+    if state is None:
+        return model
+    state["hook"].remove()
+    model.set_attn_implementation(state["previous"])
+    if state["stock_loss"] is None:
+        model.__dict__.pop("_loss_function", None)
+    else:
+        model.loss_function = state["stock_loss"]
+    delattr(model, _STATE)
+    return model
+
+
+def context_parallel_group(model):
+    """The CP group ``model`` runs over, or None when CP is not enabled on it."""
+    state = getattr(model, _STATE, None)
+    return None if state is None else state["group"]

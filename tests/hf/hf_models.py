@@ -1,0 +1,45 @@
+"""Tiny transformers models built from configs (no downloads) and packed batches, for the HF CP tests."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 96
+
+
+def tiny_model(family="llama", seed=0, dtype=torch.float32):
+    """A 2-layer GQA causal LM (4 query heads, 2 K/V heads) of the given family, seeded."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  attention_dropout=0.0, tie_word_embeddings=False,
+                  use_cache=False)  # with a cache, HF itself does not mask packed documents apart
+    if family == "llama":
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        config, cls = transformers.Qwen2Config(**common, use_sliding_window=False), transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(family)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return cls(config).to(dtype)
+
+
+def documents(seed, lengths):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def packed(docs_per_row):
+    """HF's packed format through DataCollatorWithFlattening: input_ids, labels (-100 at each document's
+    first token) and position_ids restarting at 0 per document; one row per list of documents."""
+    from transformers import DataCollatorWithFlattening
+
+    rows = [DataCollatorWithFlattening()([{"input_ids": d, "labels": d} for d in docs]) for docs in docs_per_row]
+    return {k: torch.cat([r[k] for r in rows]) for k in ("input_ids", "labels", "position_ids")}
+
+
+# Rows of 64 tokens: at cp=2 the 2cp chunks are 16 tokens, so these documents cross chunk borders.
+ROW_A = [23, 27, 14]
+ROW_B = [5, 40, 19]
