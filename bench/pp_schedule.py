@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from l3plugin.debug.saved_tensors import SavedTensorCensus  # noqa: E402
 from l3plugin.schedule.plan import build_schedule  # noqa: E402
 from l3plugin.schedule.simulate import simulate  # noqa: E402
 
@@ -147,52 +148,6 @@ WIRE_P = 2
 PROBE_RATE = "2gbit"  # --wire auto: the rate first entered, from which the final one is derived
 
 
-class SavedActivations:
-    """Census of the tensors autograd saves for the backward (torch.autograd.graph.saved_tensors_hooks):
-    live bytes of unique storages, and their peak. A saved tensor is released when autograd drops it
-    (after its backward), which a finalizer on the packed handle observes."""
-
-    def __init__(self):
-        import torch
-
-        self.live, self.peak, self._refs = 0, 0, {}
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    class _Handle:
-        __slots__ = ("tensor", "__weakref__")
-
-        def __init__(self, tensor):
-            self.tensor = tensor
-
-    def _pack(self, tensor):
-        import weakref
-
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        count, nbytes = self._refs.get(key, (0, storage.nbytes()))
-        if count == 0:
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        self._refs[key] = (count + 1, nbytes)
-        # A detached alias, not the tensor itself: Megatron's deallocate_output_tensor swaps an output's
-        # .data after sending it, and autograd's own saving keeps the old storage alive the same way.
-        handle = self._Handle(tensor.detach())
-        weakref.finalize(handle, self._release, key)
-        return handle
-
-    @staticmethod
-    def _unpack(handle):
-        return handle.tensor
-
-    def _release(self, key):
-        count, nbytes = self._refs[key]
-        if count == 1:
-            del self._refs[key]
-            self.live -= nbytes
-        else:
-            self._refs[key] = (count - 1, nbytes)
-
-
 # Where the flexible executor blocks (l3plugin/schedule/comm.py), timed per step: a receive returns when its
 # message is here; a send only posts (and completes finished sends); wait_sent / finish block on sends.
 CHANNEL_WAITS = (("recv", "recv"), ("send", "send"), ("wait_sent", "wait_sent"), ("finish", "finish"))
@@ -243,7 +198,7 @@ def _wire_step(v, m, k, stock, layers, hidden, seq, mbs):
     # Stock frees an output (deallocate_output_tensor) right after starting its isend; on gloo the send may
     # still be reading it, which would corrupt the receiver's input: stock keeps its outputs here.
     mesh, chunks, batches = toy_model(WIRE_P, v, m, k, layers, hidden, seq, mbs, deallocate_outputs=not stock)
-    census = SavedActivations()
+    census = SavedTensorCensus()
     fn = get_forward_backward_func() if stock else forward_backward_pipelining_flexible
     waits = {label: 0.0 for _, label in CHANNEL_WAITS}
     with stock_schedules_on_cpu(), census.hooks, timed_channel_waits(waits):

@@ -54,15 +54,17 @@ def p2p_peer_never_joins(operation, timeout):
 
 
 def cp_peer_never_joins(operation, timeout, overlap=False):
-    """all-gather: rank 1 never calls attention. reduce-scatter: rank 1 skips the backward."""
+    """all-gather: rank 1 never calls attention. reduce-scatter (cp_kv="keep") and all-gather again
+    (cp_kv="regather", the backward's first collective): rank 1 skips the backward."""
     from l3plugin.cp.attention import all_gather_attention
 
     q = torch.randn(8, 2, 4, requires_grad=True)
     if operation == "all-gather" and dist.get_rank() == 1:
         time.sleep(AWAY)
         return "stayed away"
+    cp_kv = "keep" if operation == "reduce-scatter" else "regather"
     out = timed(lambda: all_gather_attention(q, q, q, [0, 16], group=dist.group.WORLD, wait_timeout=timeout,
-                                             overlap=overlap))
+                                             overlap=overlap, cp_kv=cp_kv))
     if dist.get_rank() == 1:
         time.sleep(AWAY)
         return "skipped the backward"
@@ -84,6 +86,11 @@ def cp_overlapped_peer_never_joins(operation, timeout):
     (cp_peer_never_joins, "reduce-scatter", "rank 0: reduce-scatter (point-to-point exchange on gloo) (CP dK/dV "
                                             "(2, 8, 2, 4)) of 256 float32 elements (0.0 MiB) in group ranks [0, 1] "
                                             "did not finish within 2 s"),
+    (cp_peer_never_joins, "all-gather again", "rank 0: all-gather (CP K/V (2, 8, 2, 4) (again)) of 128 float32 "
+                                              "elements (0.0 MiB) in group ranks [0, 1] did not finish within 2 s"),
+    (cp_overlapped_peer_never_joins, "all-gather again", "rank 0: all-gather (CP K/V (2, 8, 2, 4) (again)) of 128 "
+                                                         "float32 elements (0.0 MiB) in group ranks [0, 1] did not "
+                                                         "finish within 2 s"),
     (cp_overlapped_peer_never_joins, "all-gather", "rank 0: all-gather (CP K/V part 0 (2, 4, 2, 4)) of 64 float32 "
                                                    "elements (0.0 MiB) in group ranks [0, 1] did not finish within 2 s"),
     (cp_overlapped_peer_never_joins, "reduce-scatter", "rank 0: reduce-scatter (point-to-point exchange on gloo) (CP "

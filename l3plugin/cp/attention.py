@@ -7,6 +7,16 @@ O(S) while attention is O(S^2)), then attend this rank's queries to the gathered
 and causal mask. Backward: dq locally; dK and dV of the full sequence are reduce-scattered so every rank
 gets the summed gradient of the tokens it holds.
 
+What stays in memory for the backward (``cp_kv``):
+- ``"regather"`` (default): only this rank's K/V. The gathered buffer's storage is freed when the forward
+  ends and refilled by a second K/V all-gather when the backward reaches the attention, as Transformer
+  Engine's all-gather CP does; the paper's claim that CP divides activation memory holds only then. Cost:
+  one more all-gather per layer, in the backward, exposed (the planner counts it).
+- ``"keep"``: the gathered K/V of the whole sequence (2 x S x heads_kv x head_dim per layer) stay until
+  the backward; no second collective.
+Both give bit-identical results: the kernels save views of the gathered buffer, and the same values are
+put back at the same places before any of them runs its backward (``GatheredKV``).
+
 Both collectives come from l3plugin/comm.py, shared with ZeRO: started asynchronously and waited with a
 bound (``wait_timeout``, see l3plugin/waits.py), so a CP peer that never joins gives a ``CommTimeout``
 naming this rank, the CP group and the operation; on gloo the dK/dV reduce-scatter is a point-to-point
@@ -19,42 +29,11 @@ import torch
 import torch.distributed as dist
 
 from l3plugin.cp.kernels import select_kernel
+from l3plugin.cp.kv_gather import CP_KV_MODES, GatherKV, check_cp_kv  # noqa: F401 (CP_KV_MODES re-exported)
 from l3plugin.cp.layout import check_bool, check_cu_seqlens, make_layout
 from l3plugin.cp.overlap import PARTS, overlapped_attention, part_plan
 from l3plugin.cp.sharding import document_metadata
-from l3plugin import comm
 from l3plugin.waits import resolve_timeout
-
-
-class GatherKV(torch.autograd.Function):
-    """k, v [s_local, h, d] in local order -> k, v [S, h, d] in sequence order; backward reduce-scatters.
-    ``order``: global positions of the rank-major concatenation of every rank's tokens (the layout's)."""
-
-    @staticmethod
-    def forward(ctx, k, v, group, timeout, order):
-        cp = dist.get_world_size(group)
-        s_local = k.size(0)
-        local = torch.stack([k, v]).contiguous()  # [2, s_local, h, d]: one collective for both
-        # The gather concatenates rank by rank: [cp * 2 * s_local * h * d], viewed as [cp, 2, ...].
-        gathered = comm.start_all_gather(local, group, what=f"CP K/V {tuple(local.shape)}").wait(timeout)
-        gathered = gathered.view((cp,) + local.shape)
-        order = order.to(k.device)
-        # gathered[r] holds rank r's tokens; place every token at its sequence position.
-        flat = gathered.transpose(0, 1).reshape(2, cp * s_local, *k.shape[1:])
-        full = torch.empty_like(flat)
-        full[:, order] = flat
-        ctx.group, ctx.order, ctx.cp, ctx.timeout = group, order, cp, timeout
-        return full[0], full[1]
-
-    @staticmethod
-    def backward(ctx, dk_full, dv_full):
-        grads = torch.stack([dk_full, dv_full])[:, ctx.order]  # rank-major order
-        s_local = grads.size(1) // ctx.cp
-        grads = grads.reshape(2, ctx.cp, s_local, *grads.shape[2:]).transpose(0, 1).contiguous()
-        mine_shape = grads.shape[1:]
-        mine = comm.start_reduce_scatter_sum(  # sum over ranks of dK/dV for my tokens
-            grads.view(-1), ctx.group, grads.dtype, what=f"CP dK/dV {tuple(mine_shape)}").wait(ctx.timeout).view(mine_shape)
-        return mine[0], mine[1], None, None, None
 
 
 def _check_inputs(q, k, v):
@@ -75,7 +54,7 @@ def _check_inputs(q, k, v):
 
 
 def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softmax_scale=None,
-                         kernel="auto", wait_timeout=None, layout="2cp", overlap=True):
+                         kernel="auto", wait_timeout=None, layout="2cp", overlap=True, cp_kv="regather"):
     """Attention of this rank's queries over the whole packed sequence, with document masking.
 
     q: [s_local, heads_q, head_dim]; k, v: [s_local, heads_kv, head_dim], this rank's tokens in the
@@ -87,11 +66,14 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
     ``l3plugin.waits.resolve_timeout``, i.e. $L3PLUGIN_WAIT_TIMEOUT or 600).
     overlap: gather K/V and reduce-scatter dK/dV in parts, each waited only when a local range needs it
     (cp/overlap.py; bit-identical to False at cp=2); False: one collective each way, waited at once.
+    cp_kv: "regather" (keep only the local K/V for the backward, all-gather them again there) or "keep"
+    (save the gathered K/V); see the module docstring. Results are bit-identical.
     Returns [s_local, heads_q, head_dim], differentiable in q, k and v.
     """
     _check_inputs(q, k, v)
     check_bool("causal", causal)
     check_bool("overlap", overlap)
+    check_cp_kv(cp_kv)
     timeout = resolve_timeout(wait_timeout)
     cp = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
@@ -107,9 +89,12 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
         def attend(i, q_rows, k_prefix, v_prefix):
             return fn(q_rows, k_prefix, v_prefix, metas[i], causal=causal, softmax_scale=softmax_scale)
 
-        return overlapped_attention(q, k, v, attend, part_plan(plan, rank, causal, PARTS), group, timeout)
+        return overlapped_attention(q, k, v, attend, part_plan(plan, rank, causal, PARTS), group, timeout,
+                                    regather=cp_kv == "regather")
+    holder = []  # the gathered buffer, when it is to be released after the forward
     if cp > 1:
-        k_full, v_full = GatherKV.apply(k, v, group, timeout, plan.gathered_order())
+        regather = cp_kv == "regather" and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+        k_full, v_full = GatherKV.apply(k, v, group, timeout, plan.gathered_order(), holder if regather else None)
     else:
         # Without CP every layout holds the whole sequence in order.
         k_full, v_full = k, v
@@ -119,4 +104,10 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
         outs.append(fn(q[first:first + rows], k_full[:meta.kv_len], v_full[:meta.kv_len], meta,
                        causal=causal, softmax_scale=softmax_scale))
         first += rows
-    return torch.cat(outs)
+    out = torch.cat(outs)
+    if holder:
+        buffer, node = holder[0], k_full.grad_fn  # GatherKV's node: it saved the local K/V
+        buffer.release()
+        # Runs when the gradient of ``out`` is known, before any kernel's backward reads the saved views.
+        out.register_hook(lambda grad: buffer.refill(*node.saved_tensors))
+    return out

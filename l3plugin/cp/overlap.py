@@ -17,6 +17,10 @@ Exact: the same kernel calls on the same values, in the same order, as the plain
 dK/dV are summed in the same order, so at cp=2 every result is bit-identical to it (beyond cp=2 the
 reduce-scatter's sum over ranks is ordered differently). Memory: about the same (one gathered K/V
 buffer; in the backward one dK/dV buffer of the whole sequence, plus the parts being sent).
+
+With ``regather`` (cp_kv="regather") the gathered buffer's storage is freed when the forward ends and
+filled again by one K/V all-gather when the backward starts (every range's backward reads it, the last
+range's first, and that one needs nearly all of it: nothing to overlap it with inside the call).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from l3plugin import comm
+from l3plugin.cp.kv_gather import GatheredKV
 from l3plugin.cp.layout import CPLayout
 
 # K/V collectives per attention call. The paper's layout at cp=2 cannot use more: its ranges wait for half
@@ -81,7 +86,7 @@ class OverlappedAttention(torch.autograd.Function):
     k, v)`` runs the kernel of local range i on keys [0, kv_len). Gathers, attends, reduce-scatters."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attend, plan, group, timeout, track):
+    def forward(ctx, q, k, v, attend, plan, group, timeout, track, regather):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         local = torch.stack([k, v])  # [2, s_local, h, d]: one collective per part for both
         flights = [comm.start_all_gather(local[:, lo:hi], group,
@@ -106,11 +111,18 @@ class OverlappedAttention(torch.autograd.Function):
             flight.wait(timeout)
         ctx.plan, ctx.group, ctx.timeout, ctx.me, ctx.cp = plan, group, timeout, me, cp
         ctx.q_shape, ctx.local_shape = q.shape, local.shape
+        ctx.buffer = None
+        if regather and track:  # the ranges' graphs keep views of ``full``: free its memory until the backward
+            ctx.buffer = GatheredKV(full, gathered_order(plan), group, timeout)
+            ctx.buffer.release()
+            ctx.save_for_backward(k, v)
         return torch.cat([out.detach() for _, out, _, _ in ctx.ranges])
 
     @staticmethod
     def backward(ctx, grad_out):
         plan, me, cp = ctx.plan, ctx.me, ctx.cp
+        if ctx.buffer is not None:
+            ctx.buffer.refill(*ctx.saved_tensors)
         dq = grad_out.new_zeros(ctx.q_shape)
         dfull = grad_out.new_zeros((2, cp * ctx.local_shape[1]) + ctx.local_shape[2:])
         flights = {}
@@ -139,13 +151,21 @@ class OverlappedAttention(torch.autograd.Function):
         mine = dfull[:, own_positions(plan, me, dfull.device)]  # this rank's own gradient, local order
         for p, (lo, hi) in enumerate(plan.slices):
             mine[:, lo:hi] += flights[p].wait(ctx.timeout).view_as(mine[:, lo:hi])
-        return dq, mine[0], mine[1], None, None, None, None, None
+        if ctx.buffer is not None:
+            ctx.buffer.release()
+        return dq, mine[0], mine[1], None, None, None, None, None, None
 
 
-def overlapped_attention(q, k, v, attend, plan: PartPlan, group, timeout):
-    """OverlappedAttention; the ranges' graphs are built only when a backward can follow."""
+def overlapped_attention(q, k, v, attend, plan: PartPlan, group, timeout, regather=False):
+    """OverlappedAttention; the ranges' graphs are built only when a backward can follow. ``regather``:
+    keep only the local K/V for the backward and all-gather them again there (cp_kv="regather")."""
     track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return OverlappedAttention.apply(q, k, v, attend, plan, group, timeout, track)
+    return OverlappedAttention.apply(q, k, v, attend, plan, group, timeout, track, regather)
+
+
+def gathered_order(plan: PartPlan) -> torch.Tensor:
+    """Global positions of the rank-major concatenation of every rank's tokens (the layout's)."""
+    return torch.cat(plan.positions, dim=1).reshape(-1)
 
 
 def own_positions(plan: PartPlan, rank: int, device) -> torch.Tensor:

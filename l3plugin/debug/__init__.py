@@ -4,6 +4,7 @@
     from l3plugin.debug import local_collectives       # collectives replaced by local copies (patching.py)
     from l3plugin.debug import analyze_traces          # top-down slow-rank analysis (slow_rank.py)
     from l3plugin.debug import assert_bitwise_equal    # numerics parity against a same-order reference
+    from l3plugin.debug import SavedTensorCensus       # bytes autograd saves for the backward (saved_tensors.py)
 
 Names load on first use, so ``l3plugin analyze-trace`` does not import torch.
 """
@@ -21,6 +22,7 @@ _EXPORTS = {
     "grads_snapshot": "numerics",
     "relative_error_vs_fp64": "numerics",
     "accumulation_error": "numerics",
+    "SavedTensorCensus": "saved_tensors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -27,9 +27,8 @@ import functools
 
 import torch
 
-from l3plugin.cp.attention import all_gather_attention
+from l3plugin.cp.attention import CP_KV_MODES, all_gather_attention, check_cp_kv  # noqa: F401 (CP_KV_MODES: cp_route.py)
 from l3plugin.cp.layout import LAYOUT_NAMES, make_layout
-from l3plugin.planner.machine import CP_KV_MODES
 
 CP_COMM_TYPE = "l3plugin_all_gather"  # Megatron's --cp-comm-type / TransformerConfig.cp_comm_type value
 
@@ -52,8 +51,7 @@ class AllGatherCPCoreAttention(torch.nn.Module):
         from megatron.core import parallel_state
 
         check_layout_name(cp_layout)  # at model build, not mid-step
-        if cp_kv not in CP_KV_MODES:
-            raise ValueError(f"cp_kv={cp_kv!r} is invalid: choose one of {list(CP_KV_MODES)}")
+        check_cp_kv(cp_kv)
 
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
@@ -88,7 +86,7 @@ class AllGatherCPCoreAttention(torch.nn.Module):
             cu = self._cu_seqlens(packed_seq_params, query.size(0))
             out = all_gather_attention(query, key, value, cu, group=group, causal=causal,
                                        softmax_scale=self.softmax_scale, kernel=self.kernel,
-                                       layout=self.cp_layout)
+                                       layout=self.cp_layout, cp_kv=self.cp_kv)
             return out.reshape(out.size(0), -1)
         seq_len = query.size(0) * (group.size() if group is not None else 1)
         if packed_seq_params is not None and query.size(1) != 1:
@@ -97,7 +95,7 @@ class AllGatherCPCoreAttention(torch.nn.Module):
         cu = self._cu_seqlens(packed_seq_params, seq_len)
         outs = [all_gather_attention(query[:, b], key[:, b], value[:, b], cu, group=group, causal=causal,
                                      softmax_scale=self.softmax_scale, kernel=self.kernel,
-                                     layout=self.cp_layout)
+                                     layout=self.cp_layout, cp_kv=self.cp_kv)
                 for b in range(query.size(1))]
         out = torch.stack(outs, dim=1)  # [s, b, heads, dim]
         return out.reshape(out.size(0), out.size(1), -1)
@@ -117,12 +115,12 @@ class AllGatherCPCoreAttention(torch.nn.Module):
 def gpt_layer_spec_with_cp_attention(cp_layout="2cp", cp_kv="regather", **local_spec_kwargs):
     """Megatron-Core's local GPT layer spec (no TE) with ``AllGatherCPCoreAttention`` as core_attention,
     sharding by ``cp_layout`` ("2cp", the paper's, or "balanced"; see the module docstring) and keeping
-    K/V for the backward by ``cp_kv`` ("regather" or "keep", see l3plugin.cp.attention)."""
+    K/V for the backward by ``cp_kv`` ("regather", the default: only the local K/V, gathered again in the
+    backward; or "keep": the gathered K/V; see l3plugin.cp.attention)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     check_layout_name(cp_layout)
-    if cp_kv not in CP_KV_MODES:
-        raise ValueError(f"cp_kv={cp_kv!r} is invalid: choose one of {list(CP_KV_MODES)}")
+    check_cp_kv(cp_kv)
     spec = get_gpt_layer_local_spec(**local_spec_kwargs)
     core = AllGatherCPCoreAttention
     options = {k: v for k, v, default in (("cp_layout", cp_layout, "2cp"), ("cp_kv", cp_kv, "regather"))

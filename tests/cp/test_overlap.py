@@ -69,7 +69,7 @@ def test_overlap_beyond_cp2_matches_one_collective(ranks):
                 assert (a - b).abs().max() < 1e-12, f"rank {rank} {case} {what}"
 
 
-def logged_attention():
+def logged_attention(cp_kv):
     """The order of kernel calls, K/V part waits and dK/dV part starts/waits on this rank (2cp, S=16)."""
     import torch.distributed as dist
 
@@ -96,7 +96,7 @@ def logged_attention():
     comm.InFlight.wait, comm.start_reduce_scatter_sum = logged_wait, logged_start
     try:
         q = torch.randn(8, 2, 4, requires_grad=True)
-        out = all_gather_attention(q, q, q, [0, 16], group=dist.group.WORLD, kernel="logged-reference")
+        out = all_gather_attention(q, q, q, [0, 16], group=dist.group.WORLD, kernel="logged-reference", cp_kv=cp_kv)
         log.append("backward")
         out.sum().backward()
     finally:
@@ -104,12 +104,15 @@ def logged_attention():
     return log
 
 
-def test_each_part_is_waited_when_a_range_needs_it(ranks):
-    zero, one = ranks.run(2, logged_attention, timeout=60)
-    assert zero == ["attend [0, 4)", "wait K/V part 0", "wait K/V part 1", "attend [12, 16)", "backward",
+@pytest.mark.parametrize("cp_kv", ["keep", "regather"])
+def test_each_part_is_waited_when_a_range_needs_it(ranks, cp_kv):
+    zero, one = ranks.run(2, logged_attention, cp_kv, timeout=60)
+    # regather: the whole K/V are gathered again (one collective) before the first range's backward
+    again = ["wait K/V"] if cp_kv == "regather" else []
+    assert zero == ["attend [0, 4)", "wait K/V part 0", "wait K/V part 1", "attend [12, 16)", "backward", *again,
                     # [12, 16) differentiated: nothing left reaches rank 1's tokens, both parts go
                     "start dK/dV part 0", "start dK/dV part 1", "wait dK/dV part 0", "wait dK/dV part 1"]
-    assert one == ["wait K/V part 0", "attend [4, 8)", "attend [8, 12)", "wait K/V part 1", "backward",
+    assert one == ["wait K/V part 0", "attend [4, 8)", "attend [8, 12)", "wait K/V part 1", "backward", *again,
                    "start dK/dV part 1",  # rank 0's [12, 16): no range here reaches it
                    "start dK/dV part 0", "wait dK/dV part 0", "wait dK/dV part 1"]
 
