@@ -118,12 +118,14 @@ def test_keeping_the_gathered_kv_needs_a_larger_cp():
     # the emitted Megatron arguments name the CP attention the memory was planned for
     args = megatron_args(result.evaluation)
     assert "--context-parallel-size 32" in args and "--cp-comm-type l3plugin_all_gather" in args
+    assert "--l3plugin-cp-kv keep" in args
 
 
 def test_emit_megatron_for_the_staged_plan(capsys):
     args = run(LONG + ["--keep-tp-pp", "--emit", "megatron"], capsys)
     for flag in ("--tensor-model-parallel-size 8", "--context-parallel-size 16", "--pipeline-model-parallel-size 16",
-                 "--cp-comm-type all_gather", "--global-batch-size 128", "--seq-length 131072",
+                 "--cp-comm-type l3plugin_all_gather", "--l3plugin-cp-kv regather", "--global-batch-size 128",
+                 "--seq-length 131072",
                  "--microbatch-group-size-per-virtual-pipeline-stage 16"):
         assert flag in args
 
@@ -292,3 +294,27 @@ def test_hardware_validates_its_fields():
         with pytest.raises(ValueError, match=message):
             Hardware(**kwargs)
     assert replace(Hardware(), mfu=1.0).mfu == 1.0
+
+
+@pytest.mark.parametrize("cp_kv, cp", [("regather", 16), ("keep", 32)])
+def test_emitted_cp_flags_select_l3plugins_attention_with_the_planned_kv(cp_kv, cp):
+    """The CP flags of --emit megatron go through the launcher's own arguments (l3plugin/megatron/cp_route.py)
+    to the route that builds the attention, keeping for backward what the memory was planned for: the
+    paper's 131K plan (CP 16) with l3plugin's own attention when it regathers."""
+    import argparse
+    import shlex
+
+    from l3plugin.megatron.cp_route import CPRoute, add_cp_arguments, check_cp_args
+
+    req = PlanRequest("llama3-405b", gpus=16384, seq_len=131072, global_batch_tokens=16 * 2**20,
+                      hardware=Hardware(cp_kv=cp_kv))
+    ev = staged_plan(req, Base(tp=8, pp=16, vpp=8, source="test")).evaluation
+    words = shlex.split(megatron_args(ev).replace("\\\n", " "), comments=True)  # notes are shell comments
+    megatron_like = argparse.ArgumentParser()  # Megatron-LM's definitions of the two flags (arguments.py)
+    megatron_like.add_argument("--context-parallel-size", type=int, default=1)
+    megatron_like.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"])
+    add_cp_arguments(megatron_like)
+    args, _ = megatron_like.parse_known_args(words)
+    args.transformer_impl = "local"
+    assert args.context_parallel_size == ev.layout.cp == cp
+    assert check_cp_args(args) == CPRoute(layout="2cp", cp_kv=cp_kv, documents=False)

@@ -17,10 +17,12 @@ Assumptions (not datasheet figures):
         of the layer being computed; the CUDA context and NCCL buffers.
     --latency-us 5: per ring step of a collective or per P2P message (order of NCCL's on NVLink and
         InfiniBand); a ring collective over g ranks takes g-1 steps.
-    --cp-kv regather: CP keeps only its local K/V for backward and all-gathers them again there, as
-        Transformer Engine's all-gather CP (which cites the paper) does; the paper's claim that CP cuts
-        activation memory by the sequence split holds only then. ``keep`` models l3plugin's own
-        cp/attention.py, which saves the gathered K/V (memory instead of a second all-gather).
+    --cp-kv regather: CP keeps only its local K/V for backward and all-gathers them again there
+        (l3plugin's cp_kv="regather", the default of its CP attention; Transformer Engine's all-gather CP
+        does the same); the paper's claim that CP cuts activation memory by the sequence split holds only
+        then. ``keep`` (cp_kv="keep") saves the gathered K/V instead (memory instead of a second all-gather).
+        The two modes are l3plugin.cp.attention's CP_KV_MODES (a test keeps them equal; the planner imports
+        no torch).
 """
 
 from __future__ import annotations

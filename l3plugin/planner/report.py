@@ -290,14 +290,12 @@ def megatron_args(ev: Evaluation) -> str:
     args += [("--context-parallel-size", L.cp), ("--pipeline-model-parallel-size", L.pp)]
     notes = [f"# l3plugin plan: tp={L.tp} cp={L.cp} pp={L.pp} dp={L.dp} vpp={L.vpp} k={L.group_size} "
              f"ZeRO-{ev.zero_stage} ({L.schedule_name}, {L.split} split)"]
-    if L.cp > 1:  # the CP attention the memory was planned for (--cp-kv)
-        regather = req.hardware.cp_kv == "regather"
-        args.append(("--cp-comm-type", "all_gather" if regather else "l3plugin_all_gather"))
-        notes.append("# CP planned with --cp-kv " + (
-            "regather: TE's all_gather keeps only local K/V and gathers them again in backward (documents are "
-            "padded to 2*cp pieces); l3plugin_all_gather (the paper's document masking) keeps the gathered "
-            "K/V: plan it with --cp-kv keep" if regather else
-            "keep: l3plugin_all_gather (l3plugin.te) keeps the gathered K/V for backward"))
+    if L.cp > 1:  # l3plugin's CP attention, keeping for backward what the memory was planned for (--cp-kv)
+        args += [("--cp-comm-type", "l3plugin_all_gather"), ("--l3plugin-cp-kv", req.hardware.cp_kv)]
+        notes.append("# CP: l3plugin's all-gather attention (document masks with --reset-attention-mask); "
+                     + ("only the local K/V stay for backward, gathered again there" if req.hardware.cp_kv == "regather"
+                        else "the gathered K/V stay for backward")
+                     + ". Launch with -m l3plugin.megatron.launch (or the pretrain_gpt.py patch)")
     if L.pp > 1:
         even = L.split == "even"
         if L.vpp > 1 and even:
