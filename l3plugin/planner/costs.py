@@ -109,11 +109,11 @@ class LayoutCosts:
         last = self.num_stages - 1
         tokens = micro_batch_size * seq_len / L.cp  # per GPU per microbatch
         # --- activations per microbatch per GPU
-        self.act_layer = (BF16 * tokens * (6 * h + 2 * m.kv_dim + 3 * m.ffn_hidden_size) / L.tp
-                          + FP32 * tokens * m.num_attention_heads / L.tp)
         self.gathered_kv = BF16 * 2 * micro_batch_size * seq_len * (L.cp - 1) / L.cp * m.kv_dim / L.tp
-        if L.cp > 1 and hw.cp_kv == "keep":
-            self.act_layer += self.gathered_kv
+        # what the core attention saves: Q, K, V, its output, fp32 softmax statistics (+ the others' K/V)
+        self.attention_saved = (BF16 * tokens * (2 * h + 2 * m.kv_dim) / L.tp + FP32 * tokens * m.num_attention_heads
+                                / L.tp + (self.gathered_kv if L.cp > 1 and hw.cp_kv == "keep" else 0.0))
+        self.act_layer = BF16 * tokens * (4 * h + 3 * m.ffn_hidden_size) / L.tp + self.attention_saved
         self.act_head = (BF16 * tokens * 2 * h + (BF16 + FP32) * tokens * m.vocab_size) / L.tp
         self.stage_act = [L.layers[s] * self.act_layer + (self.act_head if s == last else 0.0)
                           for s in range(self.num_stages)]
