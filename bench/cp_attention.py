@@ -32,7 +32,8 @@ On a wire (``--wire RATE|PRESET|auto``, l3plugin/testing/wire.py: the bench re-e
 namespace whose loopback is rate-limited, so traffic costs wall time and little CPU, as on GPUs): cp=2 only,
 all-gather with the "2cp" and "balanced" layouts, each "plain" (overlap=False: one K/V all-gather and
 one dK/dV reduce-scatter, waited at once) and "overlapped" (the default, cp/overlap.py), against the
-ring; the correctness checks and the warm-up run at the first S only. ``auto`` picks the rate at which
+ring, and (2cp layout) "overlapped regather" (cp_kv="regather": only the local K/V kept for the backward,
+which gathers them again; every other all-gather contender keeps them, cp_kv="keep"); the correctness checks and the warm-up run at the first S only. ``auto`` picks the rate at which
 the K/V all-gather alone takes ``--kv-share`` (0.2) of cp=2 causal attention at the smallest S, from
 two measurements, and prints them. Printed per S: the K/V all-gather and the dK/dV reduce-scatter alone
 at that rate (wall and CPU), per contender wall, busy, CPU-busy (both ranks' CPU seconds / (2 cores x
@@ -127,7 +128,7 @@ def _timed(step, keep):
     return out
 
 
-def all_gather_run(seq_len, cp, cu, causal, layout, overlap=True, keep=False):
+def all_gather_run(seq_len, cp, cu, causal, layout, overlap=True, cp_kv="keep", keep=False):
     import torch.distributed as dist
 
     from l3plugin.cp.attention import all_gather_attention
@@ -139,7 +140,7 @@ def all_gather_run(seq_len, cp, cu, causal, layout, overlap=True, keep=False):
     def step():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = all_gather_attention(*leaves, torch.tensor(cu), group=group, causal=causal, kernel=KERNEL,
-                                   layout=layout, overlap=overlap)
+                                   layout=layout, overlap=overlap, cp_kv=cp_kv)
         out.backward(g)
         return out.detach(), [t.grad for t in leaves]
 
@@ -333,6 +334,8 @@ def wire_contenders(s, cu_docs, masks):
             name = f"all-gather {mask}" + (f" {layout}" if mask == "docs" else "")
             runs[name + " plain"] = (all_gather_run, (s, 2, cu, True, layout, False))
             runs[name + " overlapped"] = (all_gather_run, (s, 2, cu, True, layout, True))
+            if layout == "2cp":  # what keeping only the local K/V costs: the backward gathers them again
+                runs[name + " overlapped regather"] = (all_gather_run, (s, 2, cu, True, layout, True, "regather"))
         runs[f"ring {mask}"] = (ring_run, (s, 2, cu))
     return runs
 
@@ -414,6 +417,9 @@ def wire_report(s, cu_docs, times, diff, gather_alone):
     for ag in [n for n in times if n.endswith(" overlapped")]:
         plain = ag.replace(" overlapped", " plain")
         print(f"  {ag + ' / plain:':<52} {ratio(ag, plain)}   (below 1: overlapping helps)")
+    for ag in [n for n in times if n.endswith(" regather")]:
+        keep = ag.replace(" regather", "")
+        print(f"  {ag + ' / keep:':<52} {ratio(ag, keep)}   (above 1: what the backward's second all-gather costs)")
     for (a, b), d in diff.items():
         print(f"  max abs difference (out and grads), {a} vs {b}: {d:.1e}")
 
@@ -463,7 +469,8 @@ def main(argv=None):
             for m in ("causal", "docs 2cp") if s == args.seq[0] else ():
                 if m.split()[0] in args.masks:
                     checks += [(f"all-gather {m} plain", f"all-gather {m} overlapped"),
-                               (f"all-gather {m} overlapped", f"ring {m.split()[0]}")]
+                               (f"all-gather {m} overlapped", f"ring {m.split()[0]}"),
+                               (f"all-gather {m} overlapped", f"all-gather {m} overlapped regather")]
             wire_report(s, cu_docs, *timed_rows(pool, wire_contenders(s, cu_docs, args.masks), args.rounds,
                                                 checks, warm_up=False), gather)
     print(f"\n{load()} at the end; timed part {time.perf_counter() - began:.0f} s")
