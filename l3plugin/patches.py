@@ -15,6 +15,7 @@ upstream until a set is applied or checked.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import sys
@@ -51,9 +52,10 @@ class Patch:
 
     target: "module:Class" (or "module") that holds ``attribute``; with ``key``, the dict ``attribute`` holds
       and the entry for the object ``key`` names. replacement: "module:function", a top-level function (or
-      object); with ``wraps`` it is a factory called with the original, whose result is set. signature: the
-      parameter names the original must start with (None: not checked). optional: a missing target module
-      (Megatron-LM beside megatron-core) is skipped. loaded_only: patched only if the module was imported
+      object); with ``wraps`` it is a factory called with the original and the attribute name, whose result is
+      set. signature: the parameter names the original must start with (None: not checked). optional: a
+      missing module or attribute (Megatron-LM beside megatron-core; a torch without that function) is
+      skipped. loaded_only: patched only if the module was imported
       already (never imported for it). rebind: modules that imported the original by name get the
       replacement too. instance: ``attribute`` is replaced on single instances (``apply_to``), not the class.
     """
@@ -88,6 +90,8 @@ class Patch:
             raise
         if self.key is not None:
             return getattr(owner, self.attribute), _resolve(self.key)
+        if self.optional and getattr(owner, self.attribute, None) is None:
+            return None  # (None: how DeepSpeed says "this torch has no such function")
         return owner, self.attribute
 
     def problem(self) -> str | None:
@@ -105,6 +109,7 @@ class Patch:
         if self.signature is None:
             return None
         current = owner[attribute] if self.key is not None else getattr(owner, attribute)
+        current = _ORIGINALS.get((id(owner), attribute), current)  # check upstream's, not a patch's
         try:
             params = tuple(inspect.signature(current).parameters)
         except (TypeError, ValueError):
@@ -120,7 +125,8 @@ class PatchSet:
     def __init__(self, name: str, package: str, checked: str, patches: list[Patch]):
         self.name, self.package, self.checked, self.patches = name, package, checked, list(patches)
         self._stock: dict[str, object] = {}  # patch name -> the original, while applied
-        self._by_instance = weakref.WeakKeyDictionary()  # instance -> {patch name: original}
+        self._extra: list = []  # (owner, attribute, original) set by apply_on
+        self._by_instance = weakref.WeakKeyDictionary()  # instance -> {replacement: original}
         SETS.append(self)
 
     def __repr__(self):
@@ -140,25 +146,37 @@ class PatchSet:
                 + "; ".join(p.problem() for p in problems)
                 + f". It was checked against {self.package} {self.checked}; use that version or report this.")
 
-    def apply(self) -> None:
-        """Check every target, then set every replacement (idempotent)."""
-        if self.applied:
-            return
-        todo = [p for p in self.patches if not p.instance]
+    def apply(self, which=None) -> None:
+        """Check every target not patched yet (of those ``which(patch)`` selects), then set their
+        replacements. Idempotent; a later call also patches ``loaded_only`` / ``optional`` targets whose
+        module has been imported since."""
+        todo = [p for p in self.patches if not p.instance and p.name not in self._stock
+                and (which is None or which(p))]
         self.check(todo)
         for patch in todo:
             found = patch.holder()
             if found is None:
                 continue
             owner, attribute = found
-            original = owner[attribute] if patch.key is not None else getattr(owner, attribute)
+            original = _current(owner, attribute, patch)
             self._stock[patch.name] = original
+            _ORIGINALS.setdefault((id(owner), attribute), original)
             _set(owner, attribute, _replacement(patch, original), patch.key is not None)
             if patch.rebind:
                 _rebind(attribute, original, _current(owner, attribute, patch))
 
+    def apply_on(self, owner, attribute: str, factory: str, *args) -> None:
+        """Also replace ``owner.attribute`` (an object known only at run time, e.g. a reference a library
+        cached) by ``factory(original, *args)``; ``undo`` puts it back with the rest."""
+        original = getattr(owner, attribute)
+        self._extra.append((owner, attribute, original))
+        setattr(owner, attribute, _resolve(factory)(original, *args))
+
     def undo(self) -> None:
         """Put every original back (modules rebound by name too)."""
+        while self._extra:
+            owner, attribute, original = self._extra.pop()
+            setattr(owner, attribute, original)
         for patch in reversed(self.patches):
             if patch.name not in self._stock:
                 continue
@@ -167,33 +185,51 @@ class PatchSet:
             if patch.rebind:
                 _rebind(attribute, _current(owner, attribute, patch), original)
             _set(owner, attribute, original, patch.key is not None)
+            if _ORIGINALS.get((id(owner), attribute)) is original:
+                del _ORIGINALS[(id(owner), attribute)]
         self._stock.clear()
+
+    @contextlib.contextmanager
+    def within(self):
+        """Applied inside the block only (left as it was if the set was applied already)."""
+        if self.applied:
+            yield
+            return
+        self.apply()
+        try:
+            yield
+        finally:
+            self.undo()
 
     def stock(self, name: str):
         """The original that patch ``name`` (as ``Patch.name``) replaced."""
         return self._stock[name]
 
-    def apply_to(self, instance, attribute: str):
-        """Replace ``attribute`` on this one instance (an ``instance`` patch); returns the original."""
-        patch = next(p for p in self.patches if p.instance and p.attribute == attribute)
+    def _instance_patch(self, function) -> Patch:
+        path = f"{function.__module__}:{function.__name__}"
+        return next(p for p in self.patches if p.instance and p.replacement == path)
+
+    def apply_to(self, instance, function):
+        """Replace the attribute of the ``instance`` patch whose replacement is ``function`` on this one
+        instance (bound to it; once per instance). Returns what it replaced."""
+        patch = self._instance_patch(function)
         self.check([patch])
         if not isinstance(instance, _resolve(patch.target)):
             raise TypeError(f"{patch.name} is patched on {patch.target} instances, got {type(instance).__name__}")
         saved = self._by_instance.setdefault(instance, {})
-        if patch.name not in saved:
-            saved[patch.name] = getattr(instance, attribute)
-            setattr(instance, attribute, types.MethodType(_resolve(patch.replacement), instance))
-        return saved[patch.name]
+        if patch.replacement not in saved:
+            saved[patch.replacement] = getattr(instance, patch.attribute)
+            setattr(instance, patch.attribute, types.MethodType(function, instance))
+        return saved[patch.replacement]
 
-    def stock_of(self, instance, attribute: str):
-        """What ``apply_to`` replaced on ``instance``."""
-        patch = next(p for p in self.patches if p.instance and p.attribute == attribute)
-        return self._by_instance[instance][patch.name]
+    def stock_of(self, instance, function):
+        """What ``apply_to(instance, function)`` replaced."""
+        return self._by_instance[instance][self._instance_patch(function).replacement]
 
 
 def _replacement(patch: Patch, original):
     made = _resolve(patch.replacement)
-    return made(original) if patch.wraps else made
+    return made(original, patch.attribute) if patch.wraps else made
 
 
 def _set(owner, attribute, value, is_key: bool) -> None:
@@ -217,6 +253,48 @@ def _rebind(attribute: str, old, new) -> None:
             continue
 
 
+def status(patch: Patch) -> str:
+    """One patch checked against what is installed: "ok", "skipped: ..." or "MISMATCH: ..."."""
+    module_name = patch.target.partition(":")[0]
+    if patch.loaded_only and module_name not in sys.modules:
+        return "ok (patched only once its module is imported)"
+    problem = patch.problem()
+    if problem is not None:
+        return f"MISMATCH: {problem}"
+    if patch.optional and patch.holder() is None:
+        return "skipped: not installed"
+    return "ok"
+
+
+def doctor(out=None) -> int:
+    """Print every patch set: the upstream version installed and checked against, each patch's target,
+    replacement (who patches), status and why. Returns 1 if any target does not check out."""
+    import warnings
+
+    out = out or sys.stdout
+    bad = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # import-time warnings of the frameworks are not ours to show
+        for patch_set in SETS:
+            print(f"{patch_set.name}: {patch_set.package} {installed_version(patch_set.package)} installed, "
+                  f"checked against {patch_set.checked}", file=out)
+            for patch in patch_set.patches:
+                state = status(patch)
+                bad += state.startswith("MISMATCH")
+                print(f"  {patch.name}  ->  {patch.replacement}{'  (per instance)' if patch.instance else ''}\n"
+                      f"      {state}; {patch.why}", file=out)
+    print(f"{sum(len(s.patches) for s in SETS)} patches in {len(SETS)} sets; "
+          + (f"{bad} do not match the installed versions" if bad else "every target checks out"), file=out)
+    return 1 if bad else 0
+
+
+def add_doctor_parser(sub) -> None:
+    doctor_parser = sub.add_parser("doctor", help="list every upstream patch and check it against the installed "
+                                   "DeepSpeed / Megatron-Core / torch", description=__doc__.split("\n\n")[0])
+    doctor_parser.set_defaults(func=lambda _args: doctor())
+
+
+_ORIGINALS: dict = {}  # (id(owner), attribute or key) -> upstream's own value, while any set has replaced it
 SETS: list[PatchSet] = []  # every declared set, in declaration order (``l3plugin doctor`` lists them)
 
 
@@ -257,4 +335,72 @@ DEEPSPEED = PatchSet("l3plugin.deepspeed", "deepspeed", "0.19.8", [
           signature=("self",), why="the instruction table entry of _exec_reduce_tied_grads"),
     Patch(_PIPE, "_INSTRUCTION_MAP", f"{_HOOKS}:exec_backward_pass", key="deepspeed.runtime.pipe.schedule:BackwardPass",
           signature=("self", "buffer_id"), why="the instruction table entry of _exec_backward_pass"),
+    Patch("deepspeed", "initialize", "l3plugin.huggingface.deepspeed_cp:initialize", signature=("args", "model"),
+          rebind=True, why='"l3plugin": {"context_parallel_size": N}: DeepSpeed\'s sequence-parallel groups as mpu, '
+          "batch size over DP only, a transformers model's attention swapped for the all-gather CP attention"),
+    # Only when accelerate is imported already (the HF Trainer imports it before deepspeed).
+    Patch("accelerate.accelerator", "prepare_data_loader", "l3plugin.huggingface.deepspeed_cp:prepare_data_loader",
+          signature=("dataloader", "device", "num_processes", "process_index"), loaded_only=True,
+          why="under context_parallel_size N, shard data over data-parallel ranks only: a CP group shares batches"),
 ])
+
+_SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+_INSTALL = "l3plugin.megatron.install"
+_SELECTOR = "one selector answering the flexible schedule when it is selected and pp > 1"
+
+AUTOLOAD = PatchSet("l3plugin_autoload", "deepspeed", "0.19.8", [
+    Patch("deepspeed", "initialize", "l3plugin_autoload:initialize_after_install",
+          why="deepspeed was imported while an l3plugin module was half-built: l3plugin.deepspeed is installed "
+              "at the first deepspeed.initialize instead (then the stock function is put back)"),
+])
+
+MEGATRON = PatchSet("l3plugin.megatron", "megatron-core", "0.16.1", [
+    Patch("megatron.core.pipeline_parallel", "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
+          signature=("pp_size", "vp_size"), why=_SELECTOR),
+    Patch(_SCHEDULES, "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
+          signature=("pp_size", "vp_size"), why=_SELECTOR),
+    Patch("megatron.training.training", "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
+          signature=("pp_size", "vp_size"), loaded_only=True,
+          why="Megatron-LM's training loop imported the selector by name (a module global)"),
+    # What a selector bound before install() returns, read from these globals at call time.
+    Patch(_SCHEDULES, "forward_backward_pipelining_with_interleaving", f"{_INSTALL}:guard", wraps=True,
+          signature=("forward_step_func",),
+          why="an early-bound stock selector still runs the flexible schedule while it is selected (warned)"),
+    Patch(_SCHEDULES, "forward_backward_pipelining_without_interleaving", f"{_INSTALL}:guard", wraps=True,
+          signature=("forward_step_func",),
+          why="an early-bound stock selector still runs the flexible schedule while it is selected (warned)"),
+])
+
+MEGATRON_LM_ARGS = PatchSet("l3plugin.megatron (Megatron-LM arguments)", "megatron-core", "0.16.1 (Megatron-LM "
+                            "core_v0.16.1)", [
+    Patch("megatron.training.initialize", "parse_args", f"{_INSTALL}:parse_args", optional=True,
+          signature=("extra_args_provider",),
+          why="Megatron-LM's parser accepts l3plugin's flags (chained onto the script's extra_args_provider) and "
+              "the parsed CP arguments are checked"),
+])
+
+_ROPE = "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding"
+
+ROPE = PatchSet("l3plugin.megatron (RoPE)", "megatron-core", "0.16.1", [
+    Patch(_ROPE, "forward", "l3plugin.demo.model:rope_on_cpu", instance=True,
+          signature=("self", "max_seq_len", "offset", "packed_seq", "cp_group"),
+          why="on a CPU-only machine RotaryEmbedding moves its frequencies to the CUDA device and indexes with a "
+              "pinned CUDA tensor; the same result computed where inv_freq is"),
+    Patch(_ROPE, "forward", "l3plugin.megatron.attention:rope_of_held_positions", instance=True,
+          signature=("self", "max_seq_len", "offset", "packed_seq", "cp_group"),
+          why="with a CP layout other than the paper's 2cp chunks, each rank's RoPE must follow the positions it "
+              "holds (rope_follows_cp_layout)"),
+])
+
+# The torch.distributed functions record_collectives / local_collectives route through one wrapper each
+# (op specs in l3plugin/debug/patching.py, OPS; tests/debug check both name the same functions).
+COLLECTIVE_OPS = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+                  "all_gather_single", "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor",
+                  "reduce_scatter_single", "_reduce_scatter_base", "all_to_all", "all_to_all_single", "barrier",
+                  "send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+COLLECTIVES = PatchSet("l3plugin.debug (record_collectives, local_collectives)", "torch", "2.13.0", [
+    Patch(module, op, "l3plugin.debug.patching:collective_wrapper", wraps=True, optional=True,
+          why="while a recorder or the local stand-ins are active, each call goes to them (Megatron-Core and "
+              "DeepSpeed call these functions through both modules)")
+    for module in ("torch.distributed", "torch.distributed.distributed_c10d") for op in COLLECTIVE_OPS])

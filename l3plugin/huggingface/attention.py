@@ -50,20 +50,20 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
 
 
 class _SumOverCP(torch.autograd.Function):
-    """All-reduce (sum) over the CP group; the backward all-reduces the gradients too (the exact gradient of
-    a sum that every rank consumes), so summing over DP x CP afterwards counts each token once."""
+    """All-reduce (sum) over the CP group in the forward; the backward passes the gradient through unchanged.
+
+    Every CP rank then holds the same (whole-sequence) loss, and each rank's gradient is that loss's gradient
+    through the tokens it holds: summed over the CP ranks it is the whole gradient. That is DeepSpeed's
+    sequence-parallel convention (its engine and ZeRO sum gradients over SP ranks, average over DP)."""
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
         out = x.clone()
         dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
@@ -77,8 +77,8 @@ class CPLoss:
     """Wraps a model's ``loss_function``: the loss of the WHOLE sequence, on every CP rank.
 
     Each rank sums the token losses it holds; the sum (and, without ``num_items_in_batch``, the count of
-    labelled tokens) is reduced over CP, so the value equals the cp = 1 loss and the gradients, once averaged
-    over DP x CP like DeepSpeed does, equal cp = 1's averaged over DP."""
+    labelled tokens) is reduced over CP, so the value equals the cp = 1 loss and the gradients, summed over CP
+    and averaged over DP as DeepSpeed does under sequence parallelism, equal cp = 1's averaged over DP."""
 
     def __init__(self, stock):
         self.stock = stock

@@ -43,3 +43,22 @@ def packed(docs_per_row):
 # Rows of 64 tokens: at cp=2 the 2cp chunks are 16 tokens, so these documents cross chunk borders.
 ROW_A = [23, 27, 14]
 ROW_B = [5, 40, 19]
+
+
+def quiet_deepspeed():
+    """deepspeed on the harness' gloo group, without its ~120 s shm-op JIT compile (inference only)."""
+    import logging
+    import sys
+
+    import deepspeed
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.utils.logger.setLevel(logging.ERROR)
+    deepspeed.init_distributed(dist_backend="gloo")
+    return deepspeed
+
+
+def step_rows(step, micro):
+    """The two packed rows of one micro-batch (documents cross the cp=2 chunk borders)."""
+    lengths = (ROW_A, ROW_B) if (step + micro) % 2 == 0 else (ROW_B[::-1], ROW_A[::-1])
+    return [documents(1000 * step + 10 * micro + r, n) for r, n in enumerate(lengths)]

@@ -1,0 +1,218 @@
+"""``"l3plugin": {"context_parallel_size": N}`` in a DeepSpeed config: CP from one key, for DeepSpeed,
+accelerate and the HF Trainer.
+
+``deepspeed.initialize`` (replaced through ``l3plugin/patches.py``; it falls through unchanged without the
+key) then:
+
+1. builds DeepSpeed's own sequence-parallel groups (``deepspeed.runtime.sequence_parallel.parallel_state_sp``,
+   the groups DeepSpeed's Ulysses uses: N consecutive ranks per group, the sequence-data-parallel group over
+   all ranks) and passes that module as ``mpu``, so DeepSpeed counts world / N data-parallel ranks and its
+   engine, and l3plugin's ZeRO, reduce gradients over ``seq_data_parallel_group`` (DP x CP);
+2. fixes a ``train_batch_size`` that was computed over all ranks (HF "auto" does that) to
+   micro-batch x accumulation x (world / N);
+3. for a transformers model, swaps in the all-gather CP attention (model.py) over the CP group.
+
+Every rank of a CP group must then see the same batches: accelerate's data loaders are sharded over
+data-parallel ranks only (``prepare_data_loader`` below, also in patches.py); in your own loop use
+``data_parallel_rank_and_size()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import sys
+
+KEY = "l3plugin"
+
+
+def _sequence_parallel():
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    return parallel_state_sp
+
+
+# The options this module reads under "l3plugin" (the DeepSpeed adapter's config accepts them too).
+OPTIONS = {"context_parallel_size": "ranks per context-parallel group (consecutive ranks inside DP): builds DeepSpeed's "
+                                    "sequence-parallel groups, reduces gradients over DP x CP and gives a transformers "
+                                    "model l3plugin's all-gather CP attention (default 1)",
+           "cp_layout": 'tokens each CP rank holds: "balanced" (default, for packed documents) or "2cp" (the paper\'s)'}
+
+
+def cp_settings(config: dict) -> tuple[int, str]:
+    """(context_parallel_size, cp_layout) of a DeepSpeed config dict; bad values name the option and the range."""
+    raw = config.get(KEY)
+    if not isinstance(raw, dict):
+        return 1, "balanced"
+    size, layout = raw.get("context_parallel_size", 1), raw.get("cp_layout", "balanced")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f'"{KEY}.context_parallel_size" must be an integer >= 1, got {size!r}')
+    if layout not in ("balanced", "2cp"):
+        raise ValueError(f'"{KEY}.cp_layout" must be "balanced" or "2cp", got {layout!r}')
+    return size, layout
+
+
+def _config_of(call: inspect.BoundArguments):
+    """(name of the argument holding the config, the config as a dict) of a ``deepspeed.initialize`` call."""
+    for name in ("config", "config_params"):
+        value = call.arguments.get(name)
+        if value is not None:
+            break
+    else:
+        args = call.arguments.get("args")
+        name, value = "args", getattr(args, "deepspeed_config", None)
+    if isinstance(value, str):
+        with open(value) as f:  # DeepSpeed's loader accepts hjson; plain JSON is the common case
+            value = json.load(f)
+    return name, value if isinstance(value, dict) else None
+
+
+def _under_accelerate() -> bool:
+    state = sys.modules.get("accelerate.state")
+    return state is not None and bool(state.AcceleratorState._shared_state.get("deepspeed_plugins"))
+
+
+def check_for_hf_users(config: dict) -> None:
+    """Item 5: the messages an HF Trainer / accelerate user gets name their own settings."""
+    if not _under_accelerate():
+        return
+    plugin = config.get(KEY)
+    bf16 = config.get("bf16", {}).get("enabled", False) if isinstance(config.get("bf16"), dict) else False
+    if isinstance(plugin, dict) and plugin.get("fp32_reduce_zero") and bf16 is not True:
+        raise ValueError(
+            'l3plugin FP32-reducing ZeRO needs bf16, and this run has it off (the DeepSpeed config\'s "bf16" '
+            f'"enabled" resolved to {bf16!r}). With the HF Trainer pass TrainingArguments(bf16=True) (a "bf16": '
+            '{"enabled": "auto"} config follows it); with accelerate use Accelerator(mixed_precision="bf16") or '
+            '`accelerate launch --mixed_precision bf16`; or set "bf16": {"enabled": true} in the DeepSpeed config')
+
+
+def _fix_batch_size(config: dict, world: int, cp: int) -> None:
+    micro, gas = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps", 1)
+    total = config.get("train_batch_size")
+    if isinstance(micro, int) and isinstance(gas, int) and total == micro * gas * world and cp > 1:
+        config["train_batch_size"] = micro * gas * (world // cp)  # counted over all ranks, as HF's "auto" does
+
+
+def _sequence_parallel_groups(cp: int):
+    """DeepSpeed's sequence-parallel module with groups of ``cp`` ranks (built once, reused after)."""
+    import torch.distributed as dist
+
+    sp = _sequence_parallel()
+    world = dist.get_world_size()
+    if world % cp:
+        raise ValueError(f'"{KEY}.context_parallel_size" is {cp} but the world size {world} is not a multiple of '
+                         f"it: use a divisor of {world}")
+    if sp._SEQUENCE_PARALLEL_GROUP is not None:
+        have = sp.get_sequence_parallel_world_size()
+        if have != cp:
+            raise ValueError(f'"{KEY}.context_parallel_size" is {cp} but DeepSpeed\'s sequence-parallel groups '
+                             f"already have {have} ranks (built earlier in this process)")
+        return sp
+    sp.initialize_sequence_parallel(cp)
+    return sp
+
+
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize`` with the ``context_parallel_size`` option (see the module docstring)."""
+    from l3plugin.patches import DEEPSPEED
+
+    stock = DEEPSPEED.stock("deepspeed.initialize")
+    call = inspect.signature(stock).bind(*args, **kwargs)
+    where, config = _config_of(call)
+    if config is None:
+        return stock(*args, **kwargs)
+    check_for_hf_users(config)
+    cp, layout = cp_settings(config)
+    raw = config.get(KEY)
+    if not isinstance(raw, dict) or not any(name in raw for name in OPTIONS):
+        return stock(*args, **kwargs)
+    config = copy.deepcopy(config)
+    for name in OPTIONS:  # read here; the DeepSpeed adapter validates the rest of the block
+        config[KEY].pop(name, None)
+    if not config[KEY]:
+        del config[KEY]
+    arguments = dict(call.arguments)
+    if where == "args":
+        arguments["args"] = copy.copy(arguments["args"])
+        arguments["args"].deepspeed_config = None
+    arguments["config"], arguments["config_params"] = config, None
+    if cp == 1:
+        return stock(**arguments)
+    if arguments.get("mpu") is not None:
+        raise ValueError(f'"{KEY}.context_parallel_size" builds DeepSpeed\'s sequence-parallel groups itself: do '
+                         "not pass mpu= to deepspeed.initialize as well (or drop the option and give your mpu "
+                         "a get_sequence_data_parallel_group)")
+    import deepspeed.comm as ds_dist
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                             distributed_port=arguments.get("distributed_port", 29500),
+                             dist_init_required=arguments.get("dist_init_required"))
+    arguments["mpu"] = _sequence_parallel_groups(cp)
+    _fix_batch_size(config, dist.get_world_size(), cp)
+    out = stock(**arguments)
+    engine = out[0]
+    zero = getattr(engine.optimizer, "zero", None)  # l3plugin's FP32-reducing ZeRO, if the config chose it
+    if zero is not None and zero.settings.gradient_scale is None:
+        # DeepSpeed's convention under sequence parallelism (its engine's all-reduce and stock ZeRO): gradients
+        # summed over the CP ranks of a group, averaged over data-parallel ranks; ours averages over the group.
+        zero.settings.gradient_scale = cp / engine.seq_dp_world_size
+    model = engine.module
+    if hasattr(model, "set_attn_implementation") and hasattr(model, "config"):
+        from l3plugin.huggingface.model import enable_context_parallel
+
+        enable_context_parallel(model, arguments["mpu"].get_sequence_parallel_group(), layout)
+    return out
+
+
+def data_parallel_rank_and_size(cp: int | None = None) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel size) for sharding data when CP groups are ``cp`` consecutive ranks
+    (default: DeepSpeed's sequence-parallel groups, if built): every CP rank of a group gets the same data."""
+    import torch.distributed as dist
+
+    if cp is None:
+        sp = _sequence_parallel()
+        cp = 1 if sp._SEQUENCE_PARALLEL_GROUP is None else sp.get_sequence_parallel_world_size()
+    return dist.get_rank() // cp, dist.get_world_size() // cp
+
+
+def _accelerate_cp() -> int:
+    """context_parallel_size of the DeepSpeed config accelerate runs with (1 without one)."""
+    state = sys.modules.get("accelerate.state")
+    if state is None or not state.AcceleratorState._shared_state.get("deepspeed_plugins"):
+        return 1
+    plugin = state.AcceleratorState().deepspeed_plugin
+    config = getattr(plugin, "deepspeed_config", None)
+    return cp_settings(config)[0] if isinstance(config, dict) else 1
+
+
+def prepare_data_loader(dataloader, *args, num_processes=None, process_index=None, **kwargs):
+    """accelerate's ``prepare_data_loader`` sharding over data-parallel ranks only under CP (every CP rank
+    of a group gets the same batches; groups are consecutive ranks, as DeepSpeed builds them)."""
+    from l3plugin.patches import DEEPSPEED
+
+    stock = DEEPSPEED.stock("accelerate.accelerator.prepare_data_loader")
+    cp = _accelerate_cp()
+    if cp > 1 and num_processes is not None and process_index is not None:
+        if num_processes % cp:
+            raise ValueError(f'"{KEY}.context_parallel_size" is {cp} but accelerate runs {num_processes} processes: '
+                             f"use a divisor of {num_processes}")
+        num_processes, process_index = num_processes // cp, process_index // cp
+    return stock(dataloader, *args, num_processes=num_processes, process_index=process_index, **kwargs)
+
+
+def release_groups() -> None:
+    """Destroy DeepSpeed's sequence-parallel groups (tests and notebooks that build engines repeatedly)."""
+    import torch.distributed as dist
+
+    sp = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    if sp is None or sp._SEQUENCE_PARALLEL_GROUP is None:
+        return
+    for group in {id(g): g for g in (sp._SEQUENCE_PARALLEL_GROUP, sp._SEQUENCE_DATA_PARALLEL_GROUP)}.values():
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError):
+            pass
+    sp._release_sequence_parallel_groups()
