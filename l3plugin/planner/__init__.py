@@ -4,8 +4,8 @@
     models.py     presets and JSON model files       costs.py    memory / communication / time model
     schedules.py  cached schedule builds/simulations search.py   enumeration and best-first ranking
     machine.py    the machine as flags, presets, assumptions  staged.py  the paper's long-context stage rule
-    report.py     table, reasons, JSON, Megatron-LM and DeepSpeed configs
-    output.py     what ``l3plugin plan`` prints           cli.py     ``add_plan_parser`` for ``l3plugin plan``
+    report.py     what ``l3plugin plan`` prints: table, reasons, JSON, Megatron-LM and DeepSpeed configs
+    cli.py        ``add_plan_parser`` for ``l3plugin plan``
 """
 
 from .cli import add_plan_parser, run_plan

@@ -135,6 +135,6 @@ def request_from_args(args):
 
 
 def run_plan(args) -> int:
-    from .output import print_plan
+    from .report import print_plan
 
     return print_plan(args, request_from_args(args))
