@@ -277,9 +277,12 @@ def packed_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded, max_seqle
     cu = cu_seqlens.reshape(-1)
     if cp_size > 1:
         batch = shard_batch(batch, cp_size, cp_rank, layout=route.layout, cu_seqlens=cu)
-    longest = int(max_seqlen.reshape(-1)[0])
+    # Megatron's RoPE takes its length from max_seqlen whenever packed_seq_params is given
+    # (RotaryEmbedding.get_rotary_seq_len), then slices it by CP rank. In "sbhd" every token keeps its global
+    # position, so that length is the whole sequence, not the longest document.
+    seq_len = int(cu[-1])
     packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=longest, max_seqlen_kv=longest)
+                             max_seqlen_q=seq_len, max_seqlen_kv=seq_len)
     return batch, packed
 
 

@@ -4,6 +4,7 @@ with its own dense document mask. Megatron-LM is not on PyPI: the script is a st
 functions pretrain_gpt.py calls (tests/data/megatron_lm_standin/README.md)."""
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
@@ -37,7 +38,8 @@ def run_standin(argv, out_dir, launcher=True):
     os.makedirs(out_dir, exist_ok=True)
     out = os.path.join(out_dir, f"rank{dist.get_rank()}.pt")
     try:
-        with stock_attention_on_cpu():  # stock's local attention, the reference, allocates on "cuda"
+        # stock's local attention (the reference) and Megatron's RoPE allocate on "cuda"
+        with stock_attention_on_cpu(), rope_on_cpu():
             if launcher == "patch":
                 sys.argv[:] = [str(SCRIPT), *argv, "--standin-result", out]
                 os.environ["STANDIN_AS_PATCHED"] = "1"
@@ -61,6 +63,23 @@ def run_standin(argv, out_dir, launcher=True):
             del sys.modules[name]
 
 
+@contextlib.contextmanager
+def rope_on_cpu():
+    """Megatron's RotaryEmbedding.forward moves its frequencies to the current CUDA device and slices CP ranks'
+    positions with a pinned CUDA index; the demo's CPU version computes the same (it slices the paper's 2cp
+    chunks of the ``max_seq_len`` it is given, as stock does)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from l3plugin.demo import model as demo
+
+    stock = RotaryEmbedding.forward
+    RotaryEmbedding.forward = getattr(demo, "rope_on_cpu", None) or demo._rope_on_cpu  # renamed (public)
+    try:
+        yield
+    finally:
+        RotaryEmbedding.forward = stock
+
+
 def assert_same_step(got, ref, tol=1e-5):
     assert int(got["num_tokens"]) == int(ref["num_tokens"])
     assert abs(float(got["loss"] - ref["loss"])) <= tol * abs(float(ref["loss"]))
@@ -72,21 +91,35 @@ def assert_same_step(got, ref, tol=1e-5):
 
 @pytest.fixture(scope="module")
 def stock_cp1(ranks, tmp_path_factory):
-    """Stock Megatron-Core: local DotProductAttention, the data loader's dense [s, s] document mask."""
-    out = ranks.run(2, run_standin, [*MODEL, *DOCS], str(tmp_path_factory.mktemp("stock")), timeout=180)
-    assert out[0]["core_attention"] == "DotProductAttention" and out[0]["seen"]["attention_mask"] == (1, 1, 32, 32)
-    return out[0]
+    """Stock Megatron-Core: local DotProductAttention, the data loader's dense [s, s] document mask; by
+    position embedding, run once each."""
+    done = {}
+
+    def run(embedding="learned_absolute"):
+        if embedding not in done:
+            argv = [*MODEL, *DOCS, "--position-embedding-type", embedding]
+            out = ranks.run(2, run_standin, argv, str(tmp_path_factory.mktemp("stock")), timeout=180)
+            assert out[0]["core_attention"] == "DotProductAttention"
+            assert out[0]["seen"]["attention_mask"] == (1, 1, 32, 32)
+            done[embedding] = out[0]
+        return done[embedding]
+
+    return run
 
 
-@pytest.mark.parametrize("layout, launcher", [("2cp", True), ("balanced", True), ("2cp", "patch")])
-def test_two_flags_give_document_masked_cp_equal_to_stock_cp1(ranks, tmp_path, stock_cp1, layout, launcher):
-    argv = [*MODEL, *DOCS, *OURS, "--l3plugin-cp-layout", layout]
+# RoPE: Megatron sizes it by packed_seq_params.max_seqlen_q whenever packed_seq_params is given, then takes this
+# CP rank's 2cp chunks of it: max_seqlen must be the whole sequence (32), not the longest document (14).
+@pytest.mark.parametrize("layout, launcher, embedding", [
+    ("2cp", True, "rope"), ("balanced", True, "rope"), ("2cp", "patch", "rope"), ("2cp", True, "learned_absolute")])
+def test_two_flags_give_document_masked_cp_equal_to_stock_cp1(ranks, tmp_path, stock_cp1, layout, launcher,
+                                                              embedding):
+    argv = [*MODEL, *DOCS, *OURS, "--l3plugin-cp-layout", layout, "--position-embedding-type", embedding]
     for r in ranks.run(2, run_standin, argv, str(tmp_path), launcher=launcher, timeout=180):
         assert r["core_attention"] == "AllGatherCPCoreAttention"
         # No dense mask; the GLOBAL document boundaries from the EOD tokens, in the sbhd format.
         assert r["seen"] == {"attention_mask": None,
                              "packed_seq_params": ("sbhd", [0, 5, 13, 14, 28, 32])}
-        assert_same_step(r, stock_cp1)
+        assert_same_step(r, stock_cp1(embedding))
 
 
 def test_documents_matter(ranks, tmp_path, stock_cp1):
@@ -94,8 +127,9 @@ def test_documents_matter(ranks, tmp_path, stock_cp1):
     run, and equals stock cp = 1 without it (Megatron's own 2cp sharding; no packed_seq_params)."""
     ours = ranks.run(2, run_standin, [*MODEL, *OURS], str(tmp_path / "ours"), timeout=180)[0]
     assert ours["seen"] == {"attention_mask": None, "packed_seq_params": None}
-    assert abs(float(ours["loss"] - stock_cp1["loss"])) > 1e-3 * abs(float(stock_cp1["loss"])) or \
-        int(ours["num_tokens"]) != int(stock_cp1["num_tokens"])
+    masked = stock_cp1()
+    assert abs(float(ours["loss"] - masked["loss"])) > 1e-3 * abs(float(masked["loss"])) or \
+        int(ours["num_tokens"]) != int(masked["num_tokens"])
     stock = ranks.run(2, run_standin, MODEL, str(tmp_path / "stock"), timeout=180)[0]
     assert_same_step(ours, stock)
 
