@@ -14,7 +14,7 @@ $(PY):
 # was verified with.
 $(STAMP): $(PY) pyproject.toml setup.py l3plugin-autoload.pth constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,plot]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,plot,hf]"
 	touch $(STAMP)
 
 install: $(STAMP)
