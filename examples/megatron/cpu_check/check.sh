@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Runs real Megatron-LM pretrain_gpt.py (core_v0.16.1) on CPU, 2 ranks, gloo: stock cp = 1 with its dense
+# EOD document mask against l3plugin's CP = 2 (launcher, both layouts, both K/V modes; the two-line patch),
+# the stock refusal and the planner's emitted flags; prints each run's lm loss per iteration.
+# See ../README.md, "Checked with the real script".
+# Usage: MLM=/path/to/Megatron-LM VENV=/path/to/venv DATA=/path/prefix_text_document check.sh [RUN...]
+set -u
+HERE=$(cd "$(dirname "$0")" && pwd)
+MLM=${MLM:?Megatron-LM checkout}; VENV=${VENV:?venv with torch, megatron-core, l3plugin, six, regex, pyyaml, pybind11}
+DATA=${DATA:?indexed dataset prefix (make_data.py)}; OUT=${OUT:-$PWD/cpu_check_logs}; ITERS=${ITERS:-5}
+mkdir -p "$OUT"; cd "$MLM"
+export PATH="$VENV/bin:$PATH" OMP_NUM_THREADS=1
+TINY="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2
+ --seq-length 256 --micro-batch-size 1 --global-batch-size 4"
+# What a CPU run needs besides the model: local attention, fp32 on gloo, no dropout, no fused kernels; the data.
+CPU="--max-position-embeddings 256 --position-embedding-type rope --transformer-impl local
+ --attention-dropout 0 --hidden-dropout 0 --use-cpu-initialization --distributed-backend gloo
+ --train-iters $ITERS --lr 1e-3 --lr-decay-style constant --clip-grad 0
+ --seed 1234 --tokenizer-type NullTokenizer --vocab-size 1023 --data-path $DATA --split 100,0,0
+ --log-interval 1 --eval-iters 0 --eval-interval 1000 --no-rope-fusion --no-masked-softmax-fusion
+ --no-bias-gelu-fusion --no-bias-dropout-fusion --no-gradient-accumulation-fusion --no-persist-layer-norm"
+MODEL="$TINY $CPU"
+DOCS="--reset-attention-mask --reset-position-ids --eod-mask-loss --calculate-per-token-loss"
+CP="--context-parallel-size 2 --cp-comm-type l3plugin_all_gather"
+RUN="torchrun --nproc-per-node 2 $HERE/cpu_run.py"
+LAUNCH="$RUN -m l3plugin.megatron.launch pretrain_gpt.py"
+[ -f pretrain_gpt_l3plugin.py ] || patch -p1 -o pretrain_gpt_l3plugin.py pretrain_gpt.py \
+    < "$HERE/../../../patches/megatron-lm-core_v0.16.1-pretrain_gpt.patch" >/dev/null
+
+# The planner's Megatron-LM arguments for the same tiny model on 2 GPUs with CP 2 (bf16, distributed optimizer).
+plan() { "$VENV/bin/l3plugin" plan --model "$HERE/tiny_model.json" --gpus 2 --seq-len 256 --global-batch-tokens 1024 \
+    --tp 1 --pp 1 --cp 2 --cp-policy any --cp-kv "$1" --emit megatron | grep -v '^#' | tr -d '\\\n'; }
+PLAN_REGATHER=$(plan regather); PLAN_KEEP=$(plan keep)
+PLAN_CP1=$(echo "$PLAN_REGATHER" | sed 's/--context-parallel-size 2/--context-parallel-size 1/;
+    s/--cp-comm-type l3plugin_all_gather//; s/--l3plugin-cp-kv regather//')
+
+declare -A CMD=(
+  [cp1_stock]="$RUN pretrain_gpt.py $MODEL $DOCS"
+  [cp2_2cp_regather]="$LAUNCH $MODEL $DOCS $CP --l3plugin-cp-layout 2cp --l3plugin-cp-kv regather"
+  [cp2_2cp_keep]="$LAUNCH $MODEL $DOCS $CP --l3plugin-cp-layout 2cp --l3plugin-cp-kv keep"
+  [cp2_balanced_regather]="$LAUNCH $MODEL $DOCS $CP --l3plugin-cp-layout balanced --l3plugin-cp-kv regather"
+  [cp2_balanced_keep]="$LAUNCH $MODEL $DOCS $CP --l3plugin-cp-layout balanced --l3plugin-cp-kv keep"
+  [cp2_patch_2cp]="$RUN pretrain_gpt_l3plugin.py $MODEL $DOCS $CP"
+  [cp2_no_documents]="$LAUNCH $MODEL ${DOCS/--reset-attention-mask /} $CP"
+  [cp2_stock_refuses]="$RUN pretrain_gpt.py $MODEL $DOCS $CP"
+  [cp1_stock_per_rank_mean]="$RUN pretrain_gpt.py $MODEL ${DOCS/ --calculate-per-token-loss/}"
+  [cp2_2cp_per_rank_mean]="$LAUNCH $MODEL ${DOCS/ --calculate-per-token-loss/} $CP"
+  [planner_cp2_regather]="$LAUNCH $PLAN_REGATHER $CPU $DOCS"
+  [planner_cp2_keep]="$LAUNCH $PLAN_KEEP $CPU $DOCS"
+  [planner_flags_cp1_stock]="$RUN pretrain_gpt.py $PLAN_CP1 $CPU $DOCS"
+)
+ORDER="cp1_stock cp2_2cp_regather cp2_2cp_keep cp2_balanced_regather cp2_balanced_keep cp2_patch_2cp cp2_no_documents cp2_stock_refuses
+ cp1_stock_per_rank_mean cp2_2cp_per_rank_mean planner_cp2_regather planner_cp2_keep planner_flags_cp1_stock"
+for name in ${@:-$ORDER}; do
+  echo "== $name: ${CMD[$name]}" | tr -s ' \n' ' '; echo
+  timeout 900 ${CMD[$name]} > "$OUT/$name.log" 2>&1; echo "   exit $?"
+  grep -o "lm loss: [^ ]*" "$OUT/$name.log" | awk '{printf "   %s", $3} END {print ""}'
+  grep -m1 -o "AssertionError: Context parallelism[^\"']*" "$OUT/$name.log" | sed 's/^/   /'
+done
