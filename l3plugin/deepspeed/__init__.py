@@ -14,7 +14,8 @@ fp32 master shard, bf16 parameter all-gather. ZeRO-1 reduce-scatters once per st
 between. Buckets are ``bucket_numel`` or ``zero_optimization.reduce_bucket_size`` elements; their
 reduce-scatters start from gradient hooks during backward unless ``zero_optimization.overlap_comm`` is
 false. Without the key (or with ``"fp32_reduce_zero": false``)
-DeepSpeed behaves exactly as stock. Options under ``"l3plugin"`` (see ``OPTIONS``) are validated.
+DeepSpeed behaves exactly as stock. Options under ``"l3plugin"`` are the JSON-settable fields of
+``l3plugin.zero.ZeroSettings`` (their help there), checked there.
 
 DeepSpeed has no plug-in registry, so ``install`` replaces these engine methods (declared in
 ``l3plugin/patches.py``; ``l3plugin doctor`` checks them against the installed DeepSpeed), each falling
@@ -38,10 +39,10 @@ state dict from a live engine.
 """
 
 from l3plugin.deepspeed.checkpoint import export_fp32_state_dict
-from l3plugin.deepspeed.config import KEY, OPTIONS, SUPPORTED, check_supported, plugin_options
+from l3plugin.deepspeed.config import KEY, SUPPORTED, check_supported, plugin_options
 from l3plugin.deepspeed.engine import install, uninstall
 
-__all__ = ["KEY", "OPTIONS", "SUPPORTED", "check_supported", "export_fp32_state_dict", "install", "plugin_options",
+__all__ = ["KEY", "SUPPORTED", "check_supported", "export_fp32_state_dict", "install", "plugin_options",
            "uninstall"]
 
 install()

@@ -2,29 +2,10 @@
 
 from __future__ import annotations
 
+from l3plugin.zero.settings import ZeroSettings, json_options
+
 KEY = "l3plugin"
-# option -> (accepted types, default, help)
-OPTIONS = {
-    "fp32_reduce_zero": ((bool,), False, "use the FP32-reducing ZeRO-1/2 optimizer"),
-    "bucket_numel": ((int,), None, "elements per gradient bucket (default: zero_optimization.reduce_bucket_size)"),
-    "accumulate_dtype": ((str,), "fp32", "micro-batch gradient accumulation dtype: fp32 or bf16 (to compare)"),
-    "reduce_dtype": ((str,), "fp32", "reduce-scatter dtype: fp32 or bf16 (to compare)"),
-    "reduce_every": ((int,), None, "ZeRO-2 only: reduce-scatter every N micro-batches (1..gradient_accumulation_"
-                     "steps, default 1); larger N holds a full fp32 gradient buffer between reductions but "
-                     "sends 1/N as much"),
-    "wait_timeout": ((int, float), None, "seconds a collective may take before a rank-named error (default 600)"),
-    "carry_reductions": ((bool,), False, "ZeRO-2: reduce-scatters still running when a micro-batch's backward "
-                         "ends run on under the next forward (waited where their bucket is next needed) instead "
-                         "of at the end of the backward; holds those buckets' full fp32 buffers across the "
-                         "micro-batch boundary"),
-    "overlap_param_gather": ((bool,), False, "start the bf16 parameter all-gathers at the step and wait for each "
-                             "bucket just before the forward of the first module using it; holds a gathered bf16 "
-                             "copy of the parameters until the next forward has used them"),
-    "checkpoint_allow_nonfinite": ((bool,), False, "resume from a checkpoint whose weights or optimizer states "
-                                   "hold NaN/Inf (refused by default)"),
-    "checkpoint_fallback": ((bool,), True, "load_checkpoint without a tag falls back to the newest complete tag "
-                            "when the one 'latest' names is torn (a crash during its save), with a warning"),
-}
+ENABLE = "fp32_reduce_zero"  # the switch; every other option is a ZeroSettings field (l3plugin/zero/settings.py)
 SUPPORTED = ('Supported with "l3plugin": {"fp32_reduce_zero": true}: "bf16": {"enabled": true}, '
              '"zero_optimization": {"stage": 1 or 2} without offload, an optimizer, no fp16, no MoE, '
              'no torch_autocast; DeepSpeedEngine and PipelineEngine; gradient '
@@ -34,39 +15,33 @@ SUPPORTED = ('Supported with "l3plugin": {"fp32_reduce_zero": true}: "bf16": {"e
 
 
 def plugin_options(param_dict: dict) -> dict | None:
-    """The validated options under ``"l3plugin"``, or None when the FP32-reducing ZeRO is not requested."""
+    """The checked options under ``"l3plugin"`` ({option: value or default}), or None when the FP32-reducing
+    ZeRO is not requested."""
     raw = param_dict.get(KEY)
     if raw is None:
         return None
-    if not isinstance(raw, dict):
-        raise ValueError(f'"{KEY}" must be an object like {{"fp32_reduce_zero": true}}, got {raw!r}')
-    unknown = sorted(set(raw) - set(OPTIONS))
-    if unknown:
-        valid = "; ".join(f"{k}: {h}" for k, (_, _, h) in OPTIONS.items())
-        raise ValueError(f'unknown option(s) {unknown} under "{KEY}". Valid options: {valid}')
-    opts = {k: raw.get(k, default) for k, (_, default, _) in OPTIONS.items()}
-    for k, (types, default, _) in OPTIONS.items():
-        v = opts[k]
-        if v is not default and (not isinstance(v, types) or (bool not in types and isinstance(v, bool))):
-            raise ValueError(f'"{KEY}.{k}" must be {"/".join(t.__name__ for t in types)}, got {v!r}')
-    for k in ("accumulate_dtype", "reduce_dtype"):
-        if opts[k] not in ("fp32", "bf16"):
-            raise ValueError(f'"{KEY}.{k}" must be "fp32" or "bf16", got {opts[k]!r}')
-    if opts["bucket_numel"] is not None and opts["bucket_numel"] < 1:
-        raise ValueError(f'"{KEY}.bucket_numel" must be >= 1, got {opts["bucket_numel"]}')
-    if opts["reduce_every"] is not None and opts["reduce_every"] < 1:
-        raise ValueError(f'"{KEY}.reduce_every" must be >= 1 (micro-batches between ZeRO-2 reduce-scatters), '
-                         f'got {opts["reduce_every"]}')
-    if opts["wait_timeout"] is not None:
-        from l3plugin.waits import resolve_timeout
-
-        resolve_timeout(opts["wait_timeout"], f'"{KEY}.wait_timeout"')
-    return opts if opts["fp32_reduce_zero"] else None
+    opts = json_options(raw, KEY, extra={ENABLE: "use the FP32-reducing ZeRO-1/2 optimizer"})
+    enabled = opts.pop(ENABLE, False)
+    if not isinstance(enabled, bool):
+        raise ValueError(f'"{KEY}.{ENABLE}" must be bool, got {enabled!r}')
+    return opts if enabled else None
 
 
 def options_of(engine) -> dict | None:
     """The engine's validated options, or None when its config does not ask for the FP32-reducing ZeRO."""
     return plugin_options(engine._config._param_dict)
+
+
+def zero_settings(engine) -> ZeroSettings:
+    """The optimizer's settings: the engine's config (stage, gradient_clipping, overlap_comm,
+    reduce_bucket_size) and the ``"l3plugin"`` options."""
+    opts = options_of(engine)
+    # DeepSpeed's overlap_comm defaults to off because its overlap costs extra buffers; ours costs
+    # nothing more (the bucket being reduced exists anyway), so it is on unless the config says false.
+    overlap = engine._config._param_dict.get("zero_optimization", {}).get("overlap_comm")
+    return ZeroSettings(**{**opts, "bucket_numel": opts["bucket_numel"] or int(engine.zero_reduce_bucket_size())},
+                        stage=engine.zero_optimization_stage(), clip_grad=engine.gradient_clipping(),
+                        overlap=overlap is not False)
 
 
 def check_supported(engine) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import weakref
 
 from l3plugin.deepspeed import checkpoint
-from l3plugin.deepspeed.config import check_supported, options_of
+from l3plugin.deepspeed.config import check_supported, options_of, zero_settings
 from l3plugin.deepspeed.optimizer import DeepSpeedFP32ReduceZero, runs_fp32_reduce_zero
 from l3plugin.patches import DEEPSPEED
 
@@ -67,25 +67,15 @@ def do_optimizer_sanity_check(self, basic_optimizer):
 
 
 def configure_zero_optimizer(self, optimizer):
-    opts = options_of(self)
-    if opts is None:
+    if options_of(self) is None:
         return _stock(_ENGINE, "_configure_zero_optimizer")(self, optimizer)
     check_supported(self)
     if optimizer is None:
         raise ValueError('l3plugin FP32-reducing ZeRO needs an optimizer: add "optimizer" to the config '
                          "or pass optimizer= to deepspeed.initialize")
-    import torch
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    # DeepSpeed's overlap_comm defaults to off because its overlap costs extra buffers; ours costs
-    # nothing more (the bucket being reduced exists anyway), so it is on unless the config says false.
-    overlap = self._config._param_dict.get("zero_optimization", {}).get("overlap_comm")
-    built = DeepSpeedFP32ReduceZero(
-        self, optimizer, bucket_numel=opts["bucket_numel"] or int(self.zero_reduce_bucket_size()),
-        accumulate_dtype=dtypes[opts["accumulate_dtype"]], reduce_dtype=dtypes[opts["reduce_dtype"]],
-        reduce_every=opts["reduce_every"] or 1, overlap=overlap is not False, wait_timeout=opts["wait_timeout"],
-        carry_reductions=opts["carry_reductions"], overlap_param_gather=opts["overlap_param_gather"])
+    built = DeepSpeedFP32ReduceZero(self, optimizer, zero_settings(self))
     state_of(self).hide_stage2 = isinstance(self, PipelineEngine)
     return built
 

@@ -56,9 +56,7 @@ class ParamLink:
         self.slot = owner.zero.slots[param]
 
     def get_optim_state_keys(self) -> list[str]:
-        bucket = self.owner.zero.buckets[self.slot.bucket]
-        state = self.owner.optimizer.state.get(bucket.master, {})
-        return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == bucket.master.shape)
+        return self.owner.zero.elementwise_keys(self.owner.zero.buckets[self.slot.bucket])
 
 
 def _get_full_hp_param(param, optim_state_key=None):
@@ -93,23 +91,17 @@ def runs_fp32_reduce_zero(engine) -> bool:
 
 
 class DeepSpeedFP32ReduceZero(ZeROOptimizer):
-    def __init__(self, engine, basic_optimizer: torch.optim.Optimizer, *, bucket_numel: int,
-                 accumulate_dtype, reduce_dtype, reduce_every: int = 1, overlap: bool = True,
-                 carry_reductions: bool = False, overlap_param_gather: bool = False,
-                 wait_timeout: float | None = None):
+    def __init__(self, engine, basic_optimizer: torch.optim.Optimizer, settings: ZeroSettings):
+        """``settings``: from the engine's config (``l3plugin.deepspeed.config.zero_settings``); its stage is
+        the engine's."""
         super().__init__()
         from deepspeed.runtime.utils import is_model_parallel_parameter
 
         self.mpu = engine.mpu
         self.dp_process_group = engine.seq_data_parallel_group
         self.param_names = engine.param_names
-        settings = ZeroSettings(stage=engine.zero_optimization_stage(), bucket_numel=bucket_numel,
-                                accumulate_dtype=accumulate_dtype, reduce_dtype=reduce_dtype,
-                                clip_grad=engine.gradient_clipping(), overlap=overlap,
-                                overlap_param_gather=overlap_param_gather,
-                                **({} if wait_timeout is None else {"wait_timeout": wait_timeout}))
-        self.reduce_every = reduce_every
-        self.carry_reductions = carry_reductions and overlap
+        self.reduce_every = settings.reduce_every or 1
+        self.carry_reductions = settings.carry_reductions and settings.overlap
         self._engine = weakref.ref(engine)
         self._micro_batch = 0  # backward passes since the last step
         self._reduce_this_backward = False
@@ -130,18 +122,7 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
                                    norm_group=norm_group, counts_in_norm=counts_in_norm,
                                    param_names=engine.param_names)
         self.optimizer = basic_optimizer  # its param groups now hold our fp32 shards (LR schedulers work)
-        self._hooks = []
-        if settings.overlap and overlap_param_gather:
-            self._hooks += self.zero.wait_params_in_forward(engine.module)
-            # PipelineModule may use a tied module's weight through a forward_fn, outside that module's
-            # forward (its pre-hook would not fire): tied weights are completed when the pipeline module starts.
-            tied = [p for m in getattr(engine.module, "tied_modules", {}).values() for p in m.parameters()]
-            if tied:
-                self._hooks.append(engine.module.register_forward_pre_hook(
-                    lambda *_: self.zero.wait_param_gather(tied)))
-        if self.carry_reductions:  # free what has finished on the wire while the next forward runs
-            self._hooks += [sub.register_forward_pre_hook(lambda *_: self.zero.complete_finished_reductions())
-                            for sub in engine.module.modules() if next(sub.parameters(recurse=False), None) is not None]
+        self._hooks = self._forward_hooks(engine.module)
         # Parameters per param group in the flat order of our checkpoints: DeepSpeed saves their names
         # and shapes as "param_shapes", which zero_to_fp32 uses to cut the flat fp32 groups.
         self.bf16_groups = [[p for b in self.zero.buckets if b.spec.group == g for p in b.params]
@@ -160,6 +141,22 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
             p.set_full_hp_param = types.MethodType(_set_full_hp_param, p)
             p.get_full_hp_grad = types.MethodType(_get_full_hp_grad, p)
             p.set_full_hp_grad = types.MethodType(_set_full_hp_grad, p)
+
+    def _forward_hooks(self, module) -> list:
+        """Forward pre-hooks: parameter all-gathers waited where first used (overlap_param_gather); carried
+        reductions completed as they finish (carry_reductions)."""
+        hooks = []
+        if self.zero.settings.overlap and self.zero.settings.overlap_param_gather:
+            hooks += self.zero.wait_params_in_forward(module)
+            # PipelineModule may use a tied module's weight through a forward_fn, outside that module's
+            # forward (its pre-hook would not fire): tied weights are completed when the pipeline module starts.
+            tied = [p for m in getattr(module, "tied_modules", {}).values() for p in m.parameters()]
+            if tied:
+                hooks.append(module.register_forward_pre_hook(lambda *_: self.zero.wait_param_gather(tied)))
+        if self.carry_reductions:  # free what has finished on the wire while the next forward runs
+            hooks += [sub.register_forward_pre_hook(lambda *_: self.zero.complete_finished_reductions())
+                      for sub in module.modules() if next(sub.parameters(recurse=False), None) is not None]
+        return hooks
 
     # -- what torch-optimizer-like callers read --------------------------------------------------------
     @property

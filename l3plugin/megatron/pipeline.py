@@ -25,6 +25,7 @@ import functools
 
 import torch
 
+from l3plugin.checks import check_int
 from l3plugin.schedule.comm import PipelineChannels, pair_orders
 from l3plugin.schedule.plan import FORWARD, RankPlan, Schedule, build_schedule
 
@@ -125,8 +126,7 @@ def forward_backward_pipelining_flexible(
                                   "adjust_tensor_shapes_fn and variable_seq_lengths are not supported")
     pp_group, tp_group, cp_group, pg_collection = _process_groups(p2p_communicator, pg_collection)
     p, r, v = pp_group.size(), pp_group.rank(), len(model)
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches={num_microbatches!r} is out of range: must be an integer >= 1")
+    check_int("num_microbatches", num_microbatches)
     k = config.microbatch_group_size_per_vp_stage
     k = p if k is None else k
     if k == p and num_microbatches < p:

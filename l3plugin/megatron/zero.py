@@ -84,22 +84,7 @@ def _param_metadata(zero, model_sharded_state_dict):
 
 def _full_states(zero, keys):
     """{key: {param: whole fp32 tensor of the param's local shape}} (one all-gather per bucket and key)."""
-    from l3plugin import comm
-
-    out = {k: {} for k in ["param", *keys]}
-    for bucket in zero.buckets:
-        state = zero.optimizer.state.get(bucket.master, {})
-        for key in out:
-            shard = bucket.master.detach() if key == "param" else state[key]
-            full = comm.all_gather_shards(shard, zero.group)
-            for slot, p in zip(bucket.spec.slots, bucket.params):
-                out[key][p] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
-    return out
-
-
-def _elementwise_keys(zero):
-    state = zero.optimizer.state.get(zero.buckets[0].master, {})
-    return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == zero.buckets[0].master.shape)
+    return {key: zero.full_tensors(None if key == "param" else key) for key in ["param", *keys]}
 
 
 def zero_sharded_state_dict(zero: FP32ReduceZero, model_sharded_state_dict=None, *, is_loading=False,
@@ -126,11 +111,11 @@ def zero_sharded_state_dict(zero: FP32ReduceZero, model_sharded_state_dict=None,
     meta = _param_metadata(zero, model_sharded_state_dict)
     if is_loading:
         keys = list(state_keys) if state_keys is not None else (
-            _elementwise_keys(zero) or (["exp_avg", "exp_avg_sq"] if "betas" in zero.optimizer.param_groups[0]
+            zero.elementwise_keys() or (["exp_avg", "exp_avg_sq"] if "betas" in zero.optimizer.param_groups[0]
                                         else []))
         values = {k: {p: torch.empty(p.shape, dtype=torch.float32) for p in zero.params} for k in ["param", *keys]}
     else:
-        keys = _elementwise_keys(zero)
+        keys = zero.elementwise_keys()
         values = _full_states(zero, keys)
     dp_rank = zero.rank
     param_state = {}

@@ -75,11 +75,6 @@ def partition_numel(total: int, world: int) -> int:
     return -(-total // alignment) * alignment // world
 
 
-def _elementwise_keys(zero, bucket) -> list[str]:
-    state = zero.optimizer.state.get(bucket.master, {})
-    return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1 and v.shape == bucket.master.shape)
-
-
 @torch.no_grad()
 def sharded_state_dict(zero) -> dict:
     """This rank's partition of master weights and optimizer state in DeepSpeed's ZeRO-1/2 layout, with plain
@@ -90,13 +85,13 @@ def sharded_state_dict(zero) -> dict:
         size = partition_numel(total, world)
         lo = rank * size
         lean = max(0, min(size, total - lo))
-        keys = _elementwise_keys(zero, entries[0][0]) if entries else []
+        keys = zero.elementwise_keys(entries[0][0]) if entries else []
         out = {None: torch.zeros(size, dtype=torch.float32)}
         group_scalars = OrderedDict()
         mapping = OrderedDict()
         for bucket, start in entries:
             state = zero.optimizer.state.get(bucket.master, {})
-            if _elementwise_keys(zero, bucket) != keys:
+            if zero.elementwise_keys(bucket) != keys:
                 raise RuntimeError(f"optimizer state keys differ between buckets of param group {g}")
             for key, value in state.items():
                 if key not in keys and key not in group_scalars:
@@ -352,10 +347,4 @@ def load_universal(zero, folder, optimizer_states: bool = True, *, allow_nonfini
 @torch.no_grad()
 def full_state_dict(zero, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """{name: whole parameter} from the fp32 master weights, on every rank (collective), on CPU."""
-    out = {}
-    for bucket in zero.buckets:
-        full = comm.all_gather_shards(bucket.master.detach(), zero.group)
-        for slot, p in zip(bucket.spec.slots, bucket.params):
-            out[zero.param_names[p]] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).to(
-                dtype=dtype, device="cpu").clone()
-    return out
+    return {zero.param_names[p]: t.to(dtype=dtype, device="cpu") for p, t in zero.full_tensors().items()}

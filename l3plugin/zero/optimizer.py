@@ -434,16 +434,50 @@ class FP32ReduceZero:
         for bucket in self.buckets:
             bucket.master.copy_(self._initial_master(bucket.spec, bucket.params))
 
-    # -- per-parameter views (DeepSpeed's safe_get_full_* accessors use these) --------------------------
-    def _full_from_shards(self, param, shard: torch.Tensor) -> torch.Tensor:
-        slot: ParamSlot = self.slots[param]
-        lo, hi = self.buckets[slot.bucket].spec.shard_range(self.rank)
-        out = torch.zeros(slot.numel, dtype=torch.float32, device=shard.device)
-        s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        if s < e:
-            out[s - slot.offset:e - slot.offset] = shard[s - lo:e - lo]
-        comm.all_reduce_sum(out, self.group, self.wait_timeout)  # each element is non-zero on exactly one rank
-        return out.view(slot.shape)
+    # -- whole tensors from the shards (DeepSpeed's safe_get_full_* accessors, exports, checkpoints) --------
+    GRAD = "grad"  # ``what`` of the reduced gradient shard
+
+    def elementwise_keys(self, bucket: GradBucket | None = None) -> list[str]:
+        """The optimizer states sharded like the master weights (Adam's exp_avg, exp_avg_sq; not ``step``)."""
+        bucket = self.buckets[0] if bucket is None else bucket
+        state = self.optimizer.state.get(bucket.master, {})
+        return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == bucket.master.shape)
+
+    def _shard(self, bucket: GradBucket, what: str | None) -> torch.Tensor:
+        """This rank's shard of ``what``: None = fp32 master weights, GRAD = reduced gradient, else a state."""
+        if what is None:
+            return bucket.master.detach()
+        if what == self.GRAD:
+            return bucket.shard_grad
+        state = self.optimizer.state.get(bucket.master, {})
+        if what not in state:
+            raise KeyError(f"optimizer state {what!r} not found; this optimizer has {self.elementwise_keys(bucket)}")
+        return state[what]
+
+    def full_tensors(self, what: str | None = None, params=None) -> dict:
+        """{param: whole fp32 tensor of its shape} of ``what`` (see ``_shard``), on every rank (collective).
+        All parameters (``params`` None): one all-gather per bucket. Some: per parameter, its elements summed
+        over the group (each is non-zero on exactly one rank), so one parameter costs its own size, not its
+        bucket's. Both are exact."""
+        out = {}
+        if params is None:
+            for bucket in self.buckets:
+                full = comm.all_gather_shards(self._shard(bucket, what), self.group)
+                for slot, p in zip(bucket.spec.slots, bucket.params):
+                    out[p] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+            return out
+        for param in params:
+            slot: ParamSlot = self.slots[param]
+            bucket = self.buckets[slot.bucket]
+            shard = self._shard(bucket, what).float()
+            lo, hi = bucket.spec.shard_range(self.rank)
+            full = torch.zeros(slot.numel, dtype=torch.float32, device=shard.device)
+            s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if s < e:
+                full[s - slot.offset:e - slot.offset] = shard[s - lo:e - lo]
+            comm.all_reduce_sum(full, self.group, self.wait_timeout)
+            out[param] = full.view(slot.shape)
+        return out
 
     def _local_part(self, param, shard: torch.Tensor, value: torch.Tensor) -> None:
         slot: ParamSlot = self.slots[param]
@@ -452,22 +486,12 @@ class FP32ReduceZero:
         if s < e:
             shard[s - lo:e - lo] = value.reshape(-1)[s - slot.offset:e - slot.offset].to(shard.dtype)
 
-    def _state_shard(self, param, state_key):
-        bucket = self.buckets[self.slots[param].bucket]
-        if state_key is None:
-            return bucket.master.data
-        state = self.optimizer.state.get(bucket.master, {})
-        if state_key not in state:
-            raise KeyError(f"optimizer state {state_key!r} not found; this optimizer has "
-                           f"{sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1)}")
-        return state[state_key]
-
     def full_master(self, param, state_key: str | None = None) -> torch.Tensor:
         """The whole fp32 master weight (or optimizer state ``state_key``) of ``param`` (collective)."""
-        return self._full_from_shards(param, self._state_shard(param, state_key).float())
+        return self.full_tensors(state_key, [param])[param]
 
     def set_full_master(self, param, value: torch.Tensor, state_key: str | None = None) -> None:
-        self._local_part(param, self._state_shard(param, state_key), value)
+        self._local_part(param, self._shard(self.buckets[self.slots[param].bucket], state_key), value)
 
     def full_grad(self, param) -> torch.Tensor:
         """The reduced fp32 gradient of ``param`` (collective). Valid after the reduce-scatter, before step."""
@@ -477,7 +501,7 @@ class FP32ReduceZero:
         if bucket.shard_grad is None or bucket.full is not None:
             raise RuntimeError("the reduced gradient is available after the reduce-scatter of the last "
                                "micro-batch (finish_grad_sync) and before step()")
-        return self._full_from_shards(param, bucket.shard_grad.float())
+        return self.full_tensors(self.GRAD, [param])[param]
 
     def set_full_grad(self, param, value: torch.Tensor) -> None:
         bucket = self.buckets[self.slots[param].bucket]

@@ -1,9 +1,16 @@
-"""The FP32-reducing ZeRO optimizer's settings, checked when built (bad values name the field and the range)."""
+"""The FP32-reducing ZeRO optimizer's settings: the one place its options are defined and checked.
+
+Each field is an ``option``: its default, what it does, how a value is checked, and its JSON type(s) when
+DeepSpeed's ``"l3plugin"`` config block may set it (``json_options`` reads that block; the Megatron entry
+point passes keywords). A bad value is an error naming the option as the user wrote it (``bucket_numel=0``
+in Python, ``"l3plugin.bucket_numel"`` in a JSON config), the value and the valid range. To add an option:
+one field here with its check; the DeepSpeed block accepts it when ``json`` is given.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field, fields
 
 import torch
 
@@ -12,42 +19,132 @@ from l3plugin.waits import resolve_timeout
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
+def _name(name: str, source: str | None) -> str:
+    return name if source is None else f'"{source}.{name}"'
+
+
+def _bad(name: str, value, source: str | None, rule: str) -> ValueError:
+    """``name=value rule`` in Python; ``"source.name" rule, got value`` for a value read from a JSON config."""
+    if source is None:
+        return ValueError(f"{name}={value!r} {rule}")
+    return ValueError(f"{_name(name, source)} {rule}, got {value!r}")
+
+
+def whole_number(low: int, why: str = ""):
+    """Check: an integer >= low (in Python also a float with a whole value)."""
+    def check(name, value, source):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low \
+                or (isinstance(value, float) and not value.is_integer()):
+            raise _bad(name, value, source, f"must be {'a whole number ' if source is None else ''}>= {low}{why}")
+        return int(value)
+    return check
+
+
+def boolean(name, value, source):
+    if not isinstance(value, bool):
+        raise _bad(name, value, source, "must be True or False")
+    return value
+
+
+def dtype(name, value, source):
+    if isinstance(value, str) and value in DTYPES:
+        return DTYPES[value]
+    if value in (torch.float32, torch.bfloat16):
+        return value
+    raise _bad(name, value, source, f'must be "fp32" or "bf16" (valid are {sorted(DTYPES)}, torch.float32 '
+                                    "(default) and torch.bfloat16)")
+
+
+def seconds(name, value, source):
+    resolve_timeout(value, _name(name, source))
+    return value
+
+
+def zero_stage(name, value, source):
+    if value not in (1, 2) or isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: the FP32-reducing ZeRO optimizer supports stage 1 (optimizer states "
+                         "sharded) and stage 2 (also gradients); use FSDP/ZeRO-3 for more")
+    return value
+
+
+def clip_norm(name, value, source):
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise _bad(name, value, source, "must be a finite number >= 0 (0 disables clipping)")
+    return value
+
+
+def option(default, help: str, *, check=None, json: tuple | None = None, json_default=...):
+    """A ZeroSettings field. ``check(name, value, source)`` returns the value to keep (None is always
+    accepted when it is the default); ``json``: the JSON types DeepSpeed's block accepts (None: not settable
+    there); ``json_default``: the value when the block leaves it out, if not ``default``."""
+    return field(default=default, metadata={"help": help, "check": check, "json": json,
+                                            "json_default": default if json_default is ... else json_default})
+
+
 @dataclass
 class ZeroSettings:
-    stage: int = 1  # 1: reduce-scatter once per step; 2: once per round, full buffers freed in between
-    bucket_numel: int = 25_000_000  # elements per bucket (one reduce-scatter and one all-gather each)
-    accumulate_dtype: torch.dtype = torch.float32  # micro-batch gradient accumulation (bf16 only to compare)
-    reduce_dtype: torch.dtype = torch.float32  # reduce-scatter dtype (bf16 only to compare)
-    clip_grad: float = 0.0  # max global L2 norm of the fp32 gradient; 0 = no clipping
-    gradient_scale: float | None = None  # multiplies the summed gradient; None = 1 / group size (average)
-    overlap: bool = True  # start reduce-scatters as soon as a bucket is final and wait late; False: blocking
-    # With overlap: step() only starts the bf16 parameter all-gathers; each bucket is waited just before the
-    # forward of the first module using it (hooks from wait_params_in_forward). Costs one gathered bf16 copy of
-    # the parameters in flight until the next forward has used them.
-    overlap_param_gather: bool = False
-    wait_timeout: float | None = None  # seconds a collective may take before a rank-named error;
-    # None: $L3PLUGIN_WAIT_TIMEOUT or 600 (l3plugin.waits)
+    stage: int = option(1, "1: reduce-scatter once per step; 2: also between micro-batches, full buffers freed "
+                        "in between (DeepSpeed: zero_optimization.stage)", check=zero_stage)
+    bucket_numel: int = option(25_000_000, "elements per gradient bucket (default: zero_optimization."
+                               "reduce_bucket_size)", check=whole_number(1), json=(int,), json_default=None)
+    accumulate_dtype: torch.dtype = option(torch.float32, "micro-batch gradient accumulation dtype: fp32 or bf16 "
+                                           "(to compare)", check=dtype, json=(str,))
+    reduce_dtype: torch.dtype = option(torch.float32, "reduce-scatter dtype: fp32 or bf16 (to compare)",
+                                       check=dtype, json=(str,))
+    clip_grad: float = option(0.0, "max global L2 norm of the fp32 gradient; 0 = no clipping (DeepSpeed: "
+                              "gradient_clipping)", check=clip_norm)
+    gradient_scale: float | None = option(None, "multiplies the summed gradient; None = 1 / group size (average)")
+    overlap: bool = option(True, "start reduce-scatters as soon as a bucket is final and wait late; False: "
+                           "blocking (DeepSpeed: zero_optimization.overlap_comm)", check=boolean)
+    overlap_param_gather: bool = option(
+        False, "start the bf16 parameter all-gathers at the step and wait for each bucket just before the forward "
+        "of the first module using it; holds a gathered bf16 copy of the parameters until the next forward has "
+        "used them", check=boolean, json=(bool,))
+    wait_timeout: float | None = option(None, "seconds a collective may take before a rank-named error (default: "
+                                        "$L3PLUGIN_WAIT_TIMEOUT or 600)", check=seconds, json=(int, float))
+    reduce_every: int | None = option(
+        None, "ZeRO-2 only: reduce-scatter every N micro-batches (1..gradient_accumulation_steps, default 1); "
+        "larger N holds a full fp32 gradient buffer between reductions but sends 1/N as much",
+        check=whole_number(1, " (micro-batches between ZeRO-2 reduce-scatters)"), json=(int,))
+    carry_reductions: bool = option(
+        False, "ZeRO-2: reduce-scatters still running when a micro-batch's backward ends run on under the next "
+        "forward (waited where their bucket is next needed) instead of at the end of the backward; holds those "
+        "buckets' full fp32 buffers across the micro-batch boundary", check=boolean, json=(bool,))
+    checkpoint_allow_nonfinite: bool = option(False, "resume from a checkpoint whose weights or optimizer states "
+                                              "hold NaN/Inf (refused by default)", check=boolean, json=(bool,))
+    checkpoint_fallback: bool = option(True, "load_checkpoint without a tag falls back to the newest complete tag "
+                                       "when the one 'latest' names is torn (a crash during its save), with a "
+                                       "warning", check=boolean, json=(bool,))
+    source: InitVar[str | None] = None  # where the values come from, for messages (None: Python keywords)
 
-    def __post_init__(self):
-        if self.stage not in (1, 2) or isinstance(self.stage, bool):
-            raise ValueError(f"stage={self.stage!r}: the FP32-reducing ZeRO optimizer supports stage 1 "
-                             "(optimizer states sharded) and stage 2 (also gradients); use FSDP/ZeRO-3 for more")
-        for name in ("accumulate_dtype", "reduce_dtype"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                if value not in DTYPES:
-                    raise ValueError(f"{name}={value!r}: valid are {sorted(DTYPES)}")
-                setattr(self, name, DTYPES[value])
-            elif value not in (torch.float32, torch.bfloat16):
-                raise ValueError(f"{name}={value}: valid are torch.float32 (default) and torch.bfloat16")
-        if isinstance(self.bucket_numel, bool) or int(self.bucket_numel) != self.bucket_numel \
-                or self.bucket_numel < 1:
-            raise ValueError(f"bucket_numel={self.bucket_numel!r} must be a whole number >= 1 (elements per bucket)")
-        self.bucket_numel = int(self.bucket_numel)
-        if not (isinstance(self.clip_grad, (int, float)) and math.isfinite(self.clip_grad) and self.clip_grad >= 0):
-            raise ValueError(f"clip_grad={self.clip_grad!r} must be a finite number >= 0 (0 disables clipping)")
-        for name in ("overlap", "overlap_param_gather"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
-        if self.wait_timeout is not None:
-            resolve_timeout(self.wait_timeout, "wait_timeout")
+    def __post_init__(self, source):
+        for f in fields(self):
+            value, check = getattr(self, f.name), f.metadata["check"]
+            if check is not None and not (value is None and f.default is None):
+                setattr(self, f.name, check(f.name, value, source))
+
+
+def json_options(raw, source: str, extra: dict | None = None) -> dict:
+    """Every option a JSON block may set, checked: {name: the block's value, else its default}.
+
+    ``raw``: the block (a dict); ``source``: its key, for messages; ``extra``: {name: help} of keys the caller
+    reads itself (taken over unchecked)."""
+    settable = {f.name: f for f in fields(ZeroSettings) if f.metadata["json"] is not None}
+    if not isinstance(raw, dict):
+        raise ValueError(f'"{source}" must be an object like {{"fp32_reduce_zero": true}}, got {raw!r}')
+    extra = extra or {}
+    unknown = sorted(set(raw) - set(settable) - set(extra))
+    if unknown:
+        valid = "; ".join([f"{k}: {h}" for k, h in extra.items()]
+                          + [f"{k}: {f.metadata['help']}" for k, f in settable.items()])
+        raise ValueError(f'unknown option(s) {unknown} under "{source}". Valid options: {valid}')
+    out = {k: raw[k] for k in extra if k in raw}
+    for name, f in settable.items():
+        value, types = raw.get(name), f.metadata["json"]
+        if value is None:  # left out (or null): the default
+            out[name] = f.metadata["json_default"]
+            continue
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            raise ValueError(f'{_name(name, source)} must be {"/".join(t.__name__ for t in types)}, got {value!r}')
+        out[name] = f.metadata["check"](name, value, source)
+    return out
