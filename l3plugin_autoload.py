@@ -39,26 +39,29 @@ def _install() -> None:
         _warn("could not install the FP32-reducing ZeRO into DeepSpeed", exc)
 
 
-def _install_at_first_initialize(deepspeed) -> None:
+def initialize_after_install(*args, **kwargs):
+    """``deepspeed.initialize`` in the deferred case (patch declared in l3plugin/patches.py, set AUTOLOAD):
+    puts the stock function back, installs, then calls it."""
+    from l3plugin.patches import AUTOLOAD
+
+    stock = AUTOLOAD.stock("deepspeed.initialize")
+    AUTOLOAD.undo()
+    _install()
+    return stock(*args, **kwargs)
+
+
+def _install_at_first_initialize() -> None:
     """Deferred case: install right before the first ``deepspeed.initialize`` call, then unwrap it."""
-    stock = deepspeed.initialize
+    from l3plugin.patches import AUTOLOAD
 
-    def initialize(*args, **kwargs):
-        if deepspeed.initialize is initialize:
-            deepspeed.initialize = stock
-        _install()
-        return stock(*args, **kwargs)
-
-    initialize.__wrapped__ = stock
-    initialize.__doc__ = stock.__doc__
-    deepspeed.initialize = initialize
+    AUTOLOAD.apply()
 
 
 def _deepspeed_loaded(module) -> None:
     if "l3plugin.deepspeed" in sys.modules:
         return
     if _l3plugin_importing():
-        _install_at_first_initialize(module)
+        _install_at_first_initialize()
     else:
         _install()
 

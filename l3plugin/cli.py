@@ -1,4 +1,4 @@
-"""`l3plugin` command line: one entry point, one subcommand per tool.
+"""`l3plugin` command line: one entry point, one subcommand per tool (``doctor``: the upstream patches).
 
 Subcommands that need no processes (mesh, schedule, simulate, plan, analyze-trace) import no framework.
 """
@@ -47,10 +47,12 @@ def _subcommands():
     """Subcommands owned by feature packages; each module adds its own parser (imports stay light)."""
     from l3plugin.debug.slow_rank import add_analyze_parser
     from l3plugin.demo import add_demo_parser
+    from l3plugin.patches import add_doctor_parser
     from l3plugin.planner import add_plan_parser
     from l3plugin.schedule.cli import add_schedule_parser, add_simulate_parser
 
-    return [add_schedule_parser, add_simulate_parser, add_plan_parser, add_analyze_parser, add_demo_parser]
+    return [add_schedule_parser, add_simulate_parser, add_plan_parser, add_analyze_parser, add_demo_parser,
+            add_doctor_parser]
 
 
 def main(argv=None) -> int:

@@ -7,7 +7,8 @@ active in a process at a time (entering a second raises ``RuntimeError``): the w
 have to decide which of them owns a call, and a recorder nested in another would record half a step.
 
 What is patched: the names in ``OPS`` on ``torch.distributed`` and ``torch.distributed.distributed_c10d``
-(Megatron-Core and DeepSpeed call them that way), plus ``extra_targets``: ``[(object, attribute name,
+(Megatron-Core and DeepSpeed call them that way; declared in ``l3plugin/patches.py``, set COLLECTIVES), plus
+``extra_targets``: ``[(object, attribute name,
 op name), ...]`` for libraries that cached a function reference before we patched, e.g. DeepSpeed's
 ``deepspeed.comm.comm.cdb.reduce_scatter_function`` / ``all_gather_function`` (op names
 ``"reduce_scatter_tensor"`` / ``"all_gather_into_tensor"``). An extra target whose value is ``None``
@@ -138,10 +139,8 @@ def _check_inactive():
 
 
 def _targets(extra_targets, kinds):
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    targets = [(module, name, name) for name in OPS for module in (dist, c10d)]
+    """The extra targets of ``kinds``, checked."""
+    targets = []
     for target in extra_targets:
         obj, attr, op = target
         if op not in OPS:
@@ -152,28 +151,35 @@ def _targets(extra_targets, kinds):
     return [t for t in targets if OPS[t[2]].kind in kinds]
 
 
+_wrappers: dict = {}  # id(original) -> its wrapper, while a context is active
+
+
+def collective_wrapper(orig, op: str):
+    """The wrapper of ``orig`` (the registry's factory): one per original, so `dist.isend is c10d.isend`
+    stays true (batch_isend_irecv and P2POp compare these functions by identity)."""
+    if hasattr(orig, "_l3plugin_original"):  # already wrapped (an extra target naming a patched function)
+        return orig
+    if id(orig) not in _wrappers:
+        _wrappers[id(orig)] = _make_wrapper(op, orig)
+    return _wrappers[id(orig)]
+
+
 @contextlib.contextmanager
 def patched(handler, extra_targets=(), kinds=("coll", "send", "recv", "batch")):
     """Route every call of the patched functions whose op kind is in ``kinds`` to ``handler(Call)``."""
+    from l3plugin.patches import COLLECTIVES
+
     global _active
-    targets = _targets(extra_targets, kinds)
+    extras = _targets(extra_targets, kinds)
     with _state_lock:
         _check_inactive()
-        saved, wrappers, done = [], {}, set()
         try:
-            for obj, attr, op in targets:
-                orig = getattr(obj, attr, None)
-                if orig is None or (id(obj), attr) in done:
-                    continue
-                done.add((id(obj), attr))
-                # One wrapper per original, so `dist.isend is c10d.isend` stays true (batch_isend_irecv and
-                # P2POp compare these functions by identity).
-                if id(orig) not in wrappers:
-                    wrappers[id(orig)] = _make_wrapper(op, orig)
-                saved.append((obj, attr, orig))
-                setattr(obj, attr, wrappers[id(orig)])
+            COLLECTIVES.apply(lambda patch: OPS[patch.attribute].kind in kinds)
+            for obj, attr, op in extras:
+                if getattr(obj, attr) is not None:  # None: DeepSpeed's "this torch has no such function"
+                    COLLECTIVES.apply_on(obj, attr, "l3plugin.debug.patching:collective_wrapper", op)
         except BaseException:
-            _restore(saved)
+            _restore()
             raise
         _active = handler
     try:
@@ -181,12 +187,14 @@ def patched(handler, extra_targets=(), kinds=("coll", "send", "recv", "batch")):
     finally:
         with _state_lock:
             _active = None
-            _restore(saved)
+            _restore()
 
 
-def _restore(saved):
-    for obj, attr, orig in reversed(saved):
-        setattr(obj, attr, orig)
+def _restore():
+    from l3plugin.patches import COLLECTIVES
+
+    COLLECTIVES.undo()
+    _wrappers.clear()
 
 
 # -- local stand-ins -------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ TP/CP/PP-split run starts from exactly the numbers of a single-process run.
 
 from __future__ import annotations
 
-import types
 import zlib
 
 import torch
@@ -59,7 +58,8 @@ def deterministic_init(chunk, tp_size=1, tp_rank=0, scale=0.05):
             param.copy_(_tp_slice(full, param, name, tp_size, tp_rank, gated))
 
 
-def _rope_on_cpu(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
+def rope_on_cpu(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
+    """RotaryEmbedding.forward on a CPU-only machine (patch declared in l3plugin/patches.py, set ROPE)."""
     # Megatron's RotaryEmbedding moves its frequencies to the current CUDA device and picks the CP
     # rank's positions with a pinned CUDA index tensor; on a CPU-only machine both raise. Same result
     # here: frequencies where inv_freq already is, and this CP rank's 2 of 2*cp chunks (the "2cp"
@@ -85,7 +85,9 @@ def build_chunk(config, *, vocab, seq_len, pre_process, post_process, vp_stage=N
                      share_embeddings_and_output_weights=False, position_embedding_type=position_embedding_type,
                      vp_stage=vp_stage)
     if not torch.cuda.is_available() and getattr(model, "rotary_pos_emb", None) is not None:
-        model.rotary_pos_emb.forward = types.MethodType(_rope_on_cpu, model.rotary_pos_emb)
+        from l3plugin.patches import ROPE
+
+        ROPE.apply_to(model.rotary_pos_emb, rope_on_cpu)
     rope_follows_cp_layout(model, cp_layout)  # "balanced": RoPE of the positions this rank holds
     deterministic_init(model, tp_size, tp_rank)
     return model

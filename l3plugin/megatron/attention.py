@@ -136,33 +136,41 @@ def rope_follows_cp_layout(model, cp_layout: str):
     of the positions it holds under ``cp_layout``, per microbatch. Megatron slices RoPE by the paper's
     2cp chunks, so for "2cp" nothing is changed. A forward pre-hook reads the microbatch's global
     ``packed_seq_params.cu_seqlens_q`` and computes the layout exactly as the core attention does.
-    Call it on each GPTModel chunk itself, before wrapping it (DDP, Float16Module)."""
+    Call it on each GPTModel chunk itself, before wrapping it (DDP, Float16Module). The patch of the
+    embedding's ``forward`` is declared in ``l3plugin/patches.py`` (set ROPE)."""
+    from l3plugin.patches import ROPE
+
     rope = getattr(model, "rotary_pos_emb", None)
     check_layout_name(cp_layout)
     if cp_layout == "2cp" or rope is None:
         return model
+    rope.l3plugin_positions = None  # this microbatch's positions on this rank, set by the hook
+    ROPE.apply_to(rope, rope_of_held_positions)
+    model.register_forward_pre_hook(functools.partial(_positions_of_microbatch, rope, cp_layout), with_kwargs=True)
+    return model
+
+
+def _positions_of_microbatch(rope, cp_layout, module, args, kwargs):
+    packed = kwargs.get("packed_seq_params", args[6] if len(args) > 6 else None)
+    cu = getattr(packed, "cu_seqlens_q", None)
+    if cu is None:
+        raise ValueError(f"cp_layout={cp_layout!r} needs packed_seq_params.cu_seqlens_q (the global "
+                         f"document boundaries [0, ..., S]) in every forward: the layout depends on them")
     group = rope.cp_group
     cp = group.size() if group is not None else 1
-    full_emb = rope.forward  # stock (or a CPU replacement); packed_seq=True returns it unsliced
-    rope.l3plugin_positions = None
+    seq_len = int(torch.as_tensor(cu).reshape(-1)[-1])
+    layout = make_layout(cp_layout, seq_len, cp, cu)  # cached: the core attention builds the same
+    rope.l3plugin_positions = layout.indices(group.rank() if cp > 1 else 0)
 
-    def hook(module, args, kwargs):
-        packed = kwargs.get("packed_seq_params", args[6] if len(args) > 6 else None)
-        cu = getattr(packed, "cu_seqlens_q", None)
-        if cu is None:
-            raise ValueError(f"cp_layout={cp_layout!r} needs packed_seq_params.cu_seqlens_q (the global "
-                             f"document boundaries [0, ..., S]) in every forward: the layout depends on them")
-        seq_len = int(torch.as_tensor(cu).reshape(-1)[-1])
-        layout = make_layout(cp_layout, seq_len, cp, cu)  # cached: the core attention builds the same
-        rope.l3plugin_positions = layout.indices(group.rank() if cp > 1 else 0)
 
-    def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
-        positions = rope.l3plugin_positions
-        if packed_seq or positions is None:
-            return full_emb(max_seq_len, offset, packed_seq, cp_group)
-        emb = full_emb(positions.numel() * cp, offset, packed_seq=True)  # [S, 1, 1, dim], no CP slicing
-        return emb[positions.to(emb.device)]
+def rope_of_held_positions(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
+    """RotaryEmbedding.forward of the positions this rank holds (``rope_follows_cp_layout``)."""
+    from l3plugin.patches import ROPE
 
-    rope.forward = forward
-    model.register_forward_pre_hook(hook, with_kwargs=True)
-    return model
+    full_emb = ROPE.stock_of(self, rope_of_held_positions)  # stock (or a CPU replacement)
+    positions = self.l3plugin_positions
+    if packed_seq or positions is None:
+        return full_emb(max_seq_len, offset, packed_seq, cp_group)
+    cp = self.cp_group.size() if self.cp_group is not None else 1
+    emb = full_emb(positions.numel() * cp, offset, packed_seq=True)  # [S, 1, 1, dim], no CP slicing
+    return emb[positions.to(emb.device)]

@@ -6,7 +6,8 @@
 ``install()`` (idempotent) makes every ``get_forward_backward_func`` name Megatron's training loop reads
 return ``forward_backward_pipelining_flexible`` when the flexible schedule is selected and pp > 1:
 ``megatron.core.pipeline_parallel.get_forward_backward_func``, ``...schedules.get_forward_backward_func``
-and ``megatron.training.training.get_forward_backward_func`` (imported there as a module global).
+and ``megatron.training.training.get_forward_backward_func`` (imported there as a module global). These
+patches are declared in ``l3plugin/patches.py`` (sets MEGATRON and MEGATRON_LM_ARGS).
 
 A script that bound the selector by name before ``install()`` ran (``from megatron.core.pipeline_parallel
 import get_forward_backward_func`` at its top) keeps Megatron's own selector. That selector returns the stock
@@ -23,9 +24,11 @@ import sys
 import warnings
 
 from l3plugin.megatron.cp_route import add_cp_arguments, install_cp_route, prepare_cp_args, uninstall_cp_route
+from l3plugin.patches import MEGATRON, MEGATRON_LM_ARGS
 
 SCHEDULES = ("default", "flexible")
-_state = {"stock": None, "schedule": None, "guarded": {}, "warned": False}
+_state = {"schedule": None, "warned": False}
+_STOCK_SELECTOR = "megatron.core.pipeline_parallel.schedules.get_forward_backward_func"
 _PIPELINED = ("forward_backward_pipelining_with_interleaving", "forward_backward_pipelining_without_interleaving")
 
 
@@ -52,6 +55,11 @@ def _guard(name, stock_fn):
         return forward_backward_pipelining_flexible(*args, **kwargs)
     guarded.l3plugin_guard = True
     return guarded
+
+
+def guard(stock_fn, name: str):
+    """The guarded stock pipelined schedule ``name`` (the registry's factory for ``_guard``)."""
+    return _guard(name, stock_fn)
 
 
 def _early_bound(stock) -> list[str]:
@@ -113,26 +121,23 @@ def get_forward_backward_func(pp_size=None, vp_size=None, *args, **kwargs):
             from l3plugin.megatron.pipeline import forward_backward_pipelining_flexible
 
             return forward_backward_pipelining_flexible
-    return _state["stock"](pp_size, vp_size, *args, **kwargs)
+    return MEGATRON.stock(_STOCK_SELECTOR)(pp_size, vp_size, *args, **kwargs)
+
+
+def parse_args(extra_args_provider=None, *args, **kwargs):
+    """Megatron-LM's parse_args with l3plugin's flags chained on, the parsed CP arguments checked."""
+    stock = MEGATRON_LM_ARGS.stock("megatron.training.initialize.parse_args")
+    return prepare_cp_args(stock(chain_extra_args(extra_args_provider), *args, **kwargs))
 
 
 def hook_megatron_lm_arguments() -> bool:
     """Make Megatron-LM's parse_args accept l3plugin's flags (chained onto the script's
     extra_args_provider) and check/prepare the parsed CP arguments. False without Megatron-LM."""
     try:
-        import megatron.training.initialize as initialize
+        import megatron.training.initialize  # noqa: F401
     except ImportError:
         return False  # megatron-core alone: no Megatron-LM argument parser to extend
-    parse_args = initialize.parse_args
-    if getattr(parse_args, "_l3plugin", False):
-        return True
-
-    def parse_args_with_l3plugin(extra_args_provider=None, *args, **kwargs):
-        return prepare_cp_args(parse_args(chain_extra_args(extra_args_provider), *args, **kwargs))
-
-    parse_args_with_l3plugin._l3plugin = True
-    parse_args_with_l3plugin.l3plugin_stock = parse_args
-    initialize.parse_args = parse_args_with_l3plugin
+    MEGATRON_LM_ARGS.apply()
     return True
 
 
@@ -142,24 +147,11 @@ def install(schedule: str | None = None):
     Megatron-LM is importable, its argument parsing. Safe to call more than once."""
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is invalid: choose one of {SCHEDULES}")
-    import megatron.core.pipeline_parallel as pipeline_parallel
-    from megatron.core.pipeline_parallel import schedules
-
-    if _state["stock"] is None:
-        _state["stock"] = schedules.get_forward_backward_func
     _state["schedule"] = schedule
-    targets = [pipeline_parallel, schedules, sys.modules.get("megatron.training.training")]
-    for module in targets:
-        if module is not None and hasattr(module, "get_forward_backward_func"):
-            module.get_forward_backward_func = get_forward_backward_func
-    for name in _PIPELINED:  # what an early-bound stock selector returns, read from these globals at call time
-        fn = getattr(schedules, name)
-        if not getattr(fn, "l3plugin_guard", False):
-            _state["guarded"][name] = fn
-            setattr(schedules, name, _guard(name, fn))
+    MEGATRON.apply()  # also patches megatron.training.training if it was imported since the last call
     install_cp_route()
     hook_megatron_lm_arguments()
-    early = _early_bound(_state["stock"])
+    early = _early_bound(MEGATRON.stock(_STOCK_SELECTOR))
     if early and schedule != "default":
         warnings.warn(f"{', '.join(early)} bound Megatron's get_forward_backward_func before "
                       "l3plugin.megatron.install(): calls through that name reach Megatron's selector (l3plugin "
@@ -169,19 +161,9 @@ def install(schedule: str | None = None):
 
 def uninstall():
     """Restore Megatron's own selector everywhere install() patched it."""
-    if _state["stock"] is None:
+    if not MEGATRON.applied:
         return
-    import megatron.core.pipeline_parallel as pipeline_parallel
-    from megatron.core.pipeline_parallel import schedules
-
-    for module in (pipeline_parallel, schedules, sys.modules.get("megatron.training.training")):
-        if module is not None and getattr(module, "get_forward_backward_func", None) is get_forward_backward_func:
-            module.get_forward_backward_func = _state["stock"]
-    for name, fn in _state["guarded"].items():
-        setattr(schedules, name, fn)
+    MEGATRON.undo()
     uninstall_cp_route()
-    initialize = sys.modules.get("megatron.training.initialize")
-    stock_parse = getattr(getattr(initialize, "parse_args", None), "l3plugin_stock", None)
-    if stock_parse is not None:
-        initialize.parse_args = stock_parse
-    _state.update(stock=None, schedule=None, guarded={}, warned=False)
+    MEGATRON_LM_ARGS.undo()
+    _state.update(schedule=None, warned=False)

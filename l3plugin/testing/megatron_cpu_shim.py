@@ -17,6 +17,8 @@ import contextlib
 
 import torch
 
+from l3plugin.patches import Patch, PatchSet
+
 
 class _CpuCuda:
     """Stands in for ``torch.cuda`` inside the patched modules: the current device is the CPU."""
@@ -55,36 +57,35 @@ class _CpuTorch:
         return getattr(torch, name)
 
 
-@contextlib.contextmanager
+CPU_TORCH = _CpuTorch()
+
+
+def no_fork_tensor_parallel(module, _attribute):
+    return _NoForkTensorParallel(module)
+
+
+# Declared with l3plugin's patch registry (l3plugin/patches.py), like every patch of an upstream object.
+STOCK_SCHEDULES = PatchSet("l3plugin.testing (stock schedules on CPU; TEST-ONLY)", "megatron-core", "0.16.1", [
+    Patch(f"megatron.core.pipeline_parallel.{module}", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
+          why='the stock schedules and P2P code allocate on device="cuda" and call torch.cuda')
+    for module in ("schedules", "p2p_communication")])
+STOCK_ATTENTION = PatchSet("l3plugin.testing (stock attention on CPU; TEST-ONLY)", "megatron-core", "0.16.1", [
+    Patch("megatron.core.utils", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
+          why="the global memory buffer is allocated at torch.cuda.current_device()"),
+    Patch("megatron.core.transformer.dot_product_attention", "tensor_parallel",
+          "l3plugin.testing.megatron_cpu_shim:no_fork_tensor_parallel", wraps=True,
+          why="dropout runs under the CUDA RNG tracker's fork (a no-op here, for attention_dropout=0 only)"),
+])
+
+
 def stock_schedules_on_cpu():
     """Within this block Megatron-Core's stock schedules and P2P communication run on CPU tensors."""
-    from megatron.core.pipeline_parallel import p2p_communication, schedules
-
-    modules = (schedules, p2p_communication)
-    saved = [m.torch for m in modules]
-    fake = _CpuTorch()
-    try:
-        for m in modules:
-            m.torch = fake
-        yield
-    finally:
-        for m, original in zip(modules, saved):
-            m.torch = original
+    return STOCK_SCHEDULES.within()
 
 
-@contextlib.contextmanager
 def stock_attention_on_cpu():
     """Within this block Megatron-Core's local DotProductAttention (its global memory buffer) runs on CPU."""
-    from megatron.core import utils
-    from megatron.core.transformer import dot_product_attention
-
-    saved = utils.torch, dot_product_attention.tensor_parallel
-    try:
-        utils.torch = _CpuTorch()
-        dot_product_attention.tensor_parallel = _NoForkTensorParallel(saved[1])
-        yield
-    finally:
-        utils.torch, dot_product_attention.tensor_parallel = saved
+    return STOCK_ATTENTION.within()
 
 
 class _NoForkTensorParallel:
