@@ -24,6 +24,7 @@ DOCS="--reset-attention-mask --reset-position-ids --eod-mask-loss --calculate-pe
 CP="--context-parallel-size 2 --cp-comm-type l3plugin_all_gather"
 RUN="torchrun --nproc-per-node 2 $HERE/cpu_run.py"
 LAUNCH="$RUN -m l3plugin.megatron.launch pretrain_gpt.py"
+LAUNCH4="${LAUNCH/--nproc-per-node 2/--nproc-per-node 4}"
 [ -f pretrain_gpt_l3plugin.py ] || patch -p1 -o pretrain_gpt_l3plugin.py pretrain_gpt.py \
     < "$HERE/../../../patches/megatron-lm-core_v0.16.1-pretrain_gpt.patch" >/dev/null
 
@@ -43,6 +44,8 @@ declare -A CMD=(
   [cp2_patch_2cp]="$RUN pretrain_gpt_l3plugin.py $MODEL $DOCS $CP"
   [cp2_no_documents]="$LAUNCH $MODEL ${DOCS/--reset-attention-mask /} $CP"
   [cp2_stock_refuses]="$RUN pretrain_gpt.py $MODEL $DOCS $CP"
+  [pp2_cp1_stock]="$RUN pretrain_gpt.py $MODEL $DOCS --pipeline-model-parallel-size 2"
+  [pp2_cp2_2cp]="$LAUNCH4 $MODEL $DOCS $CP --pipeline-model-parallel-size 2"
   [cp1_stock_per_rank_mean]="$RUN pretrain_gpt.py $MODEL ${DOCS/ --calculate-per-token-loss/}"
   [cp2_2cp_per_rank_mean]="$LAUNCH $MODEL ${DOCS/ --calculate-per-token-loss/} $CP"
   [planner_cp2_regather]="$LAUNCH $PLAN_REGATHER $CPU $DOCS"
@@ -50,7 +53,7 @@ declare -A CMD=(
   [planner_flags_cp1_stock]="$RUN pretrain_gpt.py $PLAN_CP1 $CPU $DOCS"
 )
 ORDER="cp1_stock cp2_2cp_regather cp2_2cp_keep cp2_balanced_regather cp2_balanced_keep cp2_patch_2cp cp2_no_documents cp2_stock_refuses
- cp1_stock_per_rank_mean cp2_2cp_per_rank_mean planner_cp2_regather planner_cp2_keep planner_flags_cp1_stock"
+ cp1_stock_per_rank_mean cp2_2cp_per_rank_mean pp2_cp1_stock pp2_cp2_2cp planner_cp2_regather planner_cp2_keep planner_flags_cp1_stock"
 for name in ${@:-$ORDER}; do
   echo "== $name: ${CMD[$name]}" | tr -s ' \n' ' '; echo
   timeout 900 ${CMD[$name]} > "$OUT/$name.log" 2>&1; echo "   exit $?"
