@@ -70,10 +70,10 @@ def rope_on_cpu():
     chunks of the ``max_seq_len`` it is given, as stock does)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from l3plugin.demo import model as demo
+    from l3plugin.demo.model import rope_on_cpu
 
     stock = RotaryEmbedding.forward
-    RotaryEmbedding.forward = getattr(demo, "rope_on_cpu", None) or demo._rope_on_cpu  # renamed (public)
+    RotaryEmbedding.forward = rope_on_cpu
     try:
         yield
     finally:
