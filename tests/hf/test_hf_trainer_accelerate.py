@@ -1,8 +1,9 @@
-"""The HF Trainer drives a 2-rank cp = 2 run from the DeepSpeed key alone (no l3plugin import in the training
-code), against the same script at cp = 1 (the 2 ranks as data parallelism)."""
+"""The HF Trainer and an accelerate loop each drive a 2-rank cp = 2 run from the DeepSpeed key alone (no l3plugin
+import in the training code), against the same script at cp = 1 (the 2 ranks as data parallelism)."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("accelerate")
 
@@ -95,3 +96,70 @@ def test_trainer_cp2_matches_cp1(ranks, tmp_path):
 def test_trainer_bf16_off_message_speaks_trainer(ranks, tmp_path):
     for r in ranks.run(2, trainer_run, 2, str(tmp_path / "nobf16"), False):
         assert "TrainingArguments(bf16=True)" in r["error"]
+
+
+def accelerate_run(cp):
+    """An accelerate loop (Qwen2, the paper's 2cp layout, the model's own loss without num_items_in_batch, ZeRO-1,
+    2 micro-batches per step): each rank's batch at cp = 1 is one row of 2 documents (accelerate shards the loader
+    over the 2 ranks); at cp = 2 one row of the same 4 documents (the loader sharded over DP ranks only)."""
+    import os
+
+    from accelerate import Accelerator, DeepSpeedPlugin, PartialState
+    from deepspeed.utils import safe_get_full_grad
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorWithFlattening
+
+    from l3plugin.huggingface.deepspeed_cp import release_groups
+
+    quiet_deepspeed()
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
+              "steps_per_print": 10**9, "l3plugin": {"context_parallel_size": cp, "cp_layout": "2cp"}}
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what `accelerate launch --use_deepspeed` sets
+    try:
+        PartialState(backend="gloo")  # CPU ranks: without it accelerate sees one process
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+        # Documents of 20 and 12 tokens: every 32-token cp = 1 row holds 30 labelled tokens, so the mean of the
+        # two DP rows' token means (cp = 1) is the token mean of their concatenation (cp = 2).
+        data = [{"input_ids": d, "labels": d} for d in documents(11, [20, 12] * 8)]
+        loader = DataLoader(data, batch_size=2 * cp, collate_fn=DataCollatorWithFlattening())
+        model = tiny_model("qwen2")
+        # SGD: weights stay linear in the gradients. AdamW's per-element normalisation turns fp32 rounding of
+        # near-zero gradient elements into weight differences of ~5e-4 of the largest weight after 2 steps,
+        # between the stock cp = 1 run and an fp64 reference as much as between cp = 2 and cp = 1.
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        engine, _, loader = accelerator.prepare(model, optimizer, loader)
+        grads, losses = [], []
+        stock_step = engine.step
+
+        def step(*args, **kwargs):  # accelerate's backward calls engine.step(): the reduced gradients, before it
+            if engine.is_gradient_accumulation_boundary():
+                grads.append({n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()})
+            return stock_step(*args, **kwargs)
+
+        engine.step = step
+        for batch in loader:
+            with accelerator.accumulate(engine):
+                loss = engine(**batch).loss
+                accelerator.backward(loss)
+                losses.append(float(loss))
+        seen = torch.tensor([len(losses)])
+        dist.all_reduce(seen)
+        return {"losses": losses, "grads": grads, "weights": _weights(engine), "batches": int(seen),
+                "attn": model.config._attn_implementation}
+    finally:
+        release_groups()
+        _reset_accelerate()
+
+
+def test_accelerate_cp2_matches_cp1(ranks):
+    got = ranks.run(2, accelerate_run, 2)
+    ref = ranks.run(2, accelerate_run, 1)
+    assert got[0]["attn"] == "l3plugin_all_gather_cp" and ref[0]["attn"] == "sdpa"
+    assert got[0]["losses"] == got[1]["losses"]  # one CP group: the same batches, the whole sequences' loss
+    assert got[0]["batches"] == 8 and ref[0]["batches"] == 8  # DP-only sharding: both ranks of the group saw all 4
+    want = [(a + b) / 2 for a, b in zip(ref[0]["losses"], ref[1]["losses"])]
+    assert max(abs(a - b) for a, b in zip(got[0]["losses"], want)) < 1e-5
+    assert len(got[0]["grads"]) == len(ref[0]["grads"]) == 2
+    for mine, theirs in zip(got[0]["grads"], ref[0]["grads"]):
+        assert close(mine, theirs, 1e-5)
+    assert close(got[0]["weights"], ref[0]["weights"], 1e-5)
