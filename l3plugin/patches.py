@@ -382,7 +382,7 @@ MEGATRON_LM_ARGS = PatchSet("l3plugin.megatron (Megatron-LM arguments)", "megatr
 _ROPE = "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding"
 
 ROPE = PatchSet("l3plugin.megatron (RoPE)", "megatron-core", "0.16.1", [
-    Patch(_ROPE, "forward", "l3plugin.demo.model:rope_on_cpu", instance=True,
+    Patch(_ROPE, "forward", "l3plugin.megatron.model:rope_on_cpu", instance=True,
           signature=("self", "max_seq_len", "offset", "packed_seq", "cp_group"),
           why="on a CPU-only machine RotaryEmbedding moves its frequencies to the CUDA device and indexes with a "
               "pinned CUDA tensor; the same result computed where inv_freq is"),

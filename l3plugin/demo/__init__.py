@@ -93,7 +93,7 @@ def run_demo(args) -> int:
     from l3plugin.demo import train
     from l3plugin.demo.mesh_check import check_reports, mesh_report
     from l3plugin import waits
-    from l3plugin.testing.ranks import RankPool
+    from l3plugin.ranks import RankPool
 
     opts = options(args)
     shape = MeshShape(tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp)

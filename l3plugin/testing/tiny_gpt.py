@@ -1,5 +1,6 @@
 """A tiny Megatron-Core GPTModel on CPU (local layer spec + l3plugin's CP attention, learned positions)
-with the demo's name-keyed weights, so any CP/PP split holds the same numbers as one piece.
+with name-keyed weights (l3plugin/megatron/model.py, as the demo's), so any CP/PP split holds the same
+numbers as one piece.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import functools
 
 import torch
 
-from l3plugin.demo.model import build_chunk, global_name
+from l3plugin.megatron.model import build_chunk, global_name
 
 VOCAB = 64
 

@@ -1,0 +1,78 @@
+"""Megatron-Core GPTModel chunks with l3plugin's CP attention whose weights depend only on each parameter's
+global name, so a TP/CP/PP-split run starts from exactly the numbers of a single-process run (the demo's model
+and the tests' tiny GPT are built here). On a CPU-only machine RoPE is computed on the CPU (``rope_on_cpu``).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+
+def global_name(chunk, name: str) -> str:
+    """Parameter name in the whole model: local decoder layer index -> global layer number."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(chunk.decoder.layers[int(parts[2])].layer_number - 1)
+    return ".".join(parts)
+
+
+def _tp_slice(full, param, name, tp_size, tp_rank, gated):
+    """This TP rank's part of a full (tp=1) tensor, in Megatron's layout."""
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if gated and name.endswith("linear_fc1.weight"):
+        # SwiGLU fc1 is [gate; up]; each TP rank holds [its gate slice; its up slice].
+        return torch.cat([half.chunk(tp_size, dim)[tp_rank] for half in full.chunk(2, dim)], dim)
+    return full.chunk(tp_size, dim)[tp_rank]
+
+
+def deterministic_init(chunk, tp_size=1, tp_rank=0, scale=0.05):
+    gated = getattr(chunk.config, "gated_linear_unit", False)
+    with torch.no_grad():
+        for name, param in chunk.named_parameters():
+            shape = list(param.shape)
+            if getattr(param, "tensor_model_parallel", False):
+                shape[param.partition_dim] *= tp_size
+            gen = torch.Generator().manual_seed(zlib.crc32(global_name(chunk, name).encode()))
+            full = torch.randn(shape, generator=gen, dtype=torch.float64) * scale
+            if "layernorm.weight" in name:  # norms start near 1
+                full += 1.0
+            param.copy_(_tp_slice(full, param, name, tp_size, tp_rank, gated))
+
+
+def rope_on_cpu(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
+    """RotaryEmbedding.forward on a CPU-only machine (patch declared in l3plugin/patches.py, set ROPE)."""
+    # Megatron's RotaryEmbedding moves its frequencies to the current CUDA device and picks the CP
+    # rank's positions with a pinned CUDA index tensor; on a CPU-only machine both raise. Same result
+    # here: frequencies where inv_freq already is, and this CP rank's 2 of 2*cp chunks (the "2cp"
+    # layout; rope_follows_cp_layout wraps this for the others).
+    from l3plugin.cp.sharding import shard_indices
+
+    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+    cp_group = cp_group if cp_group is not None else self.cp_group
+    if cp_group is not None and cp_group.size() > 1 and not packed_seq:
+        emb = emb[shard_indices(max_seq_len, cp_group.size(), cp_group.rank()).to(emb.device)]
+    return emb
+
+
+def build_chunk(config, *, vocab, seq_len, pre_process, post_process, vp_stage=None, tp_size=1, tp_rank=0,
+                position_embedding_type="rope", cp_layout="2cp"):
+    from megatron.core.models.gpt import GPTModel
+
+    from l3plugin.megatron.attention import gpt_layer_spec_with_cp_attention, rope_follows_cp_layout
+
+    model = GPTModel(config, gpt_layer_spec_with_cp_attention(cp_layout), vocab_size=vocab,
+                     max_sequence_length=seq_len, pre_process=pre_process, post_process=post_process,
+                     share_embeddings_and_output_weights=False, position_embedding_type=position_embedding_type,
+                     vp_stage=vp_stage)
+    if not torch.cuda.is_available() and getattr(model, "rotary_pos_emb", None) is not None:
+        from l3plugin.patches import ROPE
+
+        ROPE.apply_to(model.rotary_pos_emb, rope_on_cpu)
+    rope_follows_cp_layout(model, cp_layout)  # "balanced": RoPE of the positions this rank holds
+    deterministic_init(model, tp_size, tp_rank)
+    return model
