@@ -9,7 +9,8 @@ The bound is ``timeout`` seconds when a caller passes one, else the environment 
 
 How work is waited: ``Work.wait(timeout)``, which honours the timeout for gloo P2P (isend/irecv), gloo
 all-reduce and all-gather, and NCCL (checked on torch 2.13). Not for gloo's reduce-scatter, whose work
-ignores the timeout and never reports completion: on gloo, callers all-reduce instead.
+ignores the timeout and never reports completion: on gloo, ``comm.start_reduce_scatter_sum`` is a
+point-to-point exchange instead (each rank sends every peer the slice it owns).
 """
 
 from __future__ import annotations
