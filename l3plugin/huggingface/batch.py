@@ -7,7 +7,9 @@ do not (``position_ids[t] - position_ids[t-1] != 1``; usually they restart at 0)
 
 Labels are shifted over the full row before sharding (the label of a chunk's last token is the next chunk's
 first token), exactly as HF's ``ForCausalLMLoss`` shifts them: ``shift_labels[t] = labels[t + 1]``, -100 at the
-end. Position ids are sliced with the tokens, so RoPE sees the global (per-document) positions.
+end. Position ids are sliced with the tokens, so RoPE sees the global (per-document) positions. A row whose
+length is not a multiple of 2 * cp gets a last document of unlabelled padding tokens (it changes no other token's
+attention, loss or gradient), so DataCollatorWithFlattening's rows of any length work.
 """
 
 from __future__ import annotations
@@ -100,19 +102,22 @@ def shard_inputs(kwargs: dict, group, layout: str) -> dict:
     position_ids = position_ids.expand(rows, seq_len) if position_ids.size(0) == 1 else position_ids
     if tuple(position_ids.shape) != (rows, seq_len):
         raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; input_ids has {(rows, seq_len)}")
-    if seq_len % (2 * cp):
-        raise ValueError(f"sequence length {seq_len} must be divisible by 2 * context_parallel_size = {2 * cp}: "
-                         "pad the packed rows to a multiple of it (e.g. a last document of padding tokens "
-                         "with labels -100)")
+    labels = kwargs.pop("labels", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    if shift_labels is None and labels is not None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    pad = -seq_len % (2 * cp)
+    if pad:  # the layouts cut rows into 2 * cp pieces: a last document of unlabelled tokens fills the row up
+        input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
+        position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device).expand(rows, pad)], 1)
+        if shift_labels is not None:
+            shift_labels = torch.nn.functional.pad(shift_labels, (0, pad), value=IGNORE_INDEX)
+        seq_len += pad
     cus = tuple(cu_seqlens_from_position_ids(position_ids[r]) for r in range(rows))
     layouts = tuple(layout if isinstance(layout, CPLayout) else make_layout(layout, seq_len, cp, cu)
                     for cu in cus)
     index = torch.stack([plan.indices(rank) for plan in layouts]).to(input_ids.device)
 
-    labels = kwargs.pop("labels", None)
-    shift_labels = kwargs.pop("shift_labels", None)
-    if shift_labels is None and labels is not None:
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
     out = dict(kwargs)
     out["input_ids"] = input_ids.gather(1, index)
     out["position_ids"] = position_ids.gather(1, index)

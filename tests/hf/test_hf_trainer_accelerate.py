@@ -53,20 +53,8 @@ def trainer_run(cp, out_dir, bf16=True, ours=True):
                                  gradient_accumulation_steps=1, learning_rate=1e-2, bf16=bf16, use_cpu=True,
                                  deepspeed=config, report_to=[], logging_steps=1, save_strategy="no", seed=3,
                                  ddp_backend="gloo", dataloader_drop_last=True, disable_tqdm=True)
-        # padding-free collator: a DataCollatorWithFlattening row is a multiple of 2*cp long only by luck; pad
-        # with a last document of labels -100 so every row is (the CP attention asks for S % (2*cp) == 0).
-        flatten = DataCollatorWithFlattening()
-
-        def collate(features):
-            batch = flatten(features)
-            pad = (-batch["input_ids"].size(1)) % 4
-            tail = {"input_ids": 0, "labels": -100}
-            for key, fill in tail.items():
-                batch[key] = torch.cat([batch[key], torch.full((1, pad), fill)], 1)
-            batch["position_ids"] = torch.cat([batch["position_ids"], torch.arange(pad)[None]], 1)
-            return batch
-
-        trainer = Trainer(model=tiny_model("llama"), args=args, train_dataset=dataset(), data_collator=collate)
+        trainer = Trainer(model=tiny_model("llama"), args=args, train_dataset=dataset(),
+                          data_collator=DataCollatorWithFlattening())  # rows of any length: the hook pads
         result = trainer.train()
         return {"loss": result.training_loss, "weights": _weights(trainer.model_wrapped),
                 "attn": trainer.model.config._attn_implementation}
