@@ -41,13 +41,13 @@ def _install() -> None:
 
 def initialize_after_install(*args, **kwargs):
     """``deepspeed.initialize`` in the deferred case (patch declared in l3plugin/patches.py, set AUTOLOAD):
-    puts the stock function back, installs, then calls it."""
+    puts the stock function back, installs, then calls ``deepspeed.initialize`` as installed (l3plugin may
+    patch it too)."""
     from l3plugin.patches import AUTOLOAD
 
-    stock = AUTOLOAD.stock("deepspeed.initialize")
     AUTOLOAD.undo()
     _install()
-    return stock(*args, **kwargs)
+    return sys.modules["deepspeed"].initialize(*args, **kwargs)
 
 
 def _install_at_first_initialize() -> None:

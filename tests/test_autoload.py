@@ -84,6 +84,19 @@ def test_deepspeed_imported_from_inside_l3plugin(tmp_path):
     assert engine_optimizer(tmp_path, first="l3plugin.deepspeed.optimizer") == "DeepSpeedFP32ReduceZero"
 
 
+def test_deepspeed_imported_while_another_l3plugin_module_is_half_built(tmp_path):
+    """deepspeed finishes importing while an l3plugin module outside the adapter is half-built: the hook does not
+    install then; deepspeed.initialize installs at its first call (the registry's AUTOLOAD set) and is put back."""
+    code = ENGINE.replace("print(json.dumps({", "print(json.dumps({'deferred': deferred, 'restored': "
+                          "deepspeed.initialize.__name__, ")
+    code = code.replace("deepspeed = quiet_deepspeed()", "deferred = [\"l3plugin.deepspeed\" in sys.modules, "
+                        "sys.modules[\"deepspeed\"].initialize.__name__]\ndeepspeed = quiet_deepspeed()")
+    out = run("FIRST = 'l3plugin.testing.deepspeed_at_import'\n" + code, tmp_path)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["deferred"] == [False, "initialize_after_install"]
+    assert result["optimizer"] == "DeepSpeedFP32ReduceZero" and result["restored"] == "initialize"
+
+
 def test_failed_install_warns_and_deepspeed_still_imports(tmp_path):
     """A stand-in `deepspeed` without the engine modules: install() fails; `import deepspeed` must not."""
     fake = tmp_path / "fake" / "deepspeed"
