@@ -39,9 +39,14 @@ def zero_settings(engine) -> ZeroSettings:
     # DeepSpeed's overlap_comm defaults to off because its overlap costs extra buffers; ours costs
     # nothing more (the bucket being reduced exists anyway), so it is on unless the config says false.
     overlap = engine._config._param_dict.get("zero_optimization", {}).get("overlap_comm")
+    # Under sequence parallelism (Ulysses, or l3plugin's context_parallel_size) DeepSpeed's engine and stock ZeRO
+    # sum gradients over the SP ranks of a group and average over data parallelism: our ZeRO, reducing over
+    # seq_data_parallel_group (DP x SP), does the same.
+    sp = getattr(engine, "sequence_parallel_size", 1)
+    scale = None if sp == 1 else sp / engine.seq_dp_world_size
     return ZeroSettings(**{**opts, "bucket_numel": opts["bucket_numel"] or int(engine.zero_reduce_bucket_size())},
                         stage=engine.zero_optimization_stage(), clip_grad=engine.gradient_clipping(),
-                        overlap=overlap is not False)
+                        overlap=overlap is not False, gradient_scale=scale)
 
 
 def check_supported(engine) -> None:

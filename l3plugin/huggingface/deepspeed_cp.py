@@ -153,13 +153,7 @@ def initialize(*args, **kwargs):
     arguments["mpu"] = _sequence_parallel_groups(cp)
     _fix_batch_size(config, dist.get_world_size(), cp)
     out = stock(**arguments)
-    engine = out[0]
-    zero = getattr(engine.optimizer, "zero", None)  # l3plugin's FP32-reducing ZeRO, if the config chose it
-    if zero is not None and zero.settings.gradient_scale is None:
-        # DeepSpeed's convention under sequence parallelism (its engine's all-reduce and stock ZeRO): gradients
-        # summed over the CP ranks of a group, averaged over data-parallel ranks; ours averages over the group.
-        zero.settings.gradient_scale = cp / engine.seq_dp_world_size
-    model = engine.module
+    model = out[0].module
     if hasattr(model, "set_attn_implementation") and hasattr(model, "config"):
         from l3plugin.huggingface.model import enable_context_parallel
 
