@@ -379,6 +379,27 @@ MEGATRON_LM_ARGS = PatchSet("l3plugin.megatron (Megatron-LM arguments)", "megatr
               "the parsed CP arguments are checked"),
 ])
 
+_CP_ROUTE = "l3plugin.megatron.cp_route"
+_ONLY_OURS = "; inert unless cp_comm_type l3plugin_all_gather is selected"
+
+CP_ROUTE = PatchSet("l3plugin.megatron (CP from Megatron-LM's flags)", "megatron-core", "0.16.1", [
+    Patch("megatron.core.transformer.attention:SelfAttention", "__init__", f"{_CP_ROUTE}:_self_attention_init",
+          signature=("self", "config", "submodules", "layer_number", "attn_mask_type", "cp_comm_type"),
+          why="a SelfAttention built with cp_comm_type l3plugin_all_gather gets l3plugin's CP core attention "
+              "(whatever the layer spec)" + _ONLY_OURS),
+    Patch("megatron.core.models.gpt.gpt_model:GPTModel", "__init__", f"{_CP_ROUTE}:_gpt_model_init",
+          signature=("self", "config", "transformer_layer_spec"),
+          why="with the balanced CP layout, the model's RoPE follows it" + _ONLY_OURS),
+    Patch("megatron.core.utils", "get_thd_batch_on_this_cp_rank", f"{_CP_ROUTE}:packed_batch_on_this_cp_rank",
+          signature=("batch", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "cp_size", "cp_rank"), rebind=True,
+          why="packed batches sharded by l3plugin's CP layout, PackedSeqParams in sbhd with the global document "
+              "boundaries" + _ONLY_OURS),
+    Patch("megatron.training.utils", "get_batch_on_this_tp_rank", f"{_CP_ROUTE}:tp_batch_with_documents",
+          signature=("data_iterator",), rebind=True, optional=True,
+          why="Megatron-LM's batch gains the document boundaries from EOD tokens (--reset-attention-mask)"
+              + _ONLY_OURS),
+])
+
 _ROPE = "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding"
 
 ROPE = PatchSet("l3plugin.megatron (RoPE)", "megatron-core", "0.16.1", [

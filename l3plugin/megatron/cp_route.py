@@ -39,13 +39,9 @@ import torch
 from l3plugin.cp.layout import LAYOUT_NAMES
 from l3plugin.cp.sharding import cu_seqlens_from_eod, shard_batch
 from l3plugin.megatron.attention import CP_COMM_TYPE, CP_KV_MODES, AllGatherCPCoreAttention
+from l3plugin.patches import CP_ROUTE
 
 TE_MODULE = "megatron.core.extensions.transformer_engine"
-_stock = {}  # (owner, attribute) -> (the original, rebind), for uninstall
-
-
-def _original(owner, attribute):
-    return _stock[(owner, attribute)][0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,9 +185,7 @@ def l3plugin_core_attention(core, route: CPRoute):
 
 
 def _self_attention_init(self, *args, **kwargs):
-    from megatron.core.transformer.attention import SelfAttention
-
-    stock = _original(SelfAttention, "__init__")
+    stock = CP_ROUTE.stock("SelfAttention.__init__")
     bound = inspect.signature(stock).bind(self, *args, **kwargs)
     if bound.arguments.get("cp_comm_type") == CP_COMM_TYPE:
         submodules = bound.arguments["submodules"]
@@ -202,9 +196,7 @@ def _self_attention_init(self, *args, **kwargs):
 
 
 def _gpt_model_init(self, *args, **kwargs):
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    _original(GPTModel, "__init__")(self, *args, **kwargs)
+    CP_ROUTE.stock("GPTModel.__init__")(self, *args, **kwargs)
     comm = self.config.cp_comm_type
     if self.config.context_parallel_size > 1 and CP_COMM_TYPE in (comm if isinstance(comm, list) else [comm]):
         layout = _route_for_model().layout
@@ -249,9 +241,7 @@ def _boundaries_on_tp_group(batch) -> torch.Tensor:
 def tp_batch_with_documents(data_iterator, *args, **kwargs):
     """Megatron-LM's, plus the document boundaries as ``cu_seqlens`` [1, n] and ``max_seqlen`` [1] when
     l3plugin's CP has document masks (pretrain_gpt's get_batch then takes its packed-sequence branch)."""
-    from megatron.training import utils as training_utils
-
-    batch = _original(training_utils, "get_batch_on_this_tp_rank")(data_iterator, *args, **kwargs)
+    batch = CP_ROUTE.stock("megatron.training.utils.get_batch_on_this_tp_rank")(data_iterator, *args, **kwargs)
     route = active_route()
     if route is None or not route.documents:
         return batch
@@ -264,11 +254,11 @@ def tp_batch_with_documents(data_iterator, *args, **kwargs):
 def packed_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size=None, cp_rank=None):
     """Megatron-Core's, except for l3plugin's CP: this rank's positions by l3plugin's layout, and
     PackedSeqParams in the "sbhd" format carrying the GLOBAL boundaries (TE's THD split is not ours)."""
-    from megatron.core import parallel_state, utils as core_utils
+    from megatron.core import parallel_state
 
     route = active_route()
     if route is None:
-        return _original(core_utils, "get_thd_batch_on_this_cp_rank")(
+        return CP_ROUTE.stock("megatron.core.utils.get_thd_batch_on_this_cp_rank")(
             batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size, cp_rank)
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -288,48 +278,13 @@ def packed_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded, max_seqle
 
 # ---- install ----
 
-def _patch(owner, attribute: str, replacement, rebind: bool = False):
-    """Set ``owner.attribute`` (once: the first original is kept for uninstall). ``rebind``: also modules
-    that imported the function by name before (the two-line patch of pretrain_gpt.py calls install() after
-    its imports)."""
-    key = (owner, attribute)
-    if key not in _stock:
-        _stock[key] = (getattr(owner, attribute), rebind)
-    original = _stock[key][0]
-    setattr(owner, attribute, replacement)
-    if rebind:
-        _rebind(attribute, original, replacement)
-
-
-def _rebind(attribute, old, new):
-    for name, module in list(sys.modules.items()):
-        try:
-            if module is not None and name != __name__ and vars(module).get(attribute) is old:
-                setattr(module, attribute, new)
-        except TypeError:  # modules without __dict__
-            continue
-
-
 def install_cp_route():
     """Patch Megatron-Core's SelfAttention and GPTModel, and Megatron-LM's batch functions when present
-    (idempotent). Inert unless a config / Megatron-LM's flags select cp_comm_type l3plugin_all_gather."""
-    from megatron.core import utils as core_utils
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.attention import SelfAttention
-
-    _patch(SelfAttention, "__init__", _self_attention_init)
-    _patch(GPTModel, "__init__", _gpt_model_init)
-    _patch(core_utils, "get_thd_batch_on_this_cp_rank", packed_batch_on_this_cp_rank, rebind=True)
-    try:
-        from megatron.training import utils as training_utils
-    except ImportError:
-        return  # megatron-core alone: no data pipeline of Megatron-LM's to extend
-    _patch(training_utils, "get_batch_on_this_tp_rank", tp_batch_with_documents, rebind=True)
+    (idempotent; declared in l3plugin/patches.py, set CP_ROUTE). Inert unless a config / Megatron-LM's flags
+    select cp_comm_type l3plugin_all_gather. Functions imported by name before (the two-line patch of
+    pretrain_gpt.py calls install() after its imports) are rebound too."""
+    CP_ROUTE.apply()
 
 
 def uninstall_cp_route():
-    for (owner, attribute), (original, rebind) in list(_stock.items()):
-        if rebind:
-            _rebind(attribute, getattr(owner, attribute), original)
-        setattr(owner, attribute, original)
-    _stock.clear()
+    CP_ROUTE.undo()
