@@ -16,6 +16,7 @@ import torch
 
 from l3plugin.zero.checkpoint import Loaded, load_agreed
 from l3plugin.zero.optimizer import FP32ReduceZero
+from l3plugin.zero.settings import DEEPSPEED_ONLY
 
 
 def megatron_zero(model_chunks, optimizer, *, stage=1, clip_grad=0.0, gradient_scale=None, group=None,
@@ -26,6 +27,11 @@ def megatron_zero(model_chunks, optimizer, *, stage=1, clip_grad=0.0, gradient_s
     --overlap-param-gather, for l3plugin's optimizer)."""
     from megatron.core import parallel_state as ps
 
+    for name in DEEPSPEED_ONLY:
+        if name in settings:
+            raise ValueError(f"{name}={settings[name]!r} applies to the DeepSpeed engine only: under Megatron-Core "
+                             f"ZeRO-2 reduce-scatters once per round of the flexible schedule and checkpoints go "
+                             f"through dist_checkpointing; drop {name}")
     tp_rank = ps.get_tensor_model_parallel_rank()
     names = {p: f"chunk{c}.{n}" for c, chunk in enumerate(model_chunks) for n, p in chunk.named_parameters()}
     zero = FP32ReduceZero(

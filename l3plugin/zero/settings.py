@@ -124,6 +124,11 @@ class ZeroSettings:
                 setattr(self, f.name, check(f.name, value, source))
 
 
+# Options only the DeepSpeed engine acts on (micro-batch reductions, its checkpoint loading): the Megatron entry
+# point reduces per round of the flexible schedule and checkpoints through dist_checkpointing, so it refuses them.
+DEEPSPEED_ONLY = ("reduce_every", "carry_reductions", "checkpoint_allow_nonfinite", "checkpoint_fallback")
+
+
 def json_options(raw, source: str, extra: dict | None = None) -> dict:
     """Every option a JSON block may set, checked: {name: the block's value, else its default}.
 

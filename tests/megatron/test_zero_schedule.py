@@ -92,3 +92,14 @@ def test_parameter_gathers_overlapped_with_the_next_forward_are_bit_identical(ra
     for b, o in zip(blocking, overlapped):
         assert all(torch.equal(b["weights"][lid], o["weights"][lid]) for lid in b["weights"])
         assert b["pending"] == 0 and o["pending"] == o["buckets"]
+
+
+@pytest.mark.parametrize("name, value", [("reduce_every", 2), ("carry_reductions", True),
+                                         ("checkpoint_allow_nonfinite", True), ("checkpoint_fallback", False)])
+def test_deepspeed_only_options_are_refused_under_megatron(name, value):
+    """They would be accepted and do nothing: the Megatron entry point names them and why."""
+    from l3plugin.megatron.zero import megatron_zero
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=rf"{name}={value!r} applies to the DeepSpeed engine only.*drop {name}"):
+        megatron_zero([model], torch.optim.SGD(model.parameters(), lr=0.1), **{name: value})
