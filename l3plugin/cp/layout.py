@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from l3plugin.checks import check_int
+
 LAYOUT_NAMES = ("2cp", "balanced")
 TOLERANCE = 1.05  # balanced: stop refining once max/min attention work is within this
 MIN_PIECE = 64  # balanced: smallest piece in tokens (a GPU kernel call on fewer is mostly overhead)
@@ -42,12 +44,6 @@ def check_bool(name: str, value) -> bool:
     # "no" or 0 would otherwise count as their truth value, silently (a non-empty string is true).
     if not isinstance(value, bool):
         raise ValueError(f"{name}={value!r} is invalid: must be True or False")
-    return value
-
-
-def check_positive_int(name: str, value, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} is out of range: must be an integer >= {low}")
     return value
 
 
@@ -84,8 +80,8 @@ class CPLayout:
 
     def __post_init__(self):
         # A hand-built layout that misses or repeats a position would silently attend to wrong tokens.
-        check_positive_int("seq_len", self.seq_len)
-        check_positive_int("cp_size", self.cp_size)
+        check_int("seq_len", self.seq_len)
+        check_int("cp_size", self.cp_size)
         ranges = tuple(tuple((int(a), int(b)) for a, b in mine) for mine in self.ranges)
         object.__setattr__(self, "ranges", ranges)
         problem = None
@@ -133,8 +129,8 @@ class CPLayout:
 @functools.lru_cache(maxsize=64, typed=True)  # built in every attention call; typed: True is not 1
 def two_chunk_layout(seq_len: int, cp_size: int) -> CPLayout:
     """The paper's layout: rank i holds chunks i and 2*cp-1-i of 2*cp equal chunks."""
-    check_positive_int("seq_len", seq_len)
-    check_positive_int("cp_size", cp_size)
+    check_int("seq_len", seq_len)
+    check_int("cp_size", cp_size)
     if seq_len % (2 * cp_size):
         raise ValueError(f"seq_len={seq_len} is not divisible by 2*cp_size = {2 * cp_size}: the sequence "
                          f"is cut into 2*cp equal chunks; pad it to a multiple of {2 * cp_size}")
@@ -242,9 +238,9 @@ def _doubling(counts: list) -> list:
 def balanced_layout(cu_seqlens, seq_len: int, cp_size: int, *, tolerance: float = TOLERANCE,
                     min_piece: int = MIN_PIECE) -> CPLayout:
     """Document-balanced layout (module docstring). Needs seq_len divisible by cp_size."""
-    check_positive_int("seq_len", seq_len)
-    check_positive_int("cp_size", cp_size)
-    check_positive_int("min_piece", min_piece)
+    check_int("seq_len", seq_len)
+    check_int("cp_size", cp_size)
+    check_int("min_piece", min_piece)
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 1.0:
         raise ValueError(f"tolerance={tolerance!r} is out of range: must be a number >= 1.0 (max/min work)")
     if seq_len % cp_size:

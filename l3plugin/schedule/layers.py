@@ -7,6 +7,8 @@ opaque; this helper only decides the split and rejects ones that cannot be made.
 
 from __future__ import annotations
 
+from l3plugin.checks import check_int
+
 
 def layers_per_virtual_stage(num_layers: int, pp_size: int, vpp_size: int = 1, *,
                              first_stage: int | None = None, last_stage: int | None = None) -> list[int]:
@@ -15,10 +17,8 @@ def layers_per_virtual_stage(num_layers: int, pp_size: int, vpp_size: int = 1, *
     Without ``first_stage``/``last_stage`` the split is even and ``num_layers`` must be divisible by
     pp*vpp. With them, the first/last virtual stage get those counts and the rest are split evenly.
     """
-    for name, value, low in (("num_layers", num_layers, 1), ("pp_size", pp_size, 1),
-                             ("vpp_size", vpp_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}={value!r} is out of range: must be an integer >= {low}")
+    for name, value in (("num_layers", num_layers), ("pp_size", pp_size), ("vpp_size", vpp_size)):
+        check_int(name, value)
     stages = pp_size * vpp_size
     ends = {0: first_stage, stages - 1: last_stage}
     for name, value in (("first_stage", first_stage), ("last_stage", last_stage)):
