@@ -1,0 +1,87 @@
+"""Whole tensors from the FP32-reducing ZeRO's shards: the one place a parameter's full fp32 master weight,
+optimizer state or reduced gradient is rebuilt from (or written into) the group's shards. Used by DeepSpeed's
+safe_get_full_* accessors, exports and checkpoints. A mixin of ``FP32ReduceZero`` (optimizer.py): it reads
+its buckets, slots, group and optimizer."""
+
+from __future__ import annotations
+
+import torch
+
+from l3plugin import comm
+from l3plugin.zero.buffers import GradBucket, ParamSlot
+
+
+class FullTensors:
+    GRAD = "grad"  # ``what`` of the reduced gradient shard
+
+    def elementwise_keys(self, bucket: GradBucket | None = None) -> list[str]:
+        """The optimizer states sharded like the master weights (Adam's exp_avg, exp_avg_sq; not ``step``)."""
+        bucket = self.buckets[0] if bucket is None else bucket
+        state = self.optimizer.state.get(bucket.master, {})
+        return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == bucket.master.shape)
+
+    def _shard(self, bucket: GradBucket, what: str | None) -> torch.Tensor:
+        """This rank's shard of ``what``: None = fp32 master weights, GRAD = reduced gradient, else a state."""
+        if what is None:
+            return bucket.master.detach()
+        if what == self.GRAD:
+            return bucket.shard_grad
+        state = self.optimizer.state.get(bucket.master, {})
+        if what not in state:
+            raise KeyError(f"optimizer state {what!r} not found; this optimizer has {self.elementwise_keys(bucket)}")
+        return state[what]
+
+    def full_tensors(self, what: str | None = None, params=None) -> dict:
+        """{param: whole fp32 tensor of its shape} of ``what`` (see ``_shard``), on every rank (collective).
+        All parameters (``params`` None): one all-gather per bucket. Some: per parameter, its elements summed
+        over the group (each is non-zero on exactly one rank), so one parameter costs its own size, not its
+        bucket's. Both are exact."""
+        out = {}
+        if params is None:
+            for bucket in self.buckets:
+                full = comm.all_gather_shards(self._shard(bucket, what), self.group)
+                for slot, p in zip(bucket.spec.slots, bucket.params):
+                    out[p] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+            return out
+        for param in params:
+            slot: ParamSlot = self.slots[param]
+            bucket = self.buckets[slot.bucket]
+            shard = self._shard(bucket, what).float()
+            lo, hi = bucket.spec.shard_range(self.rank)
+            full = torch.zeros(slot.numel, dtype=torch.float32, device=shard.device)
+            s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if s < e:
+                full[s - slot.offset:e - slot.offset] = shard[s - lo:e - lo]
+            comm.all_reduce_sum(full, self.group, self.wait_timeout)
+            out[param] = full.view(slot.shape)
+        return out
+
+    def _local_part(self, param, shard: torch.Tensor, value: torch.Tensor) -> None:
+        slot: ParamSlot = self.slots[param]
+        lo, hi = self.buckets[slot.bucket].spec.shard_range(self.rank)
+        s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if s < e:
+            shard[s - lo:e - lo] = value.reshape(-1)[s - slot.offset:e - slot.offset].to(shard.dtype)
+
+    def full_master(self, param, state_key: str | None = None) -> torch.Tensor:
+        """The whole fp32 master weight (or optimizer state ``state_key``) of ``param`` (collective)."""
+        return self.full_tensors(state_key, [param])[param]
+
+    def set_full_master(self, param, value: torch.Tensor, state_key: str | None = None) -> None:
+        self._local_part(param, self._shard(self.buckets[self.slots[param].bucket], state_key), value)
+
+    def full_grad(self, param) -> torch.Tensor:
+        """The reduced fp32 gradient of ``param`` (collective). Valid after the reduce-scatter, before step."""
+        bucket = self.buckets[self.slots[param].bucket]
+        if bucket.in_flight is not None:
+            self._complete(bucket)
+        if bucket.shard_grad is None or bucket.full is not None:
+            raise RuntimeError("the reduced gradient is available after the reduce-scatter of the last "
+                               "micro-batch (finish_grad_sync) and before step()")
+        return self.full_tensors(self.GRAD, [param])[param]
+
+    def set_full_grad(self, param, value: torch.Tensor) -> None:
+        bucket = self.buckets[self.slots[param].bucket]
+        if bucket.shard_grad is None:
+            raise RuntimeError("no reduced gradient to overwrite: call after the reduce-scatter, before step()")
+        self._local_part(param, bucket.shard_grad, value)
