@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from l3plugin import comm
 from l3plugin.cp import all_gather_attention
+from l3plugin.waits import resolve_timeout
 
 ATTENTION_NAME = "l3plugin_all_gather_cp"
 # Attention features the all-gather CP kernel does not have: refused when a model passes them set.
@@ -58,9 +60,7 @@ class _SumOverCP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return comm.all_reduce_sum(x.clone(), group, resolve_timeout(), "CP loss")  # bounded wait
 
     @staticmethod
     def backward(ctx, grad):

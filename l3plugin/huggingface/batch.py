@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from l3plugin import comm
 from l3plugin.cp import make_layout
 from l3plugin.cp.layout import CPLayout
+from l3plugin.waits import resolve_timeout
 
 IGNORE_INDEX = -100
 # Keys DataCollatorWithFlattening may add for flash-attn: they describe the unsharded row, which the CP
@@ -60,8 +62,7 @@ def _check_same_batch_on_cp_ranks(input_ids: torch.Tensor, group) -> None:
     weights = torch.arange(1, ids.numel() + 1, device=ids.device, dtype=torch.int64) % 1_000_003
     mine = torch.stack([torch.tensor(ids.size(0)), torch.tensor(ids.size(-1)),
                         (ids.reshape(-1) * weights).sum().cpu()]).to(ids.device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
+    everyone = comm.all_gather_shards(mine, group, resolve_timeout()).view(-1, mine.numel())  # bounded wait
     if any(not torch.equal(mine, other) for other in everyone):
         table = ", ".join(f"CP rank {r}: shape [{int(t[0])}, {int(t[1])}] checksum {int(t[2])}"
                           for r, t in enumerate(everyone))

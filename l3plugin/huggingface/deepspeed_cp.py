@@ -45,11 +45,14 @@ def cp_settings(config: dict) -> tuple[int, str]:
     raw = config.get(KEY)
     if not isinstance(raw, dict):
         return 1, "balanced"
-    size, layout = raw.get("context_parallel_size", 1), raw.get("cp_layout", "balanced")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f'"{KEY}.context_parallel_size" must be an integer >= 1, got {size!r}')
-    if layout not in ("balanced", "2cp"):
-        raise ValueError(f'"{KEY}.cp_layout" must be "balanced" or "2cp", got {layout!r}')
+    from l3plugin.cp import LAYOUT_NAMES
+    from l3plugin.zero.settings import whole_number  # the same check and wording as the block's ZeRO options
+
+    size = whole_number(1, " (ranks per context-parallel group)")("context_parallel_size",
+                                                                   raw.get("context_parallel_size", 1), KEY)
+    layout = raw.get("cp_layout", "balanced")
+    if layout not in LAYOUT_NAMES:
+        raise ValueError(f'"{KEY}.cp_layout" must be one of {list(LAYOUT_NAMES)}, got {layout!r}')
     return size, layout
 
 

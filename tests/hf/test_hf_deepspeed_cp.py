@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("transformers")
+import transformers  # noqa: E402,F401 (the "hf" test extra, installed by make test: missing, it fails here, never skips)
 
 from hf_models import packed, quiet_deepspeed, step_rows, tiny_model  # noqa: E402
 
@@ -114,3 +114,18 @@ def test_checkpoint_resume_also_to_cp1_and_zero_to_fp32_export(ranks, tmp_path):
         assert all(torch.equal(resumed[r]["weights"][n], straight[r]["weights"][n]) for n in straight[r]["weights"])
         assert close(to_cp1[r]["weights"], straight[r]["weights"], 2e-2)
     assert all(torch.equal(exported[0]["exported"][n], exported[0]["weights"][n]) for n in exported[0]["weights"])
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"context_parallel_size": 0}, r'"l3plugin.context_parallel_size" must be >= 1 \(ranks per context-parallel '
+                                   r'group\), got 0'),
+    ({"context_parallel_size": 1.5}, r'"l3plugin.context_parallel_size" must be >= 1 .*got 1.5'),
+    ({"context_parallel_size": True}, r'"l3plugin.context_parallel_size" must be >= 1 .*got True'),
+    ({"cp_layout": "ring"}, r'"l3plugin.cp_layout" must be one of \[\'2cp\', \'balanced\'\], got \'ring\''),
+])
+def test_bad_cp_options_name_the_key_and_the_range(block, message):
+    from l3plugin.huggingface.deepspeed_cp import cp_settings
+
+    with pytest.raises(ValueError, match=message):
+        cp_settings({"l3plugin": block})
+    assert cp_settings({"l3plugin": {"context_parallel_size": 2}}) == (2, "balanced")
