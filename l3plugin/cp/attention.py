@@ -91,10 +91,9 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
 
         return overlapped_attention(q, k, v, attend, part_plan(plan, rank, causal, PARTS), group, timeout,
                                     regather=cp_kv == "regather")
-    holder = []  # the gathered buffer, when it is to be released after the forward
+    regather = cp > 1 and cp_kv == "regather" and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
     if cp > 1:
-        regather = cp_kv == "regather" and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
-        k_full, v_full = GatherKV.apply(k, v, group, timeout, plan.gathered_order(), holder if regather else None)
+        k_full, v_full = GatherKV.apply(k, v, group, timeout, plan.gathered_order(), regather)
     else:
         # Without CP every layout holds the whole sequence in order.
         k_full, v_full = k, v
@@ -105,9 +104,9 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
                        causal=causal, softmax_scale=softmax_scale))
         first += rows
     out = torch.cat(outs)
-    if holder:
-        buffer, node = holder[0], k_full.grad_fn  # GatherKV's node: it saved the local K/V
-        buffer.release()
+    if regather:
+        node = k_full.grad_fn  # GatherKV's ctx: its buffer and the local K/V it saved
+        node.buffer.release()
         # Runs when the gradient of ``out`` is known, before any kernel's backward reads the saved views.
-        out.register_hook(lambda grad: buffer.refill(*node.saved_tensors))
+        out.register_hook(lambda grad: node.buffer.refill(*node.saved_tensors))
     return out

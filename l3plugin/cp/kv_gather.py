@@ -66,16 +66,15 @@ class GatherKV(torch.autograd.Function):
     ``order``: global positions of the rank-major concatenation of every rank's tokens (the layout's)."""
 
     @staticmethod
-    def forward(ctx, k, v, group, timeout, order, holder):
+    def forward(ctx, k, v, group, timeout, order, regather):
         cp = dist.get_world_size(group)
         local = torch.stack([k, v])  # [2, s_local, h, d]: one collective for both
         full = local.new_empty((2, cp * k.size(0)) + k.shape[1:])
         gather_into(full, local, order, group, timeout)
         ctx.buffer = None
-        if holder is not None:  # cp_kv="regather": the caller releases it, a hook on its output refills it
+        if regather:  # the caller releases it (node.buffer); a hook on its output refills it from the saved k, v
             ctx.buffer = GatheredKV(full, order, group, timeout)
             ctx.save_for_backward(k, v)
-            holder.append(ctx.buffer)
         ctx.group, ctx.order, ctx.cp, ctx.timeout = group, order.to(k.device), cp, timeout
         return full[0], full[1]
 

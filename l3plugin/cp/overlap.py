@@ -50,6 +50,7 @@ class PartPlan:
     needs: tuple  # per local range: the last part it waits for (-1: its keys are all this rank's own)
     kv_lens: tuple  # per local range: the keys it attends, [0, kv_len)
     first_other: tuple  # per part: the first position of another rank's token in it
+    order: torch.Tensor  # global positions of the rank-major concatenation of every rank's tokens (regather)
 
 
 @functools.lru_cache(maxsize=64)
@@ -69,7 +70,7 @@ def part_plan(layout: CPLayout, rank: int, causal: bool, parts: int) -> PartPlan
     kv_lens = tuple(b if causal else seq_len for _, b in ranges)
     return PartPlan(slices=tuple(zip(cuts, cuts[1:])), positions=positions, rows=tuple(b - a for a, b in ranges),
                     needs=tuple(int(arrived_by[n - 1]) for n in kv_lens), kv_lens=kv_lens,
-                    first_other=tuple(int(pos[others].min()) for pos in positions))
+                    first_other=tuple(int(pos[others].min()) for pos in positions), order=layout.gathered_order())
 
 
 def _alias(buffer, length):
@@ -113,7 +114,7 @@ class OverlappedAttention(torch.autograd.Function):
         ctx.q_shape, ctx.local_shape = q.shape, local.shape
         ctx.buffer = None
         if regather and track:  # the ranges' graphs keep views of ``full``: free its memory until the backward
-            ctx.buffer = GatheredKV(full, gathered_order(plan), group, timeout)
+            ctx.buffer = GatheredKV(full, plan.order, group, timeout)
             ctx.buffer.release()
             ctx.save_for_backward(k, v)
         return torch.cat([out.detach() for _, out, _, _ in ctx.ranges])
@@ -161,11 +162,6 @@ def overlapped_attention(q, k, v, attend, plan: PartPlan, group, timeout, regath
     keep only the local K/V for the backward and all-gather them again there (cp_kv="regather")."""
     track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return OverlappedAttention.apply(q, k, v, attend, plan, group, timeout, track, regather)
-
-
-def gathered_order(plan: PartPlan) -> torch.Tensor:
-    """Global positions of the rank-major concatenation of every rank's tokens (the layout's)."""
-    return torch.cat(plan.positions, dim=1).reshape(-1)
 
 
 def own_positions(plan: PartPlan, rank: int, device) -> torch.Tensor:
