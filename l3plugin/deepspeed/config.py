@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from l3plugin.zero.settings import ZeroSettings, json_options
+from l3plugin.zero.settings import ZeroSettings, boolean, json_options
 
 KEY = "l3plugin"
 ENABLE = "fp32_reduce_zero"  # the switch; every other option is a ZeroSettings field (l3plugin/zero/settings.py)
@@ -21,9 +21,7 @@ def plugin_options(param_dict: dict) -> dict | None:
     if raw is None:
         return None
     opts = json_options(raw, KEY, extra={ENABLE: "use the FP32-reducing ZeRO-1/2 optimizer"})
-    enabled = opts.pop(ENABLE, False)
-    if not isinstance(enabled, bool):
-        raise ValueError(f'"{KEY}.{ENABLE}" must be bool, got {enabled!r}')
+    enabled = boolean(ENABLE, opts.pop(ENABLE, False), KEY)
     return opts if enabled else None
 
 

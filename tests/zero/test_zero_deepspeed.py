@@ -214,6 +214,7 @@ BAD = [
     ({"stage": 1}, {**ON, "bucket_size": 10}, "unknown option(s) ['bucket_size']"),
     ({"stage": 1}, {**ON, "reduce_dtype": "fp16"}, 'must be "fp32" or "bf16"'),
     ({"stage": 1}, True, "must be an object"),
+    ({"stage": 1}, {"fp32_reduce_zero": "yes"}, '"l3plugin.fp32_reduce_zero" must be True or False, got \'yes\''),
 ]
 
 
