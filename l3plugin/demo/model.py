@@ -1,14 +1,11 @@
-"""The demo's tiny Llama-style model: Megatron-Core GPTModel (local spec) with RMSNorm, SwiGLU, RoPE, GQA
-and l3plugin's CP attention, with weights that depend only on each parameter's global name, so a
-TP/CP/PP-split run starts from exactly the numbers of a single-process run (``build_chunk``:
-l3plugin/megatron/model.py).
+"""The demo's tiny Llama-style model config: Megatron-Core GPTModel (local spec) with RMSNorm, SwiGLU, RoPE, GQA
+and l3plugin's CP attention; its chunks are built by l3plugin/megatron/model.py ``build_chunk`` (weights that
+depend only on each parameter's global name, so a TP/CP/PP-split run starts from a single-process run's numbers).
 """
 
 from __future__ import annotations
 
 import torch
-
-from l3plugin.megatron.model import build_chunk, deterministic_init, global_name, rope_on_cpu  # noqa: F401
 
 
 def llama_config(*, num_layers, hidden, heads, kv_heads, ffn, tp=1, cp=1, pp=1, vpp=None, k=None,
