@@ -38,7 +38,7 @@ def saved_per_layer(seq_len, heads_q, heads_kv, head_dim, doc_len):
     """On every rank: {cp_kv: bytes the saved tensors of one attention call hold after its forward}."""
     import torch.distributed as dist
 
-    from l3plugin.cp.attention import CP_KV_MODES, all_gather_attention
+    from l3plugin.cp import CP_KV_MODES, all_gather_attention
     from l3plugin.debug.saved_tensors import SavedTensorCensus
 
     torch.set_num_threads(1)

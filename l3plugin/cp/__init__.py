@@ -1,10 +1,11 @@
 """All-gather context-parallel attention with document masking (Llama 3 paper, section 4)."""
 
 from l3plugin.cp.attention import all_gather_attention
+from l3plugin.cp.kv_gather import CP_KV_MODES
 from l3plugin.cp.layout import CPLayout, LAYOUT_NAMES, balanced_layout, make_layout, two_chunk_layout
 from l3plugin.cp.sharding import (document_metadata, local_chunks, position_ids_per_document, shard_batch,
                                   shard_indices)
 
-__all__ = ["CPLayout", "LAYOUT_NAMES", "all_gather_attention", "balanced_layout", "document_metadata",
+__all__ = ["CP_KV_MODES", "CPLayout", "LAYOUT_NAMES", "all_gather_attention", "balanced_layout", "document_metadata",
            "local_chunks", "make_layout", "position_ids_per_document", "shard_batch", "shard_indices",
            "two_chunk_layout"]

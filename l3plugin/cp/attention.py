@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from l3plugin.cp.kernels import select_kernel
-from l3plugin.cp.kv_gather import CP_KV_MODES, GatherKV, check_cp_kv  # noqa: F401 (CP_KV_MODES re-exported)
+from l3plugin.cp.kv_gather import GatherKV, check_cp_kv
 from l3plugin.cp.layout import check_bool, check_cu_seqlens, make_layout
 from l3plugin.cp.overlap import PARTS, overlapped_attention, part_plan
 from l3plugin.cp.sharding import document_metadata

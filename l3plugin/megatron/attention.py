@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from l3plugin.cp.attention import CP_KV_MODES, all_gather_attention, check_cp_kv  # noqa: F401 (CP_KV_MODES: cp_route.py)
+from l3plugin.cp.attention import all_gather_attention, check_cp_kv
 from l3plugin.cp.layout import LAYOUT_NAMES, make_layout
 
 CP_COMM_TYPE = "l3plugin_all_gather"  # Megatron's --cp-comm-type / TransformerConfig.cp_comm_type value

@@ -36,9 +36,10 @@ import warnings
 
 import torch
 
+from l3plugin.cp import CP_KV_MODES
 from l3plugin.cp.layout import LAYOUT_NAMES
 from l3plugin.cp.sharding import cu_seqlens_from_eod, shard_batch
-from l3plugin.megatron.attention import CP_COMM_TYPE, CP_KV_MODES, AllGatherCPCoreAttention
+from l3plugin.megatron.attention import CP_COMM_TYPE, AllGatherCPCoreAttention
 from l3plugin.patches import CP_ROUTE
 
 TE_MODULE = "megatron.core.extensions.transformer_engine"

@@ -21,7 +21,7 @@ Assumptions (not datasheet figures):
         (l3plugin's cp_kv="regather", the default of its CP attention; Transformer Engine's all-gather CP
         does the same); the paper's claim that CP cuts activation memory by the sequence split holds only
         then. ``keep`` (cp_kv="keep") saves the gathered K/V instead (memory instead of a second all-gather).
-        The two modes are l3plugin.cp.attention's CP_KV_MODES (a test keeps them equal; the planner imports
+        The two modes are l3plugin.cp's CP_KV_MODES (a test keeps them equal; the planner imports
         no torch).
 """
 

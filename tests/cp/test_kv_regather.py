@@ -95,7 +95,7 @@ def test_bad_cp_kv_names_the_choices():
 
 
 def test_planner_and_attention_share_the_modes():
-    from l3plugin.cp.attention import CP_KV_MODES
+    from l3plugin.cp import CP_KV_MODES
     from l3plugin.planner.machine import CP_KV_MODES as PLANNER_MODES
 
     assert CP_KV_MODES == PLANNER_MODES
