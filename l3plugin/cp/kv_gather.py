@@ -44,9 +44,14 @@ class GatheredKV:
         if self.full.untyped_storage().nbytes():  # already in place
             return
         self.full.untyped_storage().resize_(self.nbytes)
-        target = self.full.new_empty(0).set_(self.full.untyped_storage(), self.full.storage_offset(),
-                                             self.full.shape, self.full.stride())
-        gather_into(target, torch.stack([k, v]), self.order, self.group, self.timeout, "again")
+        gather_into(alias(self.full), torch.stack([k, v]), self.order, self.group, self.timeout, "again")
+
+
+def alias(buffer, length=None):
+    """``buffer[:, :length]`` (all of it by default) as a new tensor on the same memory with its own version
+    counter: writing through one does not count as an in-place change of what autograd saved from the other."""
+    shape = buffer.shape if length is None else (buffer.size(0), length) + buffer.shape[2:]
+    return buffer.new_empty(0).set_(buffer.untyped_storage(), buffer.storage_offset(), shape, buffer.stride())
 
 
 def gather_into(full, local, order, group, timeout, when=""):

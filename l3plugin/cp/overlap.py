@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from l3plugin import comm
-from l3plugin.cp.kv_gather import GatheredKV
+from l3plugin.cp.kv_gather import GatheredKV, alias
 from l3plugin.cp.layout import CPLayout
 
 # K/V collectives per attention call. The paper's layout at cp=2 cannot use more: its ranges wait for half
@@ -73,15 +73,6 @@ def part_plan(layout: CPLayout, rank: int, causal: bool, parts: int) -> PartPlan
                     first_other=tuple(int(pos[others].min()) for pos in positions), order=layout.gathered_order())
 
 
-def _alias(buffer, length):
-    """buffer[:, :length] as a new leaf on the same memory, with its own version counter: later parts are
-    written into ``buffer`` in place after a kernel saved this view, but only at positions >= length
-    (they arrive after every position a waiting range needs), so what the kernel saved never changes."""
-    view = buffer.new_empty(0).set_(buffer.untyped_storage(), buffer.storage_offset(),
-                                    (buffer.size(0), length) + buffer.shape[2:], buffer.stride())
-    return view.requires_grad_()
-
-
 class OverlappedAttention(torch.autograd.Function):
     """q [s_local, hq, d], k, v [s_local, hkv, d] (local order) -> out [s_local, hq, d]; ``attend(i, q_rows,
     k, v)`` runs the kernel of local range i on keys [0, kv_len). Gathers, attends, reduce-scatters."""
@@ -104,7 +95,9 @@ class OverlappedAttention(torch.autograd.Function):
                 _place(full, flights[arrived].wait(timeout), plan.positions[arrived], others, cp)
             rows = slice(first, first + plan.rows[i])
             first = rows.stop
-            q_leaf, kv_leaf = q[rows].detach().requires_grad_(), _alias(full, kv_len)
+            # A leaf aliasing full[:, :kv_len]: later parts are written into ``full`` in place after a kernel
+            # saved it, but only at positions >= kv_len, so what the kernel saved never changes.
+            q_leaf, kv_leaf = q[rows].detach().requires_grad_(), alias(full, kv_len).requires_grad_()
             with torch.set_grad_enabled(track):  # each range's graph, differentiated in our backward
                 out = attend(i, q_leaf, kv_leaf[0], kv_leaf[1])
             ctx.ranges.append((rows, out, q_leaf, kv_leaf))
