@@ -49,9 +49,10 @@ def _subcommands():
     from l3plugin.demo import add_demo_parser
     from l3plugin.patches import add_doctor_parser
     from l3plugin.planner import add_plan_parser
+    from l3plugin.planner.balance_cli import add_balance_parser
     from l3plugin.schedule.cli import add_schedule_parser, add_simulate_parser
 
-    return [add_schedule_parser, add_simulate_parser, add_plan_parser, add_analyze_parser, add_demo_parser,
+    return [add_schedule_parser, add_simulate_parser, add_plan_parser, add_balance_parser, add_analyze_parser, add_demo_parser,
             add_doctor_parser]
 
 

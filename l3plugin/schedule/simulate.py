@@ -9,6 +9,10 @@ A rank's idle time is ``makespan - busy`` (every rank waits for the whole step t
 for zero latency and uniform stages 1F1B gives ``(p-1) / (m*v)``.  ``bubble_ratio`` is the
 maximum over ranks (the worst rank; with uniform stages every rank has the same busy time, so
 it equals the mean); ``bubble_ratio_per_rank`` keeps the per-rank values.
+
+Stages of different cost (layers of different kinds, frozen layers, the output head) are given as
+``stage_times``: one (forward, backward) pair per virtual stage; a backward may cost nothing (a
+frozen stage with nothing trainable before it).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class SimulationResult:
     bubble_ratio_per_rank: tuple[float, ...]
     peak_inflight: tuple[int, ...]  # per rank, in units of one chunk's activations
     actions: tuple[TimedAction, ...]  # sorted by (rank, start)
+    busy: tuple[float, ...] = ()  # per rank: its compute time
 
     def to_dict(self) -> dict:
         return {
@@ -58,6 +63,7 @@ class SimulationResult:
             "bubble_ratio": self.bubble_ratio,
             "bubble_ratio_per_rank": list(self.bubble_ratio_per_rank),
             "peak_inflight": list(self.peak_inflight),
+            "busy": list(self.busy),
             "actions": [asdict(a) for a in self.actions],
         }
 
@@ -78,35 +84,31 @@ def simulate(
     forward_time: float = 1.0,
     backward_time: float | None = None,
     p2p_latency: float = 0.0,
+    stage_times=None,
 ) -> SimulationResult:
     """Simulate ``schedule`` with uniform per-chunk costs; ``backward_time`` defaults to
-    ``2 * forward_time`` (backward computes both input and weight gradients)."""
-    forward_time = _check_time("forward_time", forward_time, allow_zero=False)
-    if backward_time is None:
-        backward_time = 2.0 * forward_time
-    backward_time = _check_time("backward_time", backward_time, allow_zero=False)
+    ``2 * forward_time`` (backward computes both input and weight gradients). With
+    ``stage_times`` ([(forward, backward)] per virtual stage s = chunk * pp + rank) each stage
+    costs its own times and ``forward_time`` / ``backward_time`` are ignored."""
     p2p_latency = _check_time("p2p_latency", p2p_latency, allow_zero=True)
+    if stage_times is None:
+        forward_time = _check_time("forward_time", forward_time, allow_zero=False)
+        if backward_time is None:
+            backward_time = 2.0 * forward_time
+        backward_time = _check_time("backward_time", backward_time, allow_zero=False)
+        stage_times = [(forward_time, backward_time)] * schedule.num_stages
+    else:
+        stage_times = check_stage_times(stage_times, schedule.num_stages)
+        # The drawing unit: the shortest non-zero forward and backward.
+        forward_time = min(f for f, _ in stage_times)
+        backward_time = min((b for _, b in stage_times if b > 0), default=forward_time)
 
-    free_at = [0.0] * schedule.pp  # when each rank finishes its previous action
-    arrival = {}  # message -> time it is available at the receiver
-    timed: list[TimedAction] = []
-    # execution_order is a dependency-respecting order, so every producer is timed before
-    # its consumer; it also raises if the plan deadlocks.
-    for rank, index in execution_order(schedule):
-        action = schedule.ranks[rank].actions[index]
-        recv, send = schedule.action_messages(rank, action)
-        start = max(free_at[rank], arrival[recv] if recv is not None else 0.0)
-        end = start + (forward_time if action.op == FORWARD else backward_time)
-        free_at[rank] = end
-        if send is not None:
-            # A rank handing a tensor to itself (pp=1) pays no network latency.
-            same_rank = schedule.owner_of(send.dst_stage)[0] == rank
-            arrival[send] = end + (0.0 if same_rank else p2p_latency)
-        timed.append(TimedAction(rank, action.op, action.microbatch, action.chunk, start, end))
-
-    makespan = max(free_at)
-    busy = schedule.microbatches * schedule.vpp * (forward_time + backward_time)
-    ratios = tuple((makespan - busy) / busy for _ in schedule.ranks)
+    replay = Replay(schedule)
+    times, busy = replay.run(stage_times, p2p_latency)
+    timed = [TimedAction(rank, action.op, action.microbatch, action.chunk, start, end)
+             for (rank, action, *_), (start, end) in zip(replay.steps, times)]
+    makespan = max(end for _, end in times)
+    ratios = tuple((makespan - b) / b for b in busy)
     return SimulationResult(
         pp=schedule.pp,
         vpp=schedule.vpp,
@@ -120,4 +122,57 @@ def simulate(
         bubble_ratio_per_rank=ratios,
         peak_inflight=tuple(plan.peak_inflight() for plan in schedule.ranks),
         actions=tuple(sorted(timed, key=lambda a: (a.rank, a.start))),
+        busy=tuple(busy),
     )
+
+
+class Replay:
+    """A schedule's actions in a dependency-respecting order, each with its stage and messages,
+    worked out once so that one schedule can be timed under many stage costs (the balancer times
+    hundreds of candidate splits on one schedule)."""
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        slots: dict = {}  # message -> its index in the arrival list
+        self.steps = []  # (rank, action, stage, is_forward, received slot or -1, sent slot or -1, pays latency)
+        # execution_order is a dependency-respecting order, so every producer is timed before
+        # its consumer; it also raises if the plan deadlocks.
+        for rank, index in execution_order(schedule):
+            action = schedule.ranks[rank].actions[index]
+            recv, send = schedule.action_messages(rank, action)
+            # A rank handing a tensor to itself (pp=1) pays no network latency.
+            remote = send is not None and schedule.owner_of(send.dst_stage)[0] != rank
+            self.steps.append((rank, action, schedule.stage_of(rank, action.chunk), action.op == FORWARD,
+                               -1 if recv is None else slots.setdefault(recv, len(slots)),
+                               -1 if send is None else slots.setdefault(send, len(slots)), remote))
+        self.num_messages = len(slots)
+
+    def run(self, stage_times, p2p_latency: float = 0.0):
+        """([(start, end)] per step, busy time per rank) with ``stage_times`` [(forward, backward)]
+        per virtual stage; an action starts when its rank is free and its input has arrived."""
+        free_at = [0.0] * self.schedule.pp
+        busy = [0.0] * self.schedule.pp
+        arrival = [0.0] * self.num_messages
+        times = []
+        for rank, _, stage, is_forward, received, sent, remote in self.steps:
+            start = free_at[rank] if received < 0 else max(free_at[rank], arrival[received])
+            cost = stage_times[stage][0 if is_forward else 1]
+            free_at[rank] = end = start + cost
+            busy[rank] += cost
+            if sent >= 0:
+                arrival[sent] = end + (p2p_latency if remote else 0.0)
+            times.append((start, end))
+        return times, busy
+
+    def makespan(self, stage_times, p2p_latency: float = 0.0) -> float:
+        return max(end for _, end in self.run(stage_times, p2p_latency)[0])
+
+
+def check_stage_times(stage_times, num_stages: int) -> list[tuple[float, float]]:
+    """[(forward, backward)] per virtual stage, checked: forwards > 0, backwards >= 0."""
+    stage_times = list(stage_times)
+    if len(stage_times) != num_stages:
+        raise ValueError(f"stage_times has {len(stage_times)} entries; it needs one (forward, backward) pair "
+                         f"per virtual stage (pp x vpp = {num_stages})")
+    return [(_check_time(f"stage_times[{s}] forward", f, allow_zero=False),
+             _check_time(f"stage_times[{s}] backward", b, allow_zero=True)) for s, (f, b) in enumerate(stage_times)]
