@@ -171,8 +171,7 @@ class StageSplitter:
             counts[-1] += 1
             load += w
         counts.reverse()
-        if len(counts) > self.num_stages or (len(counts) == self.num_stages and
-                                             sum(work[:counts[0]]) + ends[0] > bound):
+        if len(counts) > self.num_stages or sum(work[:counts[0]]) + ends[0] > bound:
             return None
         while len(counts) < self.num_stages:
             s = max(range(len(counts)), key=lambda i: counts[i])
