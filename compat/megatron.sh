@@ -25,7 +25,8 @@ shift
 COMPAT_DIR="$(mkdir -p "${COMPAT_DIR:-$ROOT/.compat}" && cd "${COMPAT_DIR:-$ROOT/.compat}" && pwd)"
 TESTS="${COMPAT_TESTS:-tests/megatron tests/zero/test_zero_megatron_dist_checkpoint.py tests/test_patches.py
   tests/test_patch_versions.py tests/test_megatron_cpu_shim.py tests/test_examples.py::test_megatron_example_trains_with_the_flexible_schedule
-  tests/test_examples.py::test_patch_adds_only_existing_l3plugin_calls}"
+  tests/test_examples.py::test_patch_adds_only_existing_l3plugin_calls
+  tests/test_examples.py::test_there_is_a_pretrain_gpt_patch_for_every_verified_tag}"
 
 if [ "$TARGET" = pypi ]; then
     PY="${PROJECT_PYTHON:-$ROOT/.venv/bin/python}"
