@@ -110,18 +110,17 @@ def selected_schedule() -> str:
     return getattr(args, "pipeline_schedule", "default") or "default"
 
 
-def _multi_module(schedule_pg_collection) -> bool:
-    """A cross-grid collection of several modules (Megatron-Core 0.19's bridge schedule): not ours."""
-    return type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection"
-
-
 def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection=None, **kwargs):
     """Megatron's selector, answering the flexible schedule when it is selected and pp > 1.
 
     Takes what every supported version's selector takes: (pp_size, vp_size) up to 0.18, plus
-    ``schedule_pg_collection`` from 0.19 (Megatron-LM 0.19's loop passes it; a multi-module collection selects
-    Megatron's bridge schedule, which stays Megatron's). Only the arguments given are passed on to Megatron's."""
-    if selected_schedule() == "flexible" and not _multi_module(schedule_pg_collection):
+    ``schedule_pg_collection`` from 0.19 (Megatron-LM 0.19's loop passes its ProcessGroupCollection). Only the
+    arguments given are passed on to Megatron's own selector."""
+    if selected_schedule() == "flexible":
+        if type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection":
+            raise NotImplementedError(
+                "--pipeline-schedule flexible runs one model's pipeline; Megatron-Core's multi-module (cross-grid) "
+                "pipelines (a MultiModuleProcessGroupCollection) need --pipeline-schedule default")
         if pp_size is None:
             from megatron.core import parallel_state
 
