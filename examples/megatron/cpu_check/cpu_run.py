@@ -1,4 +1,4 @@
-"""CHECK TOOL, not product code: run Megatron-LM's pretrain_gpt.py (core_v0.16.1 .. core_v0.19.0) on CPU / gloo, so the CP
+"""CHECK TOOL, not product code: run Megatron-LM's pretrain_gpt.py (core_v0.16.1..0.19.0) on CPU / gloo, so the CP
 route can be checked against the real script on a machine without a GPU. l3plugin itself needs none of this.
 
     torchrun --nproc-per-node 2 cpu_run.py pretrain_gpt.py <args>                               (stock)
