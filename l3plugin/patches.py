@@ -335,7 +335,7 @@ DEEPSPEED = PatchSet("l3plugin.deepspeed", "deepspeed", "0.19.8", [
           signature=("self",), why="the instruction table entry of _exec_reduce_tied_grads"),
     Patch(_PIPE, "_INSTRUCTION_MAP", f"{_HOOKS}:exec_backward_pass", key="deepspeed.runtime.pipe.schedule:BackwardPass",
           signature=("self", "buffer_id"), why="the instruction table entry of _exec_backward_pass"),
-    Patch("deepspeed", "initialize", "l3plugin.huggingface.deepspeed_cp:initialize", signature=("args", "model"),
+    Patch("deepspeed", "initialize", "l3plugin.huggingface.deepspeed_cp:initialize_with_key", signature=("args", "model"),
           rebind=True, why='"l3plugin": {"context_parallel_size": N}: DeepSpeed\'s sequence-parallel groups as mpu, '
           "batch size over DP only, a transformers model's attention swapped for the all-gather CP attention"),
     # Only when accelerate is imported already (the HF Trainer imports it before deepspeed).

@@ -15,7 +15,11 @@ between. Buckets are ``bucket_numel`` or ``zero_optimization.reduce_bucket_size`
 reduce-scatters start from gradient hooks during backward unless ``zero_optimization.overlap_comm`` is
 false. Without the key (or with ``"fp32_reduce_zero": false``)
 DeepSpeed behaves exactly as stock. Options under ``"l3plugin"`` are the JSON-settable fields of
-``l3plugin.zero.ZeroSettings`` (their help there), checked there.
+``l3plugin.zero.ZeroSettings`` (their help there), checked there, and ``context_parallel_size`` / ``cp_layout``
+(l3plugin/huggingface/deepspeed_cp.py); the block is parsed once per engine into a frozen ``PluginOptions``
+(``options_of(engine)``). Configs are read by DeepSpeed's own loader (``read_config``), so every form DeepSpeed
+accepts (dict, JSON or hjson file, base64 string, ``args.deepspeed_config``) works with the key and, without it,
+reaches DeepSpeed exactly as given.
 
 DeepSpeed has no plug-in registry, so ``install`` replaces these engine methods (declared in
 ``l3plugin/patches.py``; ``l3plugin doctor`` checks them against the installed DeepSpeed), each falling
@@ -39,10 +43,10 @@ state dict from a live engine.
 """
 
 from l3plugin.deepspeed.checkpoint import export_fp32_state_dict
-from l3plugin.deepspeed.config import KEY, SUPPORTED, check_supported, plugin_options
-from l3plugin.deepspeed.engine import install, uninstall
+from l3plugin.deepspeed.config import KEY, SUPPORTED, PluginOptions, read_config
+from l3plugin.deepspeed.engine import install, options_of, uninstall
 
-__all__ = ["KEY", "SUPPORTED", "check_supported", "export_fp32_state_dict", "install", "plugin_options",
+__all__ = ["KEY", "SUPPORTED", "PluginOptions", "export_fp32_state_dict", "install", "options_of", "read_config",
            "uninstall"]
 
 install()

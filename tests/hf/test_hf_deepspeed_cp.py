@@ -124,8 +124,9 @@ def test_checkpoint_resume_also_to_cp1_and_zero_to_fp32_export(ranks, tmp_path):
     ({"cp_layout": "ring"}, r'"l3plugin.cp_layout" must be one of \[\'2cp\', \'balanced\'\], got \'ring\''),
 ])
 def test_bad_cp_options_name_the_key_and_the_range(block, message):
-    from l3plugin.huggingface.deepspeed_cp import cp_settings
+    from l3plugin.deepspeed import PluginOptions
 
     with pytest.raises(ValueError, match=message):
-        cp_settings({"l3plugin": block})
-    assert cp_settings({"l3plugin": {"context_parallel_size": 2}}) == (2, "balanced")
+        PluginOptions.parse(block)
+    parsed = PluginOptions.parse({"context_parallel_size": 2})
+    assert (parsed.context_parallel_size, parsed.cp_layout, parsed.fp32_reduce_zero) == (2, "balanced", False)
