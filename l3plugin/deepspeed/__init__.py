@@ -25,13 +25,15 @@ DeepSpeed has no plug-in registry, so ``install`` replaces these engine methods 
 ``l3plugin/patches.py``; ``l3plugin doctor`` checks them against the installed DeepSpeed), each falling
 through to the stock one unless the key is on: ``_do_sanity_check`` (validate the config first),
 ``_do_optimizer_sanity_check`` (route to ZeRO), ``_configure_zero_optimizer`` (build ours),
+``save_checkpoint`` (crash-consistent: ``latest`` moves only after every rank saved),
 ``load_checkpoint`` (verify the partitions first and fail together, see ``fail_together.py``),
 ``_load_zero_checkpoint`` (read every rank's partition, ours or stock DeepSpeed's: resume on another DP
 size; or a universal checkpoint with ``checkpoint.load_universal``),
 ``zero_optimization_stage`` + ``PipelineEngine.__init__`` (PipelineEngine refuses stage 2 for DeepSpeed's
 optimizer; ours supports it), ``PipelineEngine._exec_reduce_tied_grads`` (tied weights' gradients live in
 our fp32 buckets, not in ``weight.grad``) and ``PipelineEngine._exec_backward_pass`` (end-of-backward
-reductions), both also in the schedule's instruction table.
+reductions), both also in the schedule's instruction table; and ``deepspeed.initialize`` and accelerate's
+``prepare_data_loader`` (the CP options: ``l3plugin/huggingface/deepspeed_cp.py``).
 ``uninstall()`` restores everything. The package: ``config.py`` (the options and what is supported),
 ``engine.py`` (the replaced methods), ``optimizer.py`` (the optimizer the engines drive, and what they call),
 ``checkpoint.py`` (crash-consistent saves, verified loads, ``export_fp32_state_dict``).
