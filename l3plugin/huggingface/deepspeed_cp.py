@@ -32,9 +32,22 @@ if TYPE_CHECKING:
 # import installs the DeepSpeed patches, one of which is this module's initialize.
 
 
-def _sequence_parallel():
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+def _sequence_parallel(cp: int | None = None):
+    """DeepSpeed's sequence-parallel module; without one (DeepSpeed < 0.17): None, or with ``cp`` asked for,
+    a ValueError saying so."""
+    try:
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    except ImportError:
+        if cp is None:
+            return None
+        import deepspeed
 
+        from l3plugin.deepspeed.config import KEY
+
+        raise ValueError(f'"{KEY}.context_parallel_size" is {cp} but DeepSpeed {deepspeed.__version__} has no '
+                         "sequence-parallel groups (deepspeed.runtime.sequence_parallel, added in DeepSpeed 0.17): "
+                         f'use deepspeed>=0.17 for CP, or leave context_parallel_size out ("fp32_reduce_zero" works '
+                         "on this version)") from None
     return parallel_state_sp
 
 
@@ -100,7 +113,7 @@ def _sequence_parallel_groups(cp: int):
 
     from l3plugin.deepspeed.config import KEY
 
-    sp = _sequence_parallel()
+    sp = _sequence_parallel(cp)
     world = dist.get_world_size()
     if world % cp:
         raise ValueError(f'"{KEY}.context_parallel_size" is {cp} but the world size {world} is not a multiple of '
@@ -138,6 +151,7 @@ def _initialize_with_cp(stock, call: inspect.BoundArguments, where: str, config:
     from l3plugin.deepspeed.config import KEY
 
     cp = options.context_parallel_size
+    _sequence_parallel(cp)  # before anything is built: DeepSpeed < 0.17 has none
     arguments = dict(call.arguments)
     if arguments.get("mpu") is not None:
         raise ValueError(f'"{KEY}.context_parallel_size" builds DeepSpeed\'s sequence-parallel groups itself: do '
@@ -175,7 +189,7 @@ def data_parallel_rank_and_size(cp: int | None = None) -> tuple[int, int]:
 
     if cp is None:
         sp = _sequence_parallel()
-        cp = 1 if sp._SEQUENCE_PARALLEL_GROUP is None else sp.get_sequence_parallel_world_size()
+        cp = 1 if sp is None or sp._SEQUENCE_PARALLEL_GROUP is None else sp.get_sequence_parallel_world_size()
     return dist.get_rank() // cp, dist.get_world_size() // cp
 
 

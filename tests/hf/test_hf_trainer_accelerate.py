@@ -7,7 +7,9 @@ import torch.distributed as dist
 
 import accelerate  # noqa: E402,F401 (the "hf" test extra, installed by make test: missing, it fails here, never skips)
 
-from hf_models import ROW_A, ROW_B, documents, quiet_deepspeed, tiny_model  # noqa: E402
+from hf_models import NEEDS_DEEPSPEED_SP, ROW_A, ROW_B, documents, quiet_deepspeed, tiny_model  # noqa: E402
+
+pytestmark = NEEDS_DEEPSPEED_SP  # every run here is CP from the key
 
 ZERO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2},
