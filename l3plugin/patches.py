@@ -358,12 +358,19 @@ DEEPSPEED = PatchSet("l3plugin.deepspeed", "deepspeed", DEEPSPEED_CHECKED, [
     Patch(_PIPE, "_exec_reduce_tied_grads", f"{_HOOKS}:exec_reduce_tied_grads", signature=("self",),
           why="tied weights' gradients live in l3plugin's fp32 buckets, not in weight.grad"),
     Patch(_PIPE, "_exec_backward_pass", f"{_HOOKS}:exec_backward_pass", signature=("self", "buffer_id"),
-          why="the pipeline calls no post-backward epilogue on its first stages: end-of-backward reductions"),
+          versions=">=0.18", why="the pipeline calls no post-backward epilogue on its first stages: end-of-backward "
+          "reductions"),
+    Patch(_PIPE, "_exec_backward_pass", f"{_HOOKS}:exec_backward_pass_with_prologue", signature=("self", "buffer_id"),
+          versions="<0.18", why="before 0.18 the pipeline's first stages call neither the optimizer's backward "
+          "prologue nor an epilogue: l3plugin's micro-batch start and end-of-backward reductions"),
     # The pipeline schedule dispatches through a class-level table of functions, not attribute lookup.
     Patch(_PIPE, "_INSTRUCTION_MAP", f"{_HOOKS}:exec_reduce_tied_grads", key="deepspeed.runtime.pipe.schedule:ReduceTiedGrads",
           signature=("self",), why="the instruction table entry of _exec_reduce_tied_grads"),
     Patch(_PIPE, "_INSTRUCTION_MAP", f"{_HOOKS}:exec_backward_pass", key="deepspeed.runtime.pipe.schedule:BackwardPass",
-          signature=("self", "buffer_id"), why="the instruction table entry of _exec_backward_pass"),
+          signature=("self", "buffer_id"), versions=">=0.18", why="the instruction table entry of _exec_backward_pass"),
+    Patch(_PIPE, "_INSTRUCTION_MAP", f"{_HOOKS}:exec_backward_pass_with_prologue",
+          key="deepspeed.runtime.pipe.schedule:BackwardPass", signature=("self", "buffer_id"), versions="<0.18",
+          why="the instruction table entry of _exec_backward_pass"),
     Patch("deepspeed", "initialize", "l3plugin.huggingface.deepspeed_cp:initialize_with_key",
           signature=("args", "model"),
           rebind=True, why='"l3plugin": {"context_parallel_size": N}: DeepSpeed\'s sequence-parallel groups as mpu, '

@@ -103,9 +103,12 @@ def read_zero(engine, load_dir, tag, optimizer_states: bool, options: PluginOpti
 def partition_files(engine, load_dir, tag) -> list[str]:
     """The saved ranks' partition files, found by DeepSpeed's naming. Stock learns their number from the
     model file, which it reads later; here the files are counted (``partition_count`` inside is checked)."""
+    mp_rank = getattr(engine, "checkpoint_mp_rank", None)  # DeepSpeed >= 0.17; before, computed at each use:
+    if mp_rank is None:
+        mp_rank = 0 if engine.mpu is None else engine.mpu.get_model_parallel_rank()
     names = []
     while True:
-        name = engine._get_rank_zero_ckpt_name(checkpoints_path=load_dir, tag=tag, mp_rank=engine.checkpoint_mp_rank,
+        name = engine._get_rank_zero_ckpt_name(checkpoints_path=load_dir, tag=tag, mp_rank=mp_rank,
                                                dp_rank=len(names), bf16_mode=engine.bfloat16_enabled())
         if not os.path.exists(name):
             older = name.replace("_optim_states.pt", "optim_states.pt")  # DeepSpeed's older file names

@@ -173,7 +173,7 @@ def check_supported(engine, options: PluginOptions) -> None:
         device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
         if offload is not None and device not in (None, "none"):
             problems.append(f"zero_optimization.offload_{what} is set (device {device}); offload is not supported")
-    if engine.torch_autocast_enabled():
+    if getattr(engine, "torch_autocast_enabled", lambda: False)():  # DeepSpeed >= 0.17 has torch_autocast
         problems.append("torch_autocast is enabled; give the model bf16 weights with bf16.enabled instead")
     if getattr(engine, "zenflow", False):
         problems.append("zenflow is enabled; it is not supported")

@@ -116,6 +116,14 @@ def exec_backward_pass(self, buffer_id):
         self.optimizer.after_backward()
 
 
+def exec_backward_pass_with_prologue(self, buffer_id):
+    """DeepSpeed < 0.18: the pipeline's first stages run autograd directly, calling no optimizer prologue (0.18
+    on runs it from tensor hooks): ours counts the micro-batch and arms its buckets here."""
+    if runs_fp32_reduce_zero(self) and not self.is_last_stage():
+        self.optimizer.backward_prologue()
+    exec_backward_pass(self, buffer_id)
+
+
 # -- checkpoints (checkpoint.py) ----------------------------------------------------------------------------
 def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - stock's
                     exclude_frozen_parameters=False):
