@@ -29,7 +29,7 @@ def status(patch: Patch) -> str:
 def set_header(patch_set: PatchSet) -> str:
     """The set's name, the version imported (and from where) against the range checked, and the variant."""
     found, in_range = patch_set.imported(), patch_set.in_range()
-    verdict = {True: "in range", False: "OUT OF RANGE", None: "not importable"}[in_range]
+    verdict = {True: "in range", False: "OUT OF RANGE", None: "rows not checked"}[in_range]
     text = (f"{patch_set.name}: {patch_set.module} {found}; checked on {patch_set.package} {patch_set.checked} "
             f"({verdict}); variant: {patch_set.variant()}")
     pip_says = installed_version(patch_set.package)
@@ -56,6 +56,8 @@ def doctor(out=None) -> int:
                 scope = f"  [for {patch.versions}]" if patch.versions else ""
                 if out_of_range:
                     state = "not checked (version out of range)"
+                elif patch_set.in_range() is None:
+                    state = f"not checked ({patch_set.module} is not importable)"
                 elif not patch_set.uses(patch):
                     state = f"not used with {patch_set.module} {patch_set.imported().version or '(none)'}"
                 else:

@@ -391,14 +391,24 @@ AUTOLOAD = PatchSet("l3plugin_autoload", "deepspeed", DEEPSPEED_CHECKED, [
               "at the first deepspeed.initialize instead (then the stock function is put back)"),
 ])
 
-MEGATRON = PatchSet("l3plugin.megatron", "megatron-core", "0.16.1", [
-    Patch("megatron.core.pipeline_parallel", "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
-          signature=("pp_size", "vp_size"), why=_SELECTOR),
-    Patch(_SCHEDULES, "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
-          signature=("pp_size", "vp_size"), why=_SELECTOR),
-    Patch("megatron.training.training", "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
-          signature=("pp_size", "vp_size"), loaded_only=True,
-          why="Megatron-LM's training loop imported the selector by name (a module global)"),
+
+def _selector_rows(versions: str, signature: tuple) -> list[Patch]:
+    """The three names of Megatron's selector, for the versions whose selector takes ``signature``."""
+    return [
+        Patch("megatron.core.pipeline_parallel", "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
+              signature=signature, versions=versions, why=_SELECTOR),
+        Patch(_SCHEDULES, "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
+              signature=signature, versions=versions, why=_SELECTOR),
+        Patch("megatron.training.training", "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
+              signature=signature, versions=versions, loaded_only=True,
+              why="Megatron-LM's training loop imported the selector by name (a module global)"),
+    ]
+
+
+MEGATRON = PatchSet("l3plugin.megatron", "megatron-core", ">=0.16.1,<0.20", [
+    *_selector_rows("<0.19", ("pp_size", "vp_size")),
+    # 0.19 adds schedule_pg_collection (Megatron-LM 0.19's loop passes it).
+    *_selector_rows(">=0.19", ("pp_size", "vp_size", "schedule_pg_collection")),
     # What a selector bound before install() returns, read from these globals at call time.
     Patch(_SCHEDULES, "forward_backward_pipelining_with_interleaving", f"{_INSTALL}:guard", wraps=True,
           signature=("forward_step_func",),
@@ -408,17 +418,23 @@ MEGATRON = PatchSet("l3plugin.megatron", "megatron-core", "0.16.1", [
           why="an early-bound stock selector still runs the flexible schedule while it is selected (warned)"),
 ])
 
-MEGATRON_LM_ARGS = PatchSet("l3plugin.megatron (Megatron-LM arguments)", "megatron-core", "0.16.1", [
+MEGATRON_LM_ARGS = PatchSet("l3plugin.megatron (Megatron-LM arguments)", "megatron-core", ">=0.16.1,<0.20", [
     Patch("megatron.training.initialize", "parse_args", f"{_INSTALL}:parse_args", optional=True,
-          signature=("extra_args_provider",),
+          signature=("extra_args_provider",), versions="<0.18",
           why="Megatron-LM's parser accepts l3plugin's flags (chained onto the script's extra_args_provider) and "
-              "the parsed CP arguments are checked"),
+              "the parsed CP arguments are checked (initialize_megatron calls it)"),
+    Patch("megatron.training.arguments", "parse_args", f"{_INSTALL}:parse_args", optional=True,
+          signature=("extra_args_provider",), versions=">=0.18",
+          why="the same, where pretrain_gpt's parse_and_validate_args calls it (pretrain no longer parses)"),
 ])
 
 _CP_ROUTE = "l3plugin.megatron.cp_route"
 _ONLY_OURS = "; inert unless cp_comm_type l3plugin_all_gather is selected"
+_BATCH_HOOKS = "l3plugin.megatron.batch_hooks"
+_BOUNDARIES = ("the batch gains the document boundaries of the full sequence from EOD tokens on TP rank 0, sent over "
+               "TP (--reset-attention-mask)" + _ONLY_OURS)
 
-CP_ROUTE = PatchSet("l3plugin.megatron (CP from Megatron-LM's flags)", "megatron-core", "0.16.1", [
+CP_ROUTE = PatchSet("l3plugin.megatron (CP from Megatron-LM's flags)", "megatron-core", ">=0.16.1,<0.20", [
     Patch("megatron.core.transformer.attention:SelfAttention", "__init__", f"{_CP_ROUTE}:_self_attention_init",
           signature=("self", "config", "submodules", "layer_number", "attn_mask_type", "cp_comm_type"),
           why="a SelfAttention built with cp_comm_type l3plugin_all_gather gets l3plugin's CP core attention "
@@ -426,19 +442,40 @@ CP_ROUTE = PatchSet("l3plugin.megatron (CP from Megatron-LM's flags)", "megatron
     Patch("megatron.core.models.gpt.gpt_model:GPTModel", "__init__", f"{_CP_ROUTE}:_gpt_model_init",
           signature=("self", "config", "transformer_layer_spec"),
           why="with the balanced CP layout, the model's RoPE follows it" + _ONLY_OURS),
+    # Up to 0.17: Megatron-LM's get_batch_on_this_tp_rank (megatron.training.utils) and Megatron-Core's THD
+    # sharding, which pretrain_gpt calls with the boundaries and which returns the PackedSeqParams.
     Patch("megatron.core.utils", "get_thd_batch_on_this_cp_rank", f"{_CP_ROUTE}:packed_batch_on_this_cp_rank",
           signature=("batch", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "cp_size", "cp_rank"), rebind=True,
+          versions="<0.18",
           why="packed batches sharded by l3plugin's CP layout, PackedSeqParams in sbhd with the global document "
               "boundaries" + _ONLY_OURS),
     Patch("megatron.training.utils", "get_batch_on_this_tp_rank", f"{_CP_ROUTE}:tp_batch_with_documents",
-          signature=("data_iterator",), rebind=True, optional=True,
+          signature=("data_iterator",), rebind=True, optional=True, versions="<0.18",
           why="Megatron-LM's batch gains the document boundaries from EOD tokens (--reset-attention-mask)"
               + _ONLY_OURS),
+    # From 0.18: both batch functions live in megatron.core.utils (THD sharding is gone, NVIDIA/Megatron-LM
+    # PR 4103) and pretrain_gpt's forward_step builds a "thd" PackedSeqParams itself (batch_hooks.py).
+    Patch("megatron.core.utils", "get_batch_on_this_tp_rank", f"{_BATCH_HOOKS}:tp_batch_with_documents",
+          signature=("batch", "is_sft", "is_hybrid_cp", "create_attention_mask_in_dataloader",
+                     "broadcast_src_rank", "broadcast_group", "cp_size", "tp_rank"),
+          rebind=True, versions=">=0.18,<0.19", why=_BOUNDARIES),
+    Patch("megatron.core.utils", "get_batch_on_this_tp_rank", f"{_BATCH_HOOKS}:tp_batch_with_documents",
+          signature=("batch", "has_cu_seqlens", "is_hybrid_cp", "create_attention_mask_in_dataloader",
+                     "broadcast_src_rank", "broadcast_group", "cp_size", "tp_rank"),
+          rebind=True, versions=">=0.19", why=_BOUNDARIES),
+    Patch("megatron.core.utils", "get_batch_on_this_cp_rank", f"{_BATCH_HOOKS}:cp_batch_by_layout",
+          signature=("batch", "is_hybrid_cp", "cp_group"), rebind=True, versions=">=0.18",
+          why="the batch sharded by l3plugin's CP layout, the document boundaries left global" + _ONLY_OURS),
+    Patch("megatron.core.models.gpt.gpt_model:GPTModel", "forward", f"{_BATCH_HOOKS}:gpt_model_forward",
+          signature=("self", "input_ids", "position_ids", "attention_mask", "decoder_input", "labels",
+                     "inference_context", "packed_seq_params"), versions=">=0.18",
+          why="pretrain_gpt's PackedSeqParams (qkv_format thd, built from those boundaries) given as sbhd: every "
+              "token keeps its global position" + _ONLY_OURS),
 ])
 
 _ROPE = "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding"
 
-ROPE = PatchSet("l3plugin.megatron (RoPE)", "megatron-core", "0.16.1", [
+ROPE = PatchSet("l3plugin.megatron (RoPE)", "megatron-core", ">=0.16.1,<0.20", [
     Patch(_ROPE, "forward", "l3plugin.megatron.model:rope_on_cpu", instance=True,
           signature=("self", "max_seq_len", "offset", "packed_seq", "cp_group"),
           why="on a CPU-only machine RotaryEmbedding moves its frequencies to the CUDA device and indexes with a "

@@ -3,22 +3,16 @@ top, the same get_batch and forward_step, the model built as gpt_builders.py bui
 backward of one packed sequence (documents ending in EOD, several crossing the CP chunk borders); the
 loss, token count and gradients, summed over the CP group, are saved to --standin-result."""
 import os
+import sys
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                      get_gpt_layer_with_transformer_engine_spec)
-from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_thd_batch_on_this_cp_rank
-from megatron.training import get_args, get_tokenizer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.utils import (get_batch_on_this_cp_rank, get_batch_on_this_tp_rank,
                                      is_first_or_last_pipeline_stage)
 
-EOD_POSITIONS = (4, 12, 13, 27)  # documents [0,5) [5,13) [13,14) [14,28) [28,32) at S = 32
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/data: standin_gpt
+from standin_gpt import run_step  # noqa: E402
 
 
 def get_batch(data_iterator, vp_stage=None):
@@ -53,51 +47,8 @@ def forward_step(data_iterator, model):
     return torch.sum(losses * loss_mask), loss_mask.sum(), seen
 
 
-def model_provider(args):
-    """gpt_builders.py's choice of spec (no --spec, no MoE)."""
-    cp_comm_type = args.cp_comm_type[0] if len(args.cp_comm_type) == 1 else args.cp_comm_type
-    config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups, context_parallel_size=args.context_parallel_size,
-        cp_comm_type=cp_comm_type, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0)
-    use_te = args.transformer_impl == "transformer_engine"
-    spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec()
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
-                    max_sequence_length=args.seq_length, pre_process=True, post_process=True,
-                    parallel_output=True, position_embedding_type=args.position_embedding_type)
-
-
-def packed_documents(args):
-    """GPTDataset's samples: tokens/labels of one packed sequence and Megatron-Core's own masks."""
-    eod = get_tokenizer().eod
-    gen = torch.Generator().manual_seed(args.seed)
-    while True:
-        text = torch.randint(0, eod, (args.seq_length + 1,), generator=gen)
-        text[list(EOD_POSITIONS)] = eod
-        tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
-        attention_mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
-            tokens, eod, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss,
-            args.create_attention_mask_in_dataloader)
-        yield {"tokens": tokens[None], "labels": labels[None], "loss_mask": loss_mask[None],
-               "attention_mask": None if attention_mask is None else attention_mask[None],
-               "position_ids": position_ids[None]}
-
-
 def main(extra_args_provider=None):
-    args = initialize_megatron(extra_args_provider)
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(context_parallel_size=args.context_parallel_size)
-    torch.manual_seed(args.seed)
-    model = model_provider(args)
-    loss, num_tokens, seen = forward_step(packed_documents(args), model)
-    loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    group = parallel_state.get_context_parallel_group()
-    for tensor in [loss, num_tokens, *grads.values()]:  # Megatron reduces over DP x CP
-        dist.all_reduce(tensor, group=group)
-    torch.save({"loss": loss.detach(), "num_tokens": num_tokens, "grads": grads, "seen": seen,
-                "core_attention": type(model.decoder.layers[0].self_attention.core_attention).__name__},
-               args.standin_result)
+    run_step(initialize_megatron(extra_args_provider), forward_step)
 
 
 if __name__ == "__main__":
