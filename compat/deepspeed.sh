@@ -4,6 +4,7 @@
 #   compat/deepspeed.sh                 every set
 #   compat/deepspeed.sh ds0.16-hf4.57   one set (names from the sets file)
 #   COMPAT_ONLY_VENV=1 compat/deepspeed.sh NAME   build the venv only
+#   COMPAT_TESTS="tests/hf/test_hf_deepspeed_cp.py" compat/deepspeed.sh NAME   other test files
 # The venvs reuse pip's cache; torch==2.13.0 is the CPU wheel on these machines (users pick their own torch).
 # l3plugin is not installed into the venv: the checkout goes first on PYTHONPATH and the autoload .pth is copied
 # into site-packages, as the wheel would put it.
@@ -29,6 +30,9 @@ subset=(
   tests/test_autoload.py
 )
 
+# COMPAT_TESTS="file ..." runs those files instead (a shorter leg).
+if [[ -n "${COMPAT_TESTS:-}" ]]; then read -r -a subset <<<"$COMPAT_TESTS"; fi
+
 make_venv() {  # name ds tf acc
   local dir="$venvs/$1"
   if [[ -f "$dir/.installed" ]]; then return; fi
@@ -50,7 +54,7 @@ run_set() {  # name ds tf acc
       "$dir/bin/python" -m pytest -q -p no:cacheprovider --junitxml="$results/$1.xml" "${subset[@]}" ) >"$log" 2>&1 \
       && status=passed || status=FAILED
   echo "   $status: $(tail -n 1 "$log")"
-  "$dir/bin/python" "$here/compat/junit_counts.py" "$results/$1.xml" | sed 's/^/   /'
+  "$python" "$here/compat/junit_counts.py" "$results/$1.xml" | sed 's/^/   /'
 }
 
 while read -r name ds tf acc; do

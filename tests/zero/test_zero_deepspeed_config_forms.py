@@ -7,6 +7,7 @@ optimizer from the same options, parsed once per engine (a checkpoint load inclu
 
 import argparse
 import base64
+import importlib.util
 import json
 import os
 
@@ -15,6 +16,13 @@ import torch
 import torch.distributed as dist
 
 from ds_models import ds_config, make_mlp, quiet_deepspeed, train
+
+
+def _deepspeed_has_sequence_parallel() -> bool:
+    """From the installed files (importing deepspeed in pytest's own process would cost seconds)."""
+    spec = importlib.util.find_spec("deepspeed")
+    return spec is not None and any(os.path.isdir(os.path.join(d, "runtime", "sequence_parallel"))
+                                    for d in spec.submodule_search_locations or ())
 
 ZERO = {"fp32_reduce_zero": True, "reduce_every": 1}
 ZERO_CP = {"fp32_reduce_zero": True, "context_parallel_size": 2, "cp_layout": "2cp"}
@@ -142,9 +150,11 @@ def _with_the_key(tmp):
             engine.load_checkpoint(os.path.join(tmp, f"ckpt-{form}"))
             out[form] = {**built, "options": l3plugin.deepspeed.options_of(engine), "parses": len(parses),
                          "checks": len(checks)}
-        # CP from the key in the forms that must be rewritten for DeepSpeed (a file; the arguments object).
+        # CP from the key in the forms that must be rewritten for DeepSpeed (a file; the arguments object); DeepSpeed
+        # 0.16 has no sequence-parallel groups (CP is refused there: tests/hf/test_hf_deepspeed_cp.py).
         cp_forms = _write_forms(ds_config(1, gas=2, plugin=ZERO_CP), os.path.join(tmp, f"cp{rank}"))
-        for form in ("hjson", "args"):
+        with_sp = importlib.util.find_spec("deepspeed.runtime.sequence_parallel") is not None
+        for form in ("hjson", "args") if with_sp else ():
             parses.clear()
             built = _build_and_train(deepspeed, cp_forms[form])
             engine = built.pop("engine")
@@ -170,7 +180,7 @@ def test_with_the_key_every_form_builds_the_same_engine_parsing_the_block_once(r
             assert seen["parses"] == 1 and seen["checks"] == 1, (where, seen["parses"], seen["checks"])
             assert seen["param_dict"] == reference["param_dict"] and seen["untouched"], where
             assert all(torch.equal(a, b) for a, b in zip(seen["weights"], reference["weights"])), where
-        for form in ("hjson", "args"):
+        for form in ("hjson", "args") if _deepspeed_has_sequence_parallel() else ():
             seen, where = forms["cp " + form], f"rank {rank}, CP from {form}"
             assert seen["optimizer"] == "DeepSpeedFP32ReduceZero" and seen["parses"] == 1, where
             assert (seen["sp"], seen["dp"], seen["batch"]) == (2, 2, 2 * 2 * 1), where  # micro 2 x gas 2 x DP 1
