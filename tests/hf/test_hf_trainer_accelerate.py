@@ -23,6 +23,17 @@ def dataset():
     return [{"input_ids": d, "labels": d} for d in documents(7, lengths)]
 
 
+def _hook_accelerate():
+    """In a script accelerate is imported before deepspeed (the Trainer's and `from accelerate import ...`'s
+    order), so the autoload patches accelerate's data-loader sharding; these workers are reused across test files
+    and may have imported deepspeed first: patch what has been imported since (idempotent)."""
+    import accelerate.accelerator  # noqa: F401
+
+    from l3plugin.patches import DEEPSPEED
+
+    DEEPSPEED.apply()
+
+
 def _reset_accelerate():
     import os
 
@@ -49,6 +60,7 @@ def trainer_run(cp, out_dir, bf16=True, ours=True):
     from l3plugin.huggingface.deepspeed_cp import release_groups
 
     quiet_deepspeed()
+    _hook_accelerate()
     config = {**ZERO, "l3plugin": {"fp32_reduce_zero": ours, "context_parallel_size": cp}}
     try:
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4 // (2 // cp), max_steps=2,
@@ -102,6 +114,7 @@ def accelerate_run(cp):
     from l3plugin.huggingface.deepspeed_cp import release_groups
 
     quiet_deepspeed()
+    _hook_accelerate()
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
               "steps_per_print": 10**9, "l3plugin": {"context_parallel_size": cp, "cp_layout": "2cp"}}
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what `accelerate launch --use_deepspeed` sets
