@@ -329,7 +329,10 @@ _ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
 _PIPE = "deepspeed.runtime.pipe.engine:PipelineEngine"
 _HOOKS = "l3plugin.deepspeed.engine"
 
-DEEPSPEED = PatchSet("l3plugin.deepspeed", "deepspeed", "0.19.8", [
+# DeepSpeed: the latest patch of each minor release from 0.16 to 0.19 was run (compat/deepspeed.sh; docs/verified.md).
+DEEPSPEED_CHECKED = ">=0.16.9,<0.20"
+
+DEEPSPEED = PatchSet("l3plugin.deepspeed", "deepspeed", DEEPSPEED_CHECKED, [
     # Each replacement falls through to the original unless the config has "l3plugin": {"fp32_reduce_zero": true}.
     Patch(_ENGINE, "_do_sanity_check", f"{_HOOKS}:do_sanity_check", signature=("self",),
           why="check the l3plugin options first, so their message wins over DeepSpeed's generic ones"),
@@ -355,13 +358,21 @@ DEEPSPEED = PatchSet("l3plugin.deepspeed", "deepspeed", "0.19.8", [
     Patch(_PIPE, "_exec_reduce_tied_grads", f"{_HOOKS}:exec_reduce_tied_grads", signature=("self",),
           why="tied weights' gradients live in l3plugin's fp32 buckets, not in weight.grad"),
     Patch(_PIPE, "_exec_backward_pass", f"{_HOOKS}:exec_backward_pass", signature=("self", "buffer_id"),
-          why="the pipeline calls no post-backward epilogue on its first stages: end-of-backward reductions"),
+          versions=">=0.18", why="the pipeline calls no post-backward epilogue on its first stages: end-of-backward "
+          "reductions"),
+    Patch(_PIPE, "_exec_backward_pass", f"{_HOOKS}:exec_backward_pass_with_prologue", signature=("self", "buffer_id"),
+          versions="<0.18", why="before 0.18 the pipeline's first stages call neither the optimizer's backward "
+          "prologue nor an epilogue: l3plugin's micro-batch start and end-of-backward reductions"),
     # The pipeline schedule dispatches through a class-level table of functions, not attribute lookup.
     Patch(_PIPE, "_INSTRUCTION_MAP", f"{_HOOKS}:exec_reduce_tied_grads", key="deepspeed.runtime.pipe.schedule:ReduceTiedGrads",
           signature=("self",), why="the instruction table entry of _exec_reduce_tied_grads"),
     Patch(_PIPE, "_INSTRUCTION_MAP", f"{_HOOKS}:exec_backward_pass", key="deepspeed.runtime.pipe.schedule:BackwardPass",
-          signature=("self", "buffer_id"), why="the instruction table entry of _exec_backward_pass"),
-    Patch("deepspeed", "initialize", "l3plugin.huggingface.deepspeed_cp:initialize", signature=("args", "model"),
+          signature=("self", "buffer_id"), versions=">=0.18", why="the instruction table entry of _exec_backward_pass"),
+    Patch(_PIPE, "_INSTRUCTION_MAP", f"{_HOOKS}:exec_backward_pass_with_prologue",
+          key="deepspeed.runtime.pipe.schedule:BackwardPass", signature=("self", "buffer_id"), versions="<0.18",
+          why="the instruction table entry of _exec_backward_pass"),
+    Patch("deepspeed", "initialize", "l3plugin.huggingface.deepspeed_cp:initialize_with_key",
+          signature=("args", "model"),
           rebind=True, why='"l3plugin": {"context_parallel_size": N}: DeepSpeed\'s sequence-parallel groups as mpu, '
           "batch size over DP only, a transformers model's attention swapped for the all-gather CP attention"),
     # Only when accelerate is imported already (the HF Trainer imports it before deepspeed).
@@ -374,7 +385,7 @@ _SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 _INSTALL = "l3plugin.megatron.install"
 _SELECTOR = "one selector answering the flexible schedule when it is selected and pp > 1"
 
-AUTOLOAD = PatchSet("l3plugin_autoload", "deepspeed", "0.19.8", [
+AUTOLOAD = PatchSet("l3plugin_autoload", "deepspeed", DEEPSPEED_CHECKED, [
     Patch("deepspeed", "initialize", "l3plugin_autoload:initialize_after_install",
           why="deepspeed was imported while an l3plugin module was half-built: l3plugin.deepspeed is installed "
               "at the first deepspeed.initialize instead (then the stock function is put back)"),

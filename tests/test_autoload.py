@@ -1,18 +1,23 @@
 """The "l3plugin" DeepSpeed config key works without `import l3plugin.deepspeed`: l3plugin-autoload.pth
 (installed into site-packages) watches for `import deepspeed` and installs then. Every check runs a fresh
-interpreter of this venv, from an empty directory, so the hook is the installed one and nothing here has
-imported l3plugin for it."""
+interpreter of this venv, from an empty directory, so the hook is the installed .pth and nothing here has
+imported l3plugin for it; the l3plugin tree under test (the one this test imported) is first on its path.
+The last test builds a regular wheel (with build isolation) and checks it in a fresh virtualenv."""
 
 import json
 import os
+import shutil
 import socket
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
+import l3plugin
 from l3plugin.testing.ranks import run_command
 
 ZERO_TESTS = Path(__file__).resolve().parent / "zero"
+TREE = Path(l3plugin.__file__).resolve().parents[1]  # the checkout under test (PYTHONPATH or the editable install)
 
 # l3plugin_autoload is the hook itself; "l3plugin" and "l3plugin.*" are the package.
 PACKAGE_MODULES = "sorted(m for m in sys.modules if m == 'l3plugin' or m.startswith('l3plugin.'))"
@@ -38,12 +43,15 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run(code, tmp_path, timeout=90, **env):
+def run(code, tmp_path, timeout=90, python=sys.executable, tree=TREE, **env):
     full_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "L3PLUGIN_NO_AUTOLOAD")}
+    path = [env.pop("PYTHONPATH")] if "PYTHONPATH" in env else []
     full_env.update({"OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                      "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
                      "PYTHONWARNINGS": "always::RuntimeWarning", **env})
-    out = run_command([sys.executable, "-c", code], cwd=tmp_path, env=full_env, timeout=timeout)
+    if tree is not None or path:
+        full_env["PYTHONPATH"] = os.pathsep.join(path + ([str(tree)] if tree is not None else []))
+    out = run_command([python, "-c", code], cwd=tmp_path, env=full_env, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -110,3 +118,45 @@ def test_failed_install_warns_and_deepspeed_still_imports(tmp_path):
     assert out.stdout.split() == ["True", "SourceFileLoader", "False"]
     assert "l3plugin autoload: could not install the FP32-reducing ZeRO into DeepSpeed" in out.stderr
     assert "deepspeed.runtime" in out.stderr  # names the failure
+
+
+# What the wheel is built from (a copy: building in the checkout would leave build/ and *.egg-info there).
+WHEEL_SOURCES = ("pyproject.toml", "setup.py", "README.md", "l3plugin_autoload.py", "l3plugin-autoload.pth", "l3plugin")
+
+
+def test_wheel_in_a_fresh_virtualenv_installs_the_hook(tmp_path):
+    """A regular wheel built with build isolation (setuptools from the package index), installed with pip into a
+    fresh virtualenv: the .pth lands in its site-packages (listed in the wheel's RECORD, so pip uninstalls it)
+    and the key works with no import. torch and DeepSpeed come from this venv through a path entry."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in WHEEL_SOURCES:
+        copy = shutil.copytree if (TREE / name).is_dir() else shutil.copy
+        copy(TREE / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                            if (TREE / name).is_dir() else {}))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
+    run_command([*pip, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(source)], timeout=300, check=True)
+    wheel, = (tmp_path / "dist").glob("l3plugin-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        record = archive.read(next(n for n in names if n.endswith(".dist-info/RECORD"))).decode()
+    assert "l3plugin-autoload.pth" in names and "l3plugin_autoload.py" in names
+    assert any(line.startswith("l3plugin-autoload.pth,sha256=") for line in record.splitlines())
+
+    venv = tmp_path / "venv"
+    run_command([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=120, check=True)
+    python = str(venv / "bin" / "python")
+    site = Path(run_command([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                            timeout=60, check=True).stdout.strip())
+    # This venv's packages after the new venv's own (a plain path entry: its .pth files are not run).
+    (site / "zz-packages-of-the-test-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    run_command([*pip, "--python", python, "install", "--no-deps", "--no-index", str(wheel)], timeout=300,
+                check=True)
+    assert (site / "l3plugin-autoload.pth").read_text().strip() == "import l3plugin_autoload"
+
+    where = "import json, l3plugin, l3plugin_autoload; print(json.dumps([l3plugin.__file__, l3plugin_autoload.__file__]))"
+    found = json.loads(run(where, tmp_path, python=python, tree=None).stdout.strip().splitlines()[-1])
+    assert all(Path(f).resolve().is_relative_to(site.resolve()) for f in found), found  # the wheel's, not the tree's
+    out = run("FIRST = ''\n" + ENGINE, tmp_path, python=python, tree=None)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"before": [], "optimizer": "DeepSpeedFP32ReduceZero"}

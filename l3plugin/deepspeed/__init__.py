@@ -15,19 +15,25 @@ between. Buckets are ``bucket_numel`` or ``zero_optimization.reduce_bucket_size`
 reduce-scatters start from gradient hooks during backward unless ``zero_optimization.overlap_comm`` is
 false. Without the key (or with ``"fp32_reduce_zero": false``)
 DeepSpeed behaves exactly as stock. Options under ``"l3plugin"`` are the JSON-settable fields of
-``l3plugin.zero.ZeroSettings`` (their help there), checked there.
+``l3plugin.zero.ZeroSettings`` (their help there), checked there, and ``context_parallel_size`` / ``cp_layout``
+(l3plugin/huggingface/deepspeed_cp.py); the block is parsed once per engine into a frozen ``PluginOptions``
+(``options_of(engine)``). Configs are read by DeepSpeed's own loader (``read_config``), so every form DeepSpeed
+accepts (dict, JSON or hjson file, base64 string, ``args.deepspeed_config``) works with the key and, without it,
+reaches DeepSpeed exactly as given.
 
 DeepSpeed has no plug-in registry, so ``install`` replaces these engine methods (declared in
 ``l3plugin/patches.py``; ``l3plugin doctor`` checks them against the installed DeepSpeed), each falling
 through to the stock one unless the key is on: ``_do_sanity_check`` (validate the config first),
 ``_do_optimizer_sanity_check`` (route to ZeRO), ``_configure_zero_optimizer`` (build ours),
+``save_checkpoint`` (crash-consistent: ``latest`` moves only after every rank saved),
 ``load_checkpoint`` (verify the partitions first and fail together, see ``fail_together.py``),
 ``_load_zero_checkpoint`` (read every rank's partition, ours or stock DeepSpeed's: resume on another DP
 size; or a universal checkpoint with ``checkpoint.load_universal``),
 ``zero_optimization_stage`` + ``PipelineEngine.__init__`` (PipelineEngine refuses stage 2 for DeepSpeed's
 optimizer; ours supports it), ``PipelineEngine._exec_reduce_tied_grads`` (tied weights' gradients live in
 our fp32 buckets, not in ``weight.grad``) and ``PipelineEngine._exec_backward_pass`` (end-of-backward
-reductions), both also in the schedule's instruction table.
+reductions), both also in the schedule's instruction table; and ``deepspeed.initialize`` and accelerate's
+``prepare_data_loader`` (the CP options: ``l3plugin/huggingface/deepspeed_cp.py``).
 ``uninstall()`` restores everything. The package: ``config.py`` (the options and what is supported),
 ``engine.py`` (the replaced methods), ``optimizer.py`` (the optimizer the engines drive, and what they call),
 ``checkpoint.py`` (crash-consistent saves, verified loads, ``export_fp32_state_dict``).
@@ -39,10 +45,10 @@ state dict from a live engine.
 """
 
 from l3plugin.deepspeed.checkpoint import export_fp32_state_dict
-from l3plugin.deepspeed.config import KEY, SUPPORTED, check_supported, plugin_options
-from l3plugin.deepspeed.engine import install, uninstall
+from l3plugin.deepspeed.config import KEY, SUPPORTED, PluginOptions, read_config
+from l3plugin.deepspeed.engine import install, options_of, uninstall
 
-__all__ = ["KEY", "SUPPORTED", "check_supported", "export_fp32_state_dict", "install", "plugin_options",
+__all__ = ["KEY", "SUPPORTED", "PluginOptions", "export_fp32_state_dict", "install", "options_of", "read_config",
            "uninstall"]
 
 install()

@@ -18,7 +18,7 @@ import os
 import warnings
 from dataclasses import asdict, dataclass
 
-from l3plugin.deepspeed.config import options_of
+from l3plugin.deepspeed.config import PluginOptions
 
 
 @dataclass
@@ -50,7 +50,7 @@ class ReadAhead:
         self.loaded = None
 
 
-def choose_tag(engine, call: LoadCall) -> str | None:
+def choose_tag(engine, call: LoadCall, options: PluginOptions) -> str | None:
     """Make the tag to load explicit in ``call``: the one given, verified, or without one the tag 'latest'
     names if complete, else the newest complete tag (warned). Raises TornCheckpoint naming the tag and the
     file. None for universal checkpoints (written by DeepSpeed's converter, not by a save)."""
@@ -63,13 +63,13 @@ def choose_tag(engine, call: LoadCall) -> str | None:
         if os.path.isdir(os.path.join(call.load_dir, call.tag)):  # else stock warns and loads nothing
             verify_tag(call.load_dir, call.tag, checksums=False)
         return call.tag
-    call.tag, warning = newest_complete(call.load_dir, fallback=options_of(engine)["checkpoint_fallback"])
+    call.tag, warning = newest_complete(call.load_dir, fallback=options.zero["checkpoint_fallback"])
     if warning:
         warnings.warn(f"rank {engine.global_rank}: {warning}", stacklevel=3)
     return call.tag
 
 
-def read_ahead(engine, call: LoadCall):
+def read_ahead(engine, call: LoadCall, options: PluginOptions):
     """Read and verify the ZeRO partitions ``load_checkpoint(**call)`` will load, before stock DeepSpeed
     touches anything; None when it will not read any (mirrors its conditions)."""
     universal = engine.load_universal_checkpoint()
@@ -85,15 +85,15 @@ def read_ahead(engine, call: LoadCall):
             tag = f.read().strip()
     if not os.path.isdir(os.path.join(call.load_dir, str(tag))):
         return None  # stock warns and returns (None, None)
-    return read_zero(engine, call.load_dir, tag, optimizer_states)
+    return read_zero(engine, call.load_dir, tag, optimizer_states, options)
 
 
-def read_zero(engine, load_dir, tag, optimizer_states: bool):
+def read_zero(engine, load_dir, tag, optimizer_states: bool, options: PluginOptions):
     """This rank's verified ZeRO state from checkpoint ``load_dir/tag`` (ours, stock's, or universal when
     the config says so), in new tensors (``l3plugin.zero.checkpoint.Loaded``)."""
     from l3plugin.zero.checkpoint import read_partitions, read_universal
 
-    allow = options_of(engine)["checkpoint_allow_nonfinite"]
+    allow = options.zero["checkpoint_allow_nonfinite"]
     zero = engine.optimizer.zero
     if engine.load_universal_checkpoint():
         return read_universal(zero, os.path.join(load_dir, str(tag)), optimizer_states, allow)
@@ -103,9 +103,12 @@ def read_zero(engine, load_dir, tag, optimizer_states: bool):
 def partition_files(engine, load_dir, tag) -> list[str]:
     """The saved ranks' partition files, found by DeepSpeed's naming. Stock learns their number from the
     model file, which it reads later; here the files are counted (``partition_count`` inside is checked)."""
+    mp_rank = getattr(engine, "checkpoint_mp_rank", None)  # DeepSpeed >= 0.17; before, computed at each use:
+    if mp_rank is None:
+        mp_rank = 0 if engine.mpu is None else engine.mpu.get_model_parallel_rank()
     names = []
     while True:
-        name = engine._get_rank_zero_ckpt_name(checkpoints_path=load_dir, tag=tag, mp_rank=engine.checkpoint_mp_rank,
+        name = engine._get_rank_zero_ckpt_name(checkpoints_path=load_dir, tag=tag, mp_rank=mp_rank,
                                                dp_rank=len(names), bf16_mode=engine.bfloat16_enabled())
         if not os.path.exists(name):
             older = name.replace("_optim_states.pt", "optim_states.pt")  # DeepSpeed's older file names

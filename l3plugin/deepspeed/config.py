@@ -1,11 +1,31 @@
-"""The ``"l3plugin"`` key of a DeepSpeed JSON config: its options, and what the FP32-reducing ZeRO supports."""
+"""The ``"l3plugin"`` key of a DeepSpeed config: its options, read once into a frozen ``PluginOptions``, and what
+the FP32-reducing ZeRO supports.
+
+A config is read only by DeepSpeed's own loader (``read_config``: a dict, a JSON or hjson file, a base64 string:
+whatever DeepSpeed accepts). ``deepspeed.initialize`` (l3plugin/huggingface/deepspeed_cp.py) parses the block
+once and hands the result to the engine it builds (``handing_over``); an engine built some other way parses its
+own config's block when first asked. To add an option of the ZeRO optimizer: one field in
+l3plugin/zero/settings.py (the block accepts it when the field says ``json=``).
+"""
 
 from __future__ import annotations
 
-from l3plugin.zero.settings import ZeroSettings, boolean, json_options
+import contextlib
+import contextvars
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from l3plugin.zero.settings import boolean, json_options, whole_number
 
 KEY = "l3plugin"
-ENABLE = "fp32_reduce_zero"  # the switch; every other option is a ZeroSettings field (l3plugin/zero/settings.py)
+ENABLE = "fp32_reduce_zero"  # the switch; the other ZeRO options are ZeroSettings fields (l3plugin/zero/settings.py)
+OWN_OPTIONS = {
+    ENABLE: "use the FP32-reducing ZeRO-1/2 optimizer",
+    "context_parallel_size": "ranks per context-parallel group (consecutive ranks inside DP): builds DeepSpeed's "
+                             "sequence-parallel groups, reduces gradients over DP x CP and gives a transformers "
+                             "model l3plugin's all-gather CP attention (default 1)",
+    "cp_layout": 'tokens each CP rank holds: "balanced" (default, for packed documents) or "2cp" (the paper\'s)',
+}
 SUPPORTED = ('Supported with "l3plugin": {"fp32_reduce_zero": true}: "bf16": {"enabled": true}, '
              '"zero_optimization": {"stage": 1 or 2} without offload, an optimizer, no fp16, no MoE, '
              'no torch_autocast; DeepSpeedEngine and PipelineEngine; gradient '
@@ -14,26 +34,108 @@ SUPPORTED = ('Supported with "l3plugin": {"fp32_reduce_zero": true}: "bf16": {"e
              'every collective blocking')
 
 
-def plugin_options(param_dict: dict) -> dict | None:
-    """The checked options under ``"l3plugin"`` ({option: value or default}), or None when the FP32-reducing
-    ZeRO is not requested."""
-    raw = param_dict.get(KEY)
-    if raw is None:
-        return None
-    opts = json_options(raw, KEY, extra={ENABLE: "use the FP32-reducing ZeRO-1/2 optimizer"})
-    enabled = boolean(ENABLE, opts.pop(ENABLE, False), KEY)
-    return opts if enabled else None
+class ReadOnlyOptions(Mapping):
+    """{option: value}, read-only (unlike a mappingproxy it pickles and copies, as engines and results do)."""
+
+    def __init__(self, values: dict):
+        self._values = dict(values)
+
+    def __getitem__(self, name):
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self):
+        return len(self._values)
+
+    def __repr__(self):
+        return repr(self._values)
 
 
-def options_of(engine) -> dict | None:
-    """The engine's validated options, or None when its config does not ask for the FP32-reducing ZeRO."""
-    return plugin_options(engine._config._param_dict)
+@dataclass(frozen=True)
+class PluginOptions:
+    """The whole ``"l3plugin"`` block of one config, checked.
+
+    fp32_reduce_zero: the switch of l3plugin's ZeRO; zero: the checked ZeroSettings options the block may set
+    ({name: value or default}, read-only); context_parallel_size, cp_layout: CP (huggingface/deepspeed_cp.py)."""
+
+    fp32_reduce_zero: bool
+    zero: Mapping
+    context_parallel_size: int
+    cp_layout: str
+
+    @classmethod
+    def parse(cls, block) -> PluginOptions:
+        """Check every option of ``block`` (the value under ``"l3plugin"``); bad values name the option, the
+        value and the valid range."""
+        from l3plugin.cp import LAYOUT_NAMES
+
+        zero = json_options(block, KEY, extra=OWN_OPTIONS)
+        own = {name: zero.pop(name) for name in OWN_OPTIONS if name in zero}
+        size = whole_number(1, " (ranks per context-parallel group)")(
+            "context_parallel_size", own.get("context_parallel_size", 1), KEY)
+        layout = own.get("cp_layout", "balanced")
+        if layout not in LAYOUT_NAMES:
+            raise ValueError(f'"{KEY}.cp_layout" must be one of {list(LAYOUT_NAMES)}, got {layout!r}')
+        return cls(fp32_reduce_zero=boolean(ENABLE, own.get(ENABLE, False), KEY), zero=ReadOnlyOptions(zero),
+                   context_parallel_size=size, cp_layout=layout)
 
 
-def zero_settings(engine) -> ZeroSettings:
+def options_in(config: dict) -> PluginOptions | None:
+    """The options of a config read as a dict; None without the key."""
+    return None if config.get(KEY) is None else PluginOptions.parse(config[KEY])
+
+
+def read_config(config) -> dict:
+    """A config (dict, path of a JSON or hjson file, base64 string) as DeepSpeed reads it: by DeepSpeed's own
+    loader, the first thing ``DeepSpeedConfig`` does (the engine's settings are not computed here). Raises
+    what DeepSpeed's loader raises."""
+    if isinstance(config, dict):
+        return config
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    class ReadOnly(DeepSpeedConfig):
+        # DeepSpeedConfig.__init__ loads the config into _param_dict, then computes the engine's settings from
+        # it through these three methods: skipped (they need the world size, and may raise on what they check).
+        def _initialize_params(self, param_dict):
+            pass
+
+        def _configure_train_batch_size(self):
+            pass
+
+        def _do_sanity_check(self):
+            pass
+
+    return ReadOnly(config)._param_dict
+
+
+_HANDED: contextvars.ContextVar = contextvars.ContextVar("l3plugin_handed_options", default=None)
+
+
+@contextlib.contextmanager
+def handing_over(options: PluginOptions):
+    """The engine ``deepspeed.initialize`` builds inside this block takes ``options`` (parsed by the caller
+    from the same config) instead of parsing its config again."""
+    token = _HANDED.set(options)
+    try:
+        yield
+    finally:
+        _HANDED.reset(token)
+
+
+def options_for(engine) -> PluginOptions | None:
+    """The options of an engine being built: those handed over, else its config's."""
+    handed = _HANDED.get()
+    return handed if handed is not None else options_in(engine._config._param_dict)
+
+
+def zero_settings(engine, options: PluginOptions):
     """The optimizer's settings: the engine's config (stage, gradient_clipping, overlap_comm,
     reduce_bucket_size) and the ``"l3plugin"`` options."""
-    opts = options_of(engine)
+    from l3plugin.zero.settings import ZeroSettings
+
+    opts = dict(options.zero)
     # DeepSpeed's overlap_comm defaults to off because its overlap costs extra buffers; ours costs
     # nothing more (the bucket being reduced exists anyway), so it is on unless the config says false.
     overlap = engine._config._param_dict.get("zero_optimization", {}).get("overlap_comm")
@@ -47,8 +149,15 @@ def zero_settings(engine) -> ZeroSettings:
                         overlap=overlap is not False, gradient_scale=scale)
 
 
-def check_supported(engine) -> None:
-    """Raise one ValueError listing everything in the config that the FP32-reducing ZeRO cannot do."""
+def _unsupported(problems: list) -> None:
+    if problems:
+        raise ValueError("l3plugin FP32-reducing ZeRO cannot run this config: " + "; ".join(problems)
+                         + ". " + SUPPORTED)
+
+
+def check_supported(engine, options: PluginOptions) -> None:
+    """Raise one ValueError listing everything in the config that the FP32-reducing ZeRO cannot do (the
+    model is checked once built: ``check_model_supported``)."""
     import torch
 
     problems = []
@@ -64,9 +173,7 @@ def check_supported(engine) -> None:
         device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
         if offload is not None and device not in (None, "none"):
             problems.append(f"zero_optimization.offload_{what} is set (device {device}); offload is not supported")
-    if getattr(engine, "has_moe_layers", False):
-        problems.append("the model has MoE layers; they are not supported")
-    if engine.torch_autocast_enabled():
+    if getattr(engine, "torch_autocast_enabled", lambda: False)():  # DeepSpeed >= 0.17 has torch_autocast
         problems.append("torch_autocast is enabled; give the model bf16 weights with bf16.enabled instead")
     if getattr(engine, "zenflow", False):
         problems.append("zenflow is enabled; it is not supported")
@@ -76,17 +183,20 @@ def check_supported(engine) -> None:
     accum = engine._config._param_dict.get("data_types", {}).get("grad_accum_dtype")
     if accum not in (None, "fp32", "float32"):
         problems.append(f'data_types.grad_accum_dtype is {accum!r}; use "{KEY}": {{"accumulate_dtype": ...}} instead')
-    every = options_of(engine)["reduce_every"]
+    every = options.zero["reduce_every"]
     if every is not None and stage == 1:
         problems.append(f'"{KEY}.reduce_every" is {every} with zero_optimization.stage 1; ZeRO-1 reduce-scatters '
                         "once per step (at the gradient-accumulation boundary): remove reduce_every or use stage 2")
     elif every is not None and every > engine.gradient_accumulation_steps():
         problems.append(f'"{KEY}.reduce_every" is {every}; valid range is 1..gradient_accumulation_steps '
                         f"({engine.gradient_accumulation_steps()})")
-    if options_of(engine)["carry_reductions"] and stage == 1:
+    if options.zero["carry_reductions"] and stage == 1:
         problems.append(f'"{KEY}.carry_reductions" is true with zero_optimization.stage 1; ZeRO-1 reduce-scatters '
                         "only in the last micro-batch, whose reductions the step needs: remove it or use stage 2")
-    if problems:
-        raise ValueError("l3plugin FP32-reducing ZeRO cannot run this config: " + "; ".join(problems)
-                         + ". " + SUPPORTED)
+    _unsupported(problems)
 
+
+def check_model_supported(engine) -> None:
+    """What only the built model tells (DeepSpeed finds MoE layers after its config checks)."""
+    _unsupported(["the model has MoE layers; they are not supported"] if getattr(engine, "has_moe_layers", False)
+                 else [])

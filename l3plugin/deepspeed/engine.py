@@ -1,8 +1,9 @@
 """The DeepSpeed engine methods l3plugin replaces (declared in ``l3plugin/patches.py``, set DEEPSPEED).
 
-Each falls through to DeepSpeed's own method unless the engine's config asks for the FP32-reducing ZeRO
-(``config.options_of``) or the engine runs it (``runs_fp32_reduce_zero``). What the adapter remembers about
-an engine lives in an ``EngineState`` held beside the engine (``state_of``), not in the engine.
+Each falls through to DeepSpeed's own method unless the engine's options ask for the FP32-reducing ZeRO
+(``wants_fp32_reduce_zero``) or the engine runs it (``runs_fp32_reduce_zero``). What the adapter knows about
+an engine, its ``"l3plugin"`` options parsed once included, lives in an ``EngineState`` held beside the engine
+(``state_of``), not in the engine.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import weakref
 
 from l3plugin.deepspeed import checkpoint
-from l3plugin.deepspeed.config import check_supported, options_of, zero_settings
+from l3plugin.deepspeed.config import PluginOptions, check_model_supported, check_supported, options_for, zero_settings
 from l3plugin.deepspeed.optimizer import DeepSpeedFP32ReduceZero, runs_fp32_reduce_zero
 from l3plugin.patches import DEEPSPEED
 
@@ -18,9 +19,10 @@ _ENGINE, _PIPE = "DeepSpeedEngine", "PipelineEngine"
 
 
 class EngineState:
-    """What the adapter remembers about one engine."""
+    """What the adapter knows about one engine."""
 
-    def __init__(self):
+    def __init__(self, options: PluginOptions | None):
+        self.options = options  # the config's "l3plugin" block, parsed once (None: no key)
         # PipelineEngine.__init__ asserts stage < 2 right after the ZeRO optimizer is built; ours supports
         # stage 2, so zero_optimization_stage answers 1 until that __init__ has returned.
         self.hide_stage2 = False
@@ -32,8 +34,18 @@ _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def state_of(engine) -> EngineState:
     if engine not in _states:
-        _states[engine] = EngineState()
+        _states[engine] = EngineState(options_for(engine))
     return _states[engine]
+
+
+def options_of(engine) -> PluginOptions | None:
+    """The engine's ``"l3plugin"`` options (None: its config has no such key)."""
+    return state_of(engine).options
+
+
+def wants_fp32_reduce_zero(engine) -> bool:
+    options = options_of(engine)
+    return options is not None and options.fp32_reduce_zero
 
 
 def _stock(cls: str, name: str):
@@ -52,30 +64,29 @@ def uninstall() -> None:
 
 # -- building the optimizer ---------------------------------------------------------------------------------
 def do_sanity_check(self):
-    if options_of(self) is not None:  # first, so our message wins over DeepSpeed's generic ones
-        check_supported(self)
+    if wants_fp32_reduce_zero(self):  # first, so our message wins over DeepSpeed's generic ones
+        check_supported(self, options_of(self))
     return _stock(_ENGINE, "_do_sanity_check")(self)
 
 
 def do_optimizer_sanity_check(self, basic_optimizer):
-    if options_of(self) is None:
+    if not wants_fp32_reduce_zero(self):
         return _stock(_ENGINE, "_do_optimizer_sanity_check")(self, basic_optimizer)
     from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 
-    check_supported(self)
     return ZERO_OPTIMIZATION  # route to _configure_zero_optimizer, also where stock would pick BF16_Optimizer
 
 
 def configure_zero_optimizer(self, optimizer):
-    if options_of(self) is None:
+    if not wants_fp32_reduce_zero(self):
         return _stock(_ENGINE, "_configure_zero_optimizer")(self, optimizer)
-    check_supported(self)
+    check_model_supported(self)
     if optimizer is None:
         raise ValueError('l3plugin FP32-reducing ZeRO needs an optimizer: add "optimizer" to the config '
                          "or pass optimizer= to deepspeed.initialize")
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    built = DeepSpeedFP32ReduceZero(self, optimizer, zero_settings(self))
+    built = DeepSpeedFP32ReduceZero(self, optimizer, zero_settings(self, options_of(self)))
     state_of(self).hide_stage2 = isinstance(self, PipelineEngine)
     return built
 
@@ -103,6 +114,14 @@ def exec_backward_pass(self, buffer_id):
     _stock(_PIPE, "_exec_backward_pass")(self, buffer_id)
     if runs_fp32_reduce_zero(self):  # the pipeline calls no post-backward epilogue on its first stages
         self.optimizer.after_backward()
+
+
+def exec_backward_pass_with_prologue(self, buffer_id):
+    """DeepSpeed < 0.18: the pipeline's first stages run autograd directly, calling no optimizer prologue (0.18
+    on runs it from tensor hooks): ours counts the micro-batch and arms its buckets here."""
+    if runs_fp32_reduce_zero(self) and not self.is_last_stage():
+        self.optimizer.backward_prologue()
+    exec_backward_pass(self, buffer_id)
 
 
 # -- checkpoints (checkpoint.py) ----------------------------------------------------------------------------
@@ -134,8 +153,8 @@ def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_opti
     read = checkpoint.ReadAhead(self)
     tag = None
     try:
-        tag = checkpoint.choose_tag(self, call)
-        read.loaded = checkpoint.read_ahead(self, call)
+        tag = checkpoint.choose_tag(self, call, options_of(self))
+        read.loaded = checkpoint.read_ahead(self, call, options_of(self))
     except Exception as exc:  # noqa: BLE001 - every rank raises in the agreement
         read.verified(exc)
     # The tag is in the outcome: ranks that chose different tags (files differ between nodes) all raise.
@@ -169,5 +188,6 @@ def load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
     # Called on its own: read, verify, agree and apply in one go.
     from l3plugin.zero.checkpoint import load_agreed
 
-    load_agreed(self.optimizer.zero, lambda: checkpoint.read_zero(self, load_dir, tag, load_optimizer_states))
+    load_agreed(self.optimizer.zero, lambda: checkpoint.read_zero(self, load_dir, tag, load_optimizer_states,
+                                                                  options_of(self)))
     return True

@@ -191,8 +191,20 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
         if self._reduce_this_backward and self.carry_reductions and not self._at_boundary():
             self.zero.launch_reductions()
             self.zero.complete_finished_reductions()
-        elif self._reduce_this_backward or self.is_gradient_accumulation_boundary():
+        elif self._reduce_this_backward or self._boundary_flag():
             self.zero.finish_grad_sync()
+
+    def _boundary_flag(self) -> bool:
+        """The boundary flag the engine gives its optimizer: a method since DeepSpeed 0.19, before it an attribute
+        the engine sets (absent until then)."""
+        flag = getattr(self, "is_gradient_accumulation_boundary", False)
+        return flag() if callable(flag) else bool(flag)
+
+    def backward(self, loss, retain_graph=False):
+        """DeepSpeed < 0.18: ``engine.backward`` hands the (scaled) loss to its ZeRO optimizer's backward (0.18 on
+        calls ``backward_prologue`` and runs the backward itself); the engine reduces afterwards, as above."""
+        self.backward_prologue()
+        loss.backward(retain_graph=retain_graph)
 
     def reduce_gradients(self, pipeline_parallel=False):  # DeepSpeedEngine, ZeRO-1, at the boundary
         self.after_backward()

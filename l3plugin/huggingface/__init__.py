@@ -1,4 +1,4 @@
-"""Hugging Face transformers / accelerate bridge to l3plugin's all-gather CP attention (issue 24).
+"""Hugging Face transformers / accelerate bridge to l3plugin's all-gather CP attention.
 
 With ``"l3plugin": {"context_parallel_size": N}`` in the DeepSpeed config, ``deepspeed.initialize`` (directly,
 from accelerate or from the Trainer) builds DeepSpeed's own sequence-parallel groups (CP groups of N

@@ -21,54 +21,65 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import sys
 
-KEY = "l3plugin"
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from l3plugin.deepspeed.config import PluginOptions
+
+# l3plugin.deepspeed (config: KEY, the options, DeepSpeed's config loader) is imported inside the functions: its
+# import installs the DeepSpeed patches, one of which is this module's initialize.
 
 
-def _sequence_parallel():
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+def _sequence_parallel(cp: int | None = None):
+    """DeepSpeed's sequence-parallel module; without one (DeepSpeed < 0.17): None, or with ``cp`` asked for,
+    a ValueError saying so."""
+    try:
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    except ImportError:
+        if cp is None:
+            return None
+        import deepspeed
 
+        from l3plugin.deepspeed.config import KEY
+
+        raise ValueError(f'"{KEY}.context_parallel_size" is {cp} but DeepSpeed {deepspeed.__version__} has no '
+                         "sequence-parallel groups (deepspeed.runtime.sequence_parallel, added in DeepSpeed 0.17): "
+                         f'use deepspeed>=0.17 for CP, or leave context_parallel_size out ("fp32_reduce_zero" works '
+                         "on this version)") from None
     return parallel_state_sp
 
 
-# The options this module reads under "l3plugin" (the DeepSpeed adapter's config accepts them too).
-OPTIONS = {"context_parallel_size": "ranks per context-parallel group (consecutive ranks inside DP): builds DeepSpeed's "
-                                    "sequence-parallel groups, reduces gradients over DP x CP and gives a transformers "
-                                    "model l3plugin's all-gather CP attention (default 1)",
-           "cp_layout": 'tokens each CP rank holds: "balanced" (default, for packed documents) or "2cp" (the paper\'s)'}
+# Where deepspeed.initialize takes its config from, in its order: config, config_params, or the arguments
+# object's deepspeed_config (deepscale_config: its deprecated name). Two of them at once: stock refuses the call.
+_ARGS_FIELDS = ("deepspeed_config", "deepscale_config")
 
 
-def cp_settings(config: dict) -> tuple[int, str]:
-    """(context_parallel_size, cp_layout) of a DeepSpeed config dict; bad values name the option and the range."""
-    raw = config.get(KEY)
-    if not isinstance(raw, dict):
-        return 1, "balanced"
-    from l3plugin.cp import LAYOUT_NAMES
-    from l3plugin.zero.settings import whole_number  # the same check and wording as the block's ZeRO options
-
-    size = whole_number(1, " (ranks per context-parallel group)")("context_parallel_size",
-                                                                   raw.get("context_parallel_size", 1), KEY)
-    layout = raw.get("cp_layout", "balanced")
-    if layout not in LAYOUT_NAMES:
-        raise ValueError(f'"{KEY}.cp_layout" must be one of {list(LAYOUT_NAMES)}, got {layout!r}')
-    return size, layout
+def _given_config(call: inspect.BoundArguments):
+    """(where, the config as given) of a ``deepspeed.initialize`` call; (None, None) when there is none or stock
+    refuses the call (two configs given)."""
+    given = [(name, call.arguments.get(name)) for name in ("config", "config_params")]
+    given += [("args", getattr(call.arguments.get("args"), name, None)) for name in _ARGS_FIELDS]
+    given = [(where, value) for where, value in given if value is not None]
+    if given[:1] and given[0][0] == "config" and any(where == "config_params" for where, _ in given):
+        given = [g for g in given if g[0] != "config_params"]  # config wins over config_params
+    return given[0] if len(given) == 1 else (None, None)
 
 
-def _config_of(call: inspect.BoundArguments):
-    """(name of the argument holding the config, the config as a dict) of a ``deepspeed.initialize`` call."""
-    for name in ("config", "config_params"):
-        value = call.arguments.get(name)
-        if value is not None:
-            break
-    else:
-        args = call.arguments.get("args")
-        name, value = "args", getattr(args, "deepspeed_config", None)
-    if isinstance(value, str):
-        with open(value) as f:  # DeepSpeed's loader accepts hjson; plain JSON is the common case
-            value = json.load(f)
-    return name, value if isinstance(value, dict) else None
+def _read(call: inspect.BoundArguments):
+    """(where, the config as a dict, its options): read by DeepSpeed's own loader; options None without the key
+    or when the config cannot be read (then stock gets the call as it is and says what is wrong)."""
+    from l3plugin.deepspeed.config import options_in, read_config
+
+    where, given = _given_config(call)
+    if given is None:
+        return None, None, None
+    try:
+        config = read_config(given)
+    except Exception:  # noqa: BLE001 - DeepSpeed's own loader fails on it: stock raises its own error
+        return None, None, None
+    return (where, config, options_in(config)) if isinstance(config, dict) else (None, None, None)
 
 
 def _under_accelerate() -> bool:
@@ -76,13 +87,12 @@ def _under_accelerate() -> bool:
     return state is not None and bool(state.AcceleratorState._shared_state.get("deepspeed_plugins"))
 
 
-def check_for_hf_users(config: dict) -> None:
-    """Item 5: the messages an HF Trainer / accelerate user gets name their own settings."""
+def check_for_hf_users(config: dict, options: PluginOptions) -> None:
+    """The messages an HF Trainer / accelerate user gets name their own settings."""
     if not _under_accelerate():
         return
-    plugin = config.get(KEY)
     bf16 = config.get("bf16", {}).get("enabled", False) if isinstance(config.get("bf16"), dict) else False
-    if isinstance(plugin, dict) and plugin.get("fp32_reduce_zero") and bf16 is not True:
+    if options.fp32_reduce_zero and bf16 is not True:
         raise ValueError(
             'l3plugin FP32-reducing ZeRO needs bf16, and this run has it off (the DeepSpeed config\'s "bf16" '
             f'"enabled" resolved to {bf16!r}). With the HF Trainer pass TrainingArguments(bf16=True) (a "bf16": '
@@ -101,7 +111,9 @@ def _sequence_parallel_groups(cp: int):
     """DeepSpeed's sequence-parallel module with groups of ``cp`` ranks (built once, reused after)."""
     import torch.distributed as dist
 
-    sp = _sequence_parallel()
+    from l3plugin.deepspeed.config import KEY
+
+    sp = _sequence_parallel(cp)
     world = dist.get_world_size()
     if world % cp:
         raise ValueError(f'"{KEY}.context_parallel_size" is {cp} but the world size {world} is not a multiple of '
@@ -116,36 +128,42 @@ def _sequence_parallel_groups(cp: int):
     return sp
 
 
-def initialize(*args, **kwargs):
-    """``deepspeed.initialize`` with the ``context_parallel_size`` option (see the module docstring)."""
+def initialize_with_key(*args, **kwargs):
+    """``deepspeed.initialize`` with the ``"l3plugin"`` key (see the module docstring); without it the call
+    reaches DeepSpeed exactly as given. (Not named ``initialize``: undoing the patch puts DeepSpeed's function
+    back in every module whose global ``initialize`` is this one, which would include this module.)"""
+    from l3plugin.deepspeed.config import handing_over
     from l3plugin.patches import DEEPSPEED
 
     stock = DEEPSPEED.stock("deepspeed.initialize")
     call = inspect.signature(stock).bind(*args, **kwargs)
-    where, config = _config_of(call)
-    if config is None:
+    where, config, options = _read(call)
+    if options is None:
         return stock(*args, **kwargs)
-    check_for_hf_users(config)
-    cp, layout = cp_settings(config)
-    raw = config.get(KEY)
-    if not isinstance(raw, dict) or not any(name in raw for name in OPTIONS):
-        return stock(*args, **kwargs)
-    config = copy.deepcopy(config)
-    for name in OPTIONS:  # read here; the DeepSpeed adapter validates the rest of the block
-        config[KEY].pop(name, None)
-    if not config[KEY]:
-        del config[KEY]
+    check_for_hf_users(config, options)
+    with handing_over(options):  # the engine keeps these options: its config's block is not parsed again
+        if options.context_parallel_size == 1:
+            return stock(*args, **kwargs)
+        return _initialize_with_cp(stock, call, where, config, options)
+
+
+def _initialize_with_cp(stock, call: inspect.BoundArguments, where: str, config: dict, options: PluginOptions):
+    from l3plugin.deepspeed.config import KEY
+
+    cp = options.context_parallel_size
+    _sequence_parallel(cp)  # before anything is built: DeepSpeed < 0.17 has none
     arguments = dict(call.arguments)
-    if where == "args":
-        arguments["args"] = copy.copy(arguments["args"])
-        arguments["args"].deepspeed_config = None
-    arguments["config"], arguments["config_params"] = config, None
-    if cp == 1:
-        return stock(**arguments)
     if arguments.get("mpu") is not None:
         raise ValueError(f'"{KEY}.context_parallel_size" builds DeepSpeed\'s sequence-parallel groups itself: do '
                          "not pass mpu= to deepspeed.initialize as well (or drop the option and give your mpu "
                          "a get_sequence_data_parallel_group)")
+    config = copy.deepcopy(config)  # the caller's config stays as given
+    if where == "args":
+        arguments["args"] = copy.copy(arguments["args"])
+        for name in _ARGS_FIELDS:
+            if hasattr(arguments["args"], name):
+                setattr(arguments["args"], name, None)
+    arguments["config"], arguments["config_params"] = config, None
     import deepspeed.comm as ds_dist
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
@@ -160,7 +178,7 @@ def initialize(*args, **kwargs):
     if hasattr(model, "set_attn_implementation") and hasattr(model, "config"):
         from l3plugin.huggingface.model import enable_context_parallel
 
-        enable_context_parallel(model, arguments["mpu"].get_sequence_parallel_group(), layout)
+        enable_context_parallel(model, arguments["mpu"].get_sequence_parallel_group(), options.cp_layout)
     return out
 
 
@@ -171,23 +189,27 @@ def data_parallel_rank_and_size(cp: int | None = None) -> tuple[int, int]:
 
     if cp is None:
         sp = _sequence_parallel()
-        cp = 1 if sp._SEQUENCE_PARALLEL_GROUP is None else sp.get_sequence_parallel_world_size()
+        cp = 1 if sp is None or sp._SEQUENCE_PARALLEL_GROUP is None else sp.get_sequence_parallel_world_size()
     return dist.get_rank() // cp, dist.get_world_size() // cp
 
 
 def _accelerate_cp() -> int:
     """context_parallel_size of the DeepSpeed config accelerate runs with (1 without one)."""
+    from l3plugin.deepspeed.config import options_in
+
     state = sys.modules.get("accelerate.state")
     if state is None or not state.AcceleratorState._shared_state.get("deepspeed_plugins"):
         return 1
     plugin = state.AcceleratorState().deepspeed_plugin
     config = getattr(plugin, "deepspeed_config", None)
-    return cp_settings(config)[0] if isinstance(config, dict) else 1
+    options = options_in(config) if isinstance(config, dict) else None
+    return 1 if options is None else options.context_parallel_size
 
 
 def prepare_data_loader(dataloader, *args, num_processes=None, process_index=None, **kwargs):
     """accelerate's ``prepare_data_loader`` sharding over data-parallel ranks only under CP (every CP rank
     of a group gets the same batches; groups are consecutive ranks, as DeepSpeed builds them)."""
+    from l3plugin.deepspeed.config import KEY
     from l3plugin.patches import DEEPSPEED
 
     stock = DEEPSPEED.stock("accelerate.accelerator.prepare_data_loader")

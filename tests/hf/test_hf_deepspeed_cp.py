@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import transformers  # noqa: E402,F401 (the "hf" test extra, installed by make test: missing, it fails here, never skips)
 
-from hf_models import packed, quiet_deepspeed, step_rows, tiny_model  # noqa: E402
+from hf_models import NEEDS_DEEPSPEED_SP, packed, quiet_deepspeed, step_rows, tiny_model  # noqa: E402
 
 STEPS, GAS = 2, 2
 
@@ -89,6 +89,7 @@ def close(a, b, tol):
     return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-12)) for n in b) < tol
 
 
+@NEEDS_DEEPSPEED_SP
 @pytest.mark.parametrize("zero,tol", [("stock1", 1e-5), ("stock2", 1e-5), ("ours1", 2e-2), ("ours2", 2e-2)])
 def test_cp2_matches_cp1_under_zero_with_accumulation(ranks, zero, tol):
     ref = ranks.run(2, run, 1, zero)
@@ -103,6 +104,7 @@ def test_cp2_matches_cp1_under_zero_with_accumulation(ranks, zero, tol):
     assert max(abs(a - b) for a, b in zip(got[0]["losses"], ref_loss)) < (1e-5 if tol < 1e-4 else 2e-2)
 
 
+@NEEDS_DEEPSPEED_SP
 def test_checkpoint_resume_also_to_cp1_and_zero_to_fp32_export(ranks, tmp_path):
     ckpt, export = str(tmp_path / "ckpt"), str(tmp_path / "export")
     straight = ranks.run(2, run, 2, "ours2", STEPS + 1)
@@ -124,8 +126,37 @@ def test_checkpoint_resume_also_to_cp1_and_zero_to_fp32_export(ranks, tmp_path):
     ({"cp_layout": "ring"}, r'"l3plugin.cp_layout" must be one of \[\'2cp\', \'balanced\'\], got \'ring\''),
 ])
 def test_bad_cp_options_name_the_key_and_the_range(block, message):
-    from l3plugin.huggingface.deepspeed_cp import cp_settings
+    from l3plugin.deepspeed import PluginOptions
 
     with pytest.raises(ValueError, match=message):
-        cp_settings({"l3plugin": block})
-    assert cp_settings({"l3plugin": {"context_parallel_size": 2}}) == (2, "balanced")
+        PluginOptions.parse(block)
+    parsed = PluginOptions.parse({"context_parallel_size": 2})
+    assert (parsed.context_parallel_size, parsed.cp_layout, parsed.fp32_reduce_zero) == (2, "balanced", False)
+
+
+def _cp_without_sequence_parallel_module():
+    """deepspeed.initialize with context_parallel_size 2 where DeepSpeed has no sequence-parallel module (DeepSpeed
+    0.16; elsewhere the module is hidden): one ValueError, raised before anything is built."""
+    import sys
+
+    deepspeed = quiet_deepspeed()
+    import l3plugin.deepspeed  # noqa: F401
+
+    name = "deepspeed.runtime.sequence_parallel"
+    saved = {m: sys.modules.pop(m) for m in list(sys.modules) if m == name or m.startswith(name + ".")}
+    sys.modules[name] = None  # import raises ImportError, as on DeepSpeed 0.16
+    try:
+        model = tiny_model("llama")
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(2, "stock1"))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        del sys.modules[name]
+        sys.modules.update(saved)
+    return None
+
+
+def test_cp_without_deepspeed_sequence_parallel_groups_is_refused(ranks):
+    for message in ranks.run(2, _cp_without_sequence_parallel_module, timeout=300):
+        assert message is not None and message.startswith(
+            '"l3plugin.context_parallel_size" is 2 but DeepSpeed ') and "use deepspeed>=0.17 for CP" in message

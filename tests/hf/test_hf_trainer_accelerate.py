@@ -7,7 +7,9 @@ import torch.distributed as dist
 
 import accelerate  # noqa: E402,F401 (the "hf" test extra, installed by make test: missing, it fails here, never skips)
 
-from hf_models import ROW_A, ROW_B, documents, quiet_deepspeed, tiny_model  # noqa: E402
+from hf_models import NEEDS_DEEPSPEED_SP, ROW_A, ROW_B, documents, quiet_deepspeed, tiny_model  # noqa: E402
+
+pytestmark = NEEDS_DEEPSPEED_SP  # every run here is CP from the key
 
 ZERO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2},
@@ -19,6 +21,17 @@ def dataset():
     """Eight documents of varied lengths (as tokenized examples), packed per micro-batch by the collator."""
     lengths = ROW_A + ROW_B + [12, 20]  # 4 per micro-batch at cp=2 (two at cp=1 on each of 2 ranks)
     return [{"input_ids": d, "labels": d} for d in documents(7, lengths)]
+
+
+def _hook_accelerate():
+    """In a script accelerate is imported before deepspeed (the Trainer's and `from accelerate import ...`'s
+    order), so the autoload patches accelerate's data-loader sharding; these workers are reused across test files
+    and may have imported deepspeed first: patch what has been imported since (idempotent)."""
+    import accelerate.accelerator  # noqa: F401
+
+    from l3plugin.patches import DEEPSPEED
+
+    DEEPSPEED.apply()
 
 
 def _reset_accelerate():
@@ -47,6 +60,7 @@ def trainer_run(cp, out_dir, bf16=True, ours=True):
     from l3plugin.huggingface.deepspeed_cp import release_groups
 
     quiet_deepspeed()
+    _hook_accelerate()
     config = {**ZERO, "l3plugin": {"fp32_reduce_zero": ours, "context_parallel_size": cp}}
     try:
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4 // (2 // cp), max_steps=2,
@@ -100,6 +114,7 @@ def accelerate_run(cp):
     from l3plugin.huggingface.deepspeed_cp import release_groups
 
     quiet_deepspeed()
+    _hook_accelerate()
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
               "steps_per_print": 10**9, "l3plugin": {"context_parallel_size": cp, "cp_layout": "2cp"}}
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what `accelerate launch --use_deepspeed` sets
