@@ -67,9 +67,13 @@ def check_config(config) -> None:
 
 
 def _unwrapped(chunk):
+    """The language model inside Megatron's wrappers (Float16Module, DDP), or None (not a language model)."""
     from megatron.core.utils import get_attr_wrapped_model
 
-    return get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
+    try:
+        return get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
+    except RuntimeError:
+        return None
 
 
 def _tied_embedding(model_chunks):
@@ -87,7 +91,7 @@ def _tied_embedding(model_chunks):
                          f"stage {pp.rank()} (a custom get_embedding_ranks): megatron_zero sums the tied embedding "
                          f"of the first and the last stage only")
     module = _unwrapped(model_chunks[0] if pp.rank() == 0 else model_chunks[-1])
-    if not getattr(module, "share_embeddings_and_output_weights", False):
+    if module is None or not getattr(module, "share_embeddings_and_output_weights", False):
         return None, group
     weight = module.shared_embedding_or_output_weight()
     return (weight if weight is not None and weight.requires_grad else None), group

@@ -164,3 +164,82 @@ def test_without_the_sums_the_tied_copies_drift_apart(ranks):
     results = ranks.run(4, tied_zero_train, 2, None, 1, False, False, 1, 4, 2, False, timeout=300)
     _, tied_pairs = assemble(results)
     assert all(float((a - b).abs().max()) > 1e-3 for a, b, _, _ in tied_pairs)
+
+
+class ReplicatedChunk(torch.nn.Module):
+    """Four weights replicated on both TP ranks, each marked as Megatron marks them."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        torch.manual_seed(0)
+        self.norm, self.q_layernorm, self.averaged, self.plain = (torch.nn.Linear(4, 4) for _ in range(4))
+        for p in self.norm.parameters():
+            p.sequence_parallel = True
+        self.averaged.weight.average_gradients_across_tp_domain = True
+
+    def forward(self, x):
+        return sum(m(x).pow(2).sum() for m in (self.norm, self.q_layernorm, self.averaged, self.plain))
+
+
+def tp_replicated_grads(stage):
+    """TP 2: each rank's own gradients (its own tokens) and what the finalize function leaves."""
+    import torch.distributed as dist
+    from megatron.core.transformer import TransformerConfig
+
+    from l3plugin.megatron.zero import finalize_grads_func, megatron_zero
+    from l3plugin.mesh import init_mesh
+
+    init_mesh(tp=2)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,
+                               sequence_parallel=True, qk_layernorm=True, use_cpu_initialization=True)
+    chunk = ReplicatedChunk(config)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    own = dict(zip([n for n, _ in chunk.named_parameters()],
+                   torch.autograd.grad(chunk(x), list(chunk.parameters()))))
+    zero = megatron_zero([chunk], torch.optim.SGD(chunk.parameters(), lr=0.1), stage=stage)
+    chunk(x).backward()
+    zero.end_of_round(list(chunk.parameters()), True)
+    finalize_grads_func(zero)([chunk], None)
+    return {"own": own, "final": {n: zero.full_grad(p) for n, p in chunk.named_parameters()}}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_tp_replicated_gradients_are_summed_averaged_or_kept_as_megatron_marks_them(ranks, stage):
+    a, b = ranks.run(2, tp_replicated_grads, stage, timeout=120)
+    for name in a["own"]:
+        both = a["own"][name] + b["own"][name]
+        summed = name.startswith(("norm.", "q_layernorm."))  # sequence_parallel; qk_layernorm by name
+        averaged = name == "averaged.weight"
+        if summed or averaged:
+            expected = (both, both) if summed else (both / 2, both / 2)
+        else:  # unmarked: each TP rank keeps its own (Megatron does not reduce it either)
+            expected = (a["own"][name], b["own"][name])
+        assert torch.allclose(a["final"][name], expected[0], atol=1e-6), name
+        assert torch.allclose(b["final"][name], expected[1], atol=1e-6), name
+        assert torch.equal(a["final"][name], b["final"][name]) == (summed or averaged), name
+
+
+@pytest.mark.parametrize("name, value", [("num_moe_experts", 8), ("mtp_num_layers", 1), ("has_cond_embedder", True),
+                                         ("gradient_accumulation_fusion", True),
+                                         ("defer_embedding_wgrad_compute", True), ("gtp_weight_remat_size", 2)])
+def test_configs_whose_finalize_work_is_not_carried_over_are_refused(name, value):
+    from types import SimpleNamespace
+
+    from l3plugin.megatron.zero import megatron_zero
+
+    model = torch.nn.Linear(2, 2)
+    model.config = SimpleNamespace(**{name: value})
+    with pytest.raises(ValueError, match=rf"config\.{name}={value!r} is not supported .*unset {name}"):
+        megatron_zero([model], torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_per_token_loss_refuses_a_gradient_scale():
+    from types import SimpleNamespace
+
+    from l3plugin.megatron.zero import megatron_zero
+
+    model = torch.nn.Linear(2, 2)
+    model.config = SimpleNamespace(calculate_per_token_loss=True)
+    with pytest.raises(ValueError, match=r"gradient_scale=0\.5 with config\.calculate_per_token_loss"):
+        megatron_zero([model], torch.optim.SGD(model.parameters(), lr=0.1), gradient_scale=0.5)
