@@ -498,3 +498,13 @@ COLLECTIVES = PatchSet("l3plugin.debug (record_collectives, local_collectives)",
           why="while a recorder or the local stand-ins are active, each call goes to them (Megatron-Core and "
               "DeepSpeed call these functions through both modules)")
     for module in ("torch.distributed", "torch.distributed.distributed_c10d") for op in COLLECTIVE_OPS])
+
+# -- tied embeddings on a CPU-only machine (l3plugin/megatron/model.py builds GPTModel inside TIED_EMBEDDINGS.within())
+_LANGUAGE_MODULE = "megatron.core.models.common.language_module.language_module:LanguageModule"
+
+TIED_EMBEDDINGS = PatchSet("l3plugin.megatron (tied embeddings on CPU)", "megatron-core", "0.16.1", [
+    Patch(_LANGUAGE_MODULE, "setup_embeddings_and_output_layer", "l3plugin.megatron.model:tied_embeddings_on_cpu",
+          wraps=True, signature=("self",),
+          why="with tied embeddings at pp > 1 the copy of the first stage's embedding into the last stage moves the "
+              "weight to the CUDA device first; on a CPU-only machine the same all-reduce where the weight is"),
+])

@@ -24,18 +24,19 @@ def _packed_params(cu_seqlens: tuple, seq_len: int):
                            max_seqlen_q=seq_len, max_seqlen_kv=seq_len)
 
 
-def _loss_func(loss_mask, global_tokens, per_token):
-    # Sum of token losses over the global token count: gradients summed over DP x CP are then exactly
-    # the gradient of the global mean loss, with no rescaling anywhere.
+def _loss_func(loss_mask, per_token):
+    # Megatron's calculate_per_token_loss contract: the sum of this shard's token losses and its token
+    # count; the gradients are summed over DP x CP and divided by the global count once, in the finalize
+    # function megatron_zero's attach_to_schedule installs: exactly the gradient of the global mean loss.
     local = (per_token.float() * loss_mask).sum()
-    return local / global_tokens, loss_mask.sum().to(torch.int), {"loss_sum": local.detach()}
+    return local, loss_mask.sum().to(torch.int), {"loss_sum": local.detach()}
 
 
-def _forward_step(global_tokens, data_iterator, chunk):
+def _forward_step(data_iterator, chunk):
     b = next(data_iterator)
     out = chunk(b["tokens"], b["position_ids"], None, labels=b["labels"],
                 packed_seq_params=_packed_params(tuple(b["cu_seqlens"].tolist()), b["seq_len"]))
-    return out, functools.partial(_loss_func, b["loss_mask"], global_tokens)
+    return out, functools.partial(_loss_func, b["loss_mask"])
 
 
 def _prepare(batches, cp, cp_rank, cp_layout="2cp"):
@@ -68,12 +69,12 @@ def setup(opts: dict) -> dict:
                                 pre_process=c["pp"] == 0 and v == 0,
                                 post_process=c["pp"] == opts["pp"] - 1 and v == (opts["vpp"] or 1) - 1,
                                 vp_stage=v if opts["vpp"] else None, tp_size=opts["tp"],
-                                tp_rank=ps.get_tensor_model_parallel_rank(), cp_layout=opts["cp_layout"])
+                                tp_rank=ps.get_tensor_model_parallel_rank(), cp_layout=opts["cp_layout"],
+                                share_embeddings_and_output_weights=True)  # Megatron's default: tied
               for v in range(opts["vpp"] or 1)]
     params = [p for ch in chunks for p in ch.parameters()]
     zero = megatron_zero(chunks, torch.optim.AdamW(params, lr=opts["lr"], weight_decay=0.0),
-                         stage=opts["zero_stage"], clip_grad=opts["clip"], gradient_scale=1.0,
-                         wait_timeout=opts["timeout_s"] / 2)
+                         stage=opts["zero_stage"], clip_grad=opts["clip"], wait_timeout=opts["timeout_s"] / 2)
     attach_to_schedule(config, zero)
     _STATE.update(mesh=mesh, config=config, chunks=chunks, zero=zero, opts=opts)
     return {"rank": mesh.rank, "coords": c, "layers": [len(ch.decoder.layers) for ch in chunks]}
@@ -91,8 +92,7 @@ def train_step(step: int) -> dict:
     global_tokens = opts["dp"] * sum(float(b["loss_mask"].sum()) for b in mine)  # same count on every DP rank
     batches = _prepare(mine, opts["cp"], c["cp"], opts["cp_layout"])
     out = forward_backward_pipelining_flexible(
-        forward_step_func=functools.partial(_forward_step, global_tokens),
-        data_iterator=[iter(batches) for _ in chunks], model=chunks,
+        forward_step_func=_forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
         num_microbatches=opts["microbatches"], seq_length=opts["seq_len"], micro_batch_size=1)
     grad_norm = s["zero"].step()
     loss = torch.tensor(sum(float(d["loss_sum"]) for d in out), dtype=torch.float64)
@@ -116,7 +116,7 @@ def reference_losses(opts: dict, steps: int) -> list[float]:
     alone, _ = dist.new_subgroups(group_size=1)
     config = model.llama_config(**opts["model"])
     chunk = build_chunk(config, vocab=opts["vocab"], seq_len=opts["seq_len"], pre_process=True,
-                              post_process=True)
+                        post_process=True, share_embeddings_and_output_weights=True)
     zero = megatron_zero([chunk], torch.optim.AdamW(list(chunk.parameters()), lr=opts["lr"], weight_decay=0.0),
                          stage=1, clip_grad=opts["clip"], gradient_scale=1.0, group=alone)
     losses = []
@@ -126,9 +126,9 @@ def reference_losses(opts: dict, steps: int) -> list[float]:
         global_tokens = sum(float(b["loss_mask"].sum()) for b in batches)
         total = 0.0
         for b in _prepare(batches, 1, 0):
-            out, reduce = _forward_step(global_tokens, iter([b]), chunk)
+            out, reduce = _forward_step(iter([b]), chunk)
             loss, _, stats = reduce(out)
-            loss.backward()
+            (loss / global_tokens).backward()
             total += float(stats["loss_sum"])
         zero.step()
         losses.append(total / global_tokens)

@@ -1,6 +1,7 @@
 """Megatron-Core GPTModel chunks with l3plugin's CP attention whose weights depend only on each parameter's
 global name, so a TP/CP/PP-split run starts from exactly the numbers of a single-process run (the demo's model
-and the tests' tiny GPT are built here). On a CPU-only machine RoPE is computed on the CPU (``rope_on_cpu``).
+and the tests' tiny GPT are built here). On a CPU-only machine RoPE is computed on the CPU (``rope_on_cpu``) and
+the tied embedding copies are synchronised on the CPU (``tied_embeddings_on_cpu``).
 """
 
 from __future__ import annotations
@@ -10,8 +11,14 @@ import zlib
 import torch
 
 
+TIED_COPY = "output_layer.weight"  # the last stage's copy of the word embedding, when they are tied
+
+
 def global_name(chunk, name: str) -> str:
-    """Parameter name in the whole model: local decoder layer index -> global layer number."""
+    """Parameter name in the whole model: local decoder layer index -> global layer number; the output layer
+    tied to the word embedding is that embedding."""
+    if name == TIED_COPY and getattr(chunk, "share_embeddings_and_output_weights", False):
+        return "embedding.word_embeddings.weight"
     parts = name.split(".")
     if parts[:2] == ["decoder", "layers"]:
         parts[2] = str(chunk.decoder.layers[int(parts[2])].layer_number - 1)
@@ -59,17 +66,54 @@ def rope_on_cpu(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
     return emb
 
 
+def tied_embeddings_on_cpu(original, _name):
+    """LanguageModule.setup_embeddings_and_output_layer on a CPU-only machine (patch declared in
+    l3plugin/patches.py, set TIED_EMBEDDINGS)."""
+    # With tied embeddings at pp > 1 Megatron copies the first stage's embedding into the last stage's
+    # output layer by an all-reduce over the embedding group, after moving the weight to the CUDA device
+    # (weight.data.cuda()), which raises without one. Same result here: upstream's setup with that copy
+    # skipped, then the same all-reduce where the weight is (gloo on the CPU).
+    import functools
+
+    from l3plugin.comm import all_reduce_sum
+    from l3plugin.waits import resolve_timeout
+
+    @functools.wraps(original)
+    def setup(self, *args, **kwargs):
+        asked = []  # upstream asks _is_in_embd_group() exactly where it would make the copy
+        self._is_in_embd_group = lambda: asked.append(True) and False
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            del self._is_in_embd_group
+        meta = getattr(self.config, "init_model_with_meta_device", False)
+        if asked and self._is_in_embd_group() and not meta:
+            all_reduce_sum(self.shared_embedding_or_output_weight().data, self.embd_group, resolve_timeout(),
+                           "the tied embedding's initial copy")
+
+    return setup
+
+
 def build_chunk(config, *, vocab, seq_len, pre_process, post_process, vp_stage=None, tp_size=1, tp_rank=0,
-                position_embedding_type="rope", cp_layout="2cp"):
+                position_embedding_type="rope", cp_layout="2cp", share_embeddings_and_output_weights=False,
+                spec=None):
+    """One model chunk. ``share_embeddings_and_output_weights``: GPTModel's default is True (the demo's
+    model); the tests' tiny GPT leaves them untied unless asked. ``spec``: the layer or block spec (default:
+    Megatron's local layer spec with l3plugin's CP attention)."""
+    import contextlib
+
     from megatron.core.models.gpt import GPTModel
 
     from l3plugin.megatron.attention import gpt_layer_spec_with_cp_attention, rope_follows_cp_layout
+    from l3plugin.patches import TIED_EMBEDDINGS
 
-    model = GPTModel(config, gpt_layer_spec_with_cp_attention(cp_layout), vocab_size=vocab,
-                     max_sequence_length=seq_len, pre_process=pre_process, post_process=post_process,
-                     share_embeddings_and_output_weights=False, position_embedding_type=position_embedding_type,
-                     vp_stage=vp_stage)
-    if not torch.cuda.is_available() and getattr(model, "rotary_pos_emb", None) is not None:
+    cpu_only = not torch.cuda.is_available()
+    with TIED_EMBEDDINGS.within() if cpu_only and share_embeddings_and_output_weights else contextlib.nullcontext():
+        model = GPTModel(config, spec or gpt_layer_spec_with_cp_attention(cp_layout), vocab_size=vocab,
+                         max_sequence_length=seq_len, pre_process=pre_process, post_process=post_process,
+                         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                         position_embedding_type=position_embedding_type, vp_stage=vp_stage)
+    if cpu_only and getattr(model, "rotary_pos_emb", None) is not None:
         from l3plugin.patches import ROPE
 
         ROPE.apply_to(model.rotary_pos_emb, rope_on_cpu)

@@ -78,6 +78,22 @@ STOCK_ATTENTION = PatchSet("l3plugin.testing (stock attention on CPU; TEST-ONLY)
 ])
 
 
+SEQUENCE_PARALLEL = PatchSet("l3plugin.testing (sequence parallel on CPU; TEST-ONLY)", "megatron-core", "0.16.1", [
+    Patch(f"megatron.core.{module}", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
+          why="the sequence-parallel gathers and scatters allocate at torch.cuda.current_device()")
+    for module in ("utils", "tensor_parallel.mappings", "tensor_parallel.layers")
+] + [
+    Patch(f"megatron.core.{module}", "tensor_parallel", "l3plugin.testing.megatron_cpu_shim:no_fork_tensor_parallel",
+          wraps=True, why="with sequence parallelism the embedding's dropout and the block run under the CUDA RNG "
+                          "tracker's fork (a no-op here, for hidden_dropout=0 only)")
+    for module in ("models.common.embeddings.language_model_embedding", "transformer.transformer_block")])
+
+
+def sequence_parallel_on_cpu():
+    """Within this block a sequence-parallel GPTModel runs its forward on CPU (no CUDA RNG tracker)."""
+    return SEQUENCE_PARALLEL.within()
+
+
 def stock_schedules_on_cpu():
     """Within this block Megatron-Core's stock schedules and P2P communication run on CPU tensors."""
     return STOCK_SCHEDULES.within()

@@ -25,10 +25,44 @@ def gpt_config(num_layers=4, hidden=32, heads=4, kv_heads=2, pp=1, vpp=None, cp=
         deallocate_pipeline_outputs=True, **kwargs)
 
 
-def build_gpt(config, *, pre_process=True, post_process=True, vp_stage=None, seq_len=16):
-    """The demo's model builder with learned absolute positions and this module's small vocabulary."""
+class SequenceParallelTorchNorm:
+    """TEST-ONLY: torch's LayerNorm / RMSNorm for a sequence-parallel model on the CPU. Megatron's norms that
+    allow sequence parallelism (TE's, apex's FusedLayerNorm) need a GPU; its torch wrapper refuses it. A norm
+    is per token, so a sequence shard needs nothing else; like those norms, its weights are marked
+    ``sequence_parallel`` (their gradients are partial per TP rank and summed over TP)."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **_unused):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def sequence_parallel_spec(config, vp_stage, pp_rank):
+    """The local block spec (l3plugin's CP attention) with SequenceParallelTorchNorm for every norm."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock, TransformerBlockSubmodules, get_num_layers_to_build)
+
+    from l3plugin.megatron.attention import gpt_layer_spec_with_cp_attention
+
+    layer = gpt_layer_spec_with_cp_attention()
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    layers = [layer] * get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=layers, layer_norm=SequenceParallelTorchNorm))
+
+
+def build_gpt(config, *, pre_process=True, post_process=True, vp_stage=None, seq_len=16, tp_size=1, tp_rank=0,
+              share_embeddings_and_output_weights=False, pp_rank=0):
+    """The demo's model builder with learned absolute positions and this module's small vocabulary
+    (sequence parallel: with SequenceParallelTorchNorm)."""
+    spec = sequence_parallel_spec(config, vp_stage, pp_rank) if config.sequence_parallel else None
     return build_chunk(config, vocab=VOCAB, seq_len=seq_len, pre_process=pre_process, post_process=post_process,
-                       vp_stage=vp_stage, position_embedding_type="learned_absolute")
+                       vp_stage=vp_stage, position_embedding_type="learned_absolute", tp_size=tp_size,
+                       tp_rank=tp_rank, share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                       spec=spec)
 
 
 def named_grads(chunks) -> dict[str, torch.Tensor]:

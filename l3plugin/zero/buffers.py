@@ -6,7 +6,9 @@ Layout (pure arithmetic, no processes: ``plan_buckets``)
     buckets. A bucket never mixes param groups (each group has its own hyper-parameters), chunks (a chunk's
     gradients must be reducible when that chunk's round ends, whatever the other chunks are doing) or
     parameter dtypes (the bucket's parameter all-gather runs in that dtype); it is closed when it reaches
-    ``bucket_numel`` elements (a single larger parameter gets a bucket of its own).
+    ``bucket_numel`` elements (a single larger parameter gets a bucket of its own). A parameter listed in
+    ``alone`` gets a bucket of its own too: its shard ranges then depend only on its size and W, the same on
+    every rank that holds a copy of it (a weight tied across pipeline stages, see ``grad_sums.py``).
 
 Sharding map
     A bucket holding ``numel`` elements is padded with zeros to ``padded = ceil(numel / W) * W``, W being the
@@ -84,10 +86,11 @@ class BucketSpec:
 
 
 def plan_buckets(params: list[tuple[int, int, torch.dtype, tuple[int, ...]]], world_size: int,
-                 bucket_numel: int) -> tuple[list[ParamSlot], list[BucketSpec]]:
+                 bucket_numel: int, alone=frozenset()) -> tuple[list[ParamSlot], list[BucketSpec]]:
     """Pack parameters into buckets.
 
     ``params``: (group, chunk, dtype, shape) per trainable parameter, already in optimizer order.
+    ``alone``: indices into ``params`` of parameters that get a bucket of their own.
     Returns the slots (same order as ``params``) and the buckets.
     """
     if world_size < 1:
@@ -111,9 +114,10 @@ def plan_buckets(params: list[tuple[int, int, torch.dtype, tuple[int, ...]]], wo
         for d in shape:
             numel *= d
         used = sum(s.numel for s in current)
-        if (group, chunk, dtype) != key or (current and used + numel > bucket_numel):
+        single = index in alone
+        if (group, chunk, dtype, single) != key or single or (current and used + numel > bucket_numel):
             close()
-            key, used = (group, chunk, dtype), 0
+            key, used = (group, chunk, dtype, single), 0
         slot = ParamSlot(index, group, chunk, len(buckets), used, numel, tuple(shape))
         current.append(slot)
         slots.append(slot)

@@ -21,8 +21,12 @@ The calls a framework adapter makes:
   shard; ZeRO-1 does so only when ``is_last_round`` (full fp32 gradients live across rounds and chunks);
 - ``reduce_scatter(params)`` to force it regardless of stage; ``finish_grad_sync()`` starts every reduction
   not started yet and waits for all (cheap when the rounds did it) - call it before reading gradients;
-- ``all_reduce_param_grad(param, group)`` for weights tied across pipeline stages or replicated over
-  sequence-parallel TP ranks (what Megatron's finalize_model_grads does for embeddings and layer norms);
+- ``add_grad_sum(params, group)`` once after construction, for parameters whose copies on other ranks
+  see other data (weights tied across pipeline stages: construct with ``own_bucket=`` them; weights
+  replicated over sequence-parallel TP ranks): ``finish_grad_sync`` then sums their reduced fp32 shards
+  over that group (``grad_sums.py``); ``scale_grads(factor)`` after it (1 / tokens for a per-token loss);
+- ``all_reduce_param_grad(param, group)``: the same sum for one parameter in any bucket, through its full
+  gradient (the DeepSpeed adapter's tied weights);
 - ``step()`` = finish_grad_sync + clip + optimizer step + ``all_gather_params()`` + ``zero_grad()``.
 
 Overlap (``ZeroSettings.overlap``, default on): collectives are started asynchronously and waited where
@@ -33,18 +37,13 @@ the bf16 parameter all-gathers two buckets at a time inside ``step``. Every wait
 ``wait_timeout`` and fails with an error naming the rank, the group and the bucket. Overlap on and off do
 the same arithmetic in the same order: bit-identical results (tested).
 
-Megatron-Core wiring (flexible schedule, l3plugin/megatron/pipeline.py), as intended for the adapter:
-    zero = FP32ReduceZero(torch_optimizer_over_all_chunks, group=mesh.dp_cp_group, stage=1 or 2,
-                          chunks=[list(c.parameters()) for c in model_chunks], norm_group=<TP x PP group>,
-                          counts_in_norm=<False for TP-duplicated params on tp_rank > 0 and for the
-                                          non-first-stage copy of a shared embedding>)
-    config.no_sync_func = contextlib.nullcontext    # hooks only accumulate: nothing to suppress
-    config.grad_sync_func = None                    # the round hook below also fires for the last round
-    config.round_grad_sync_func = lambda chunk, params, rnd, last: zero.end_of_round(list(params), last)
-    config.finalize_model_grads_func = <zero.finish_grad_sync(); zero.all_reduce_param_grad(...) for the
-        shared embedding (embedding group) and sequence-parallel norms (TP group); with
-        calculate_per_token_loss: zero.scale_grads(1 / num_tokens)>
-    optimizer step: zero.step() -> global grad norm (NaN/inf: step skipped, zero.overflow set)
+Megatron-Core wiring: ``l3plugin/megatron/zero.py``. ``megatron_zero`` builds this optimizer over the model
+chunks (gradient group DP x CP, norm group TP x PP, TP duplicates and the last stage's tied embedding copy
+counted once in the norm) and registers the sums Megatron's ``finalize_model_grads`` makes (tied embedding /
+output layer over the embedding group, sequence-parallel and qk-layernorm gradients over TP);
+``attach_to_schedule`` makes the flexible schedule call ``end_of_round`` at every round end and, as its
+``finalize_model_grads_func``, ``finish_grad_sync`` plus the 1 / tokens scaling of a per-token loss; it
+refuses what it does not carry over (MoE, MTP, ...), naming the config attribute.
 Do not also wrap the chunks in Megatron's DistributedDataParallel: its hooks would take the gradients.
 The paper runs ZeRO-1 with 1F1B when k >= 2p and ZeRO-2 with all-forward-all-backward when k < 2p.
 
@@ -66,6 +65,7 @@ from l3plugin import comm
 from l3plugin.fail_together import agree
 from l3plugin.waits import resolve_timeout
 from l3plugin.zero.buffers import GradBucket, GradBufferMemory, plan_buckets
+from l3plugin.zero.grad_sums import apply_grad_sum, make_grad_sum
 from l3plugin.zero.full_tensors import FullTensors
 from l3plugin.zero.settings import ZeroSettings
 
@@ -78,10 +78,13 @@ class FP32ReduceZero(FullTensors):
     counts_in_norm(param) -> bool: False for copies that another model-parallel rank already counts
         (TP-duplicated or pipeline-tied weights); default: every parameter counts.
     param_names: {param: name} for the sharding map, checkpoints and export.
+    own_bucket: parameters that each get a bucket of their own (copies tied across pipeline stages whose
+        gradients are summed with ``add_grad_sum``: their shard ranges then match on every stage).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, group=None, *, settings: ZeroSettings | None = None,
-                 chunks=None, norm_group=None, counts_in_norm=None, param_names=None, **setting_kwargs):
+                 chunks=None, norm_group=None, counts_in_norm=None, param_names=None, own_bucket=(),
+                 **setting_kwargs):
         if settings is None:
             settings = ZeroSettings(**setting_kwargs)
         elif setting_kwargs:
@@ -102,7 +105,7 @@ class FP32ReduceZero(FullTensors):
         device = next((p.device for pg in optimizer.param_groups for p in pg["params"]), "cpu")
         what = "ZeRO optimizer setup"
         try:
-            self._build_buckets(optimizer, chunks, counts_in_norm, param_names)
+            self._build_buckets(optimizer, chunks, counts_in_norm, param_names, set(own_bucket))
         except Exception as exc:  # noqa: BLE001 - every rank raises in agree()
             agree(exc, self.group, what=what, device=device, timeout=self.wait_timeout)
             raise
@@ -111,7 +114,7 @@ class FP32ReduceZero(FullTensors):
               outcome=f"{len(numels)} buckets, {sum(numels)} elements, layout CRC32 "
                       f"{zlib.crc32(str([(b.spec.group, b.spec.numel) for b in self.buckets]).encode()):#010x}")
 
-    def _build_buckets(self, optimizer, chunks, counts_in_norm, param_names) -> None:
+    def _build_buckets(self, optimizer, chunks, counts_in_norm, param_names, own_bucket) -> None:
         settings = self.settings
         chunk_of = {}
         for c, params in enumerate(chunks or []):
@@ -128,7 +131,8 @@ class FP32ReduceZero(FullTensors):
             raise ValueError("the optimizer holds no trainable parameters")
         self.params = ordered
         self.param_names = {p: (param_names or {}).get(p, f"param{i}") for i, p in enumerate(ordered)}
-        slots, bucket_specs = plan_buckets(specs, self.world_size, settings.bucket_numel)
+        alone = {i for i, p in enumerate(ordered) if p in own_bucket}
+        slots, bucket_specs = plan_buckets(specs, self.world_size, settings.bucket_numel, alone)
         self.slots: dict = dict(zip(ordered, slots))
         self.buckets: list[GradBucket] = []
         for spec in bucket_specs:
@@ -142,6 +146,8 @@ class FP32ReduceZero(FullTensors):
         self._launch_order: list[int] = []  # armed buckets not started yet, in the order they must start
         self._gathers: dict = {}  # bucket index -> its started parameter all-gather (comm.InFlight)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in ordered]
+        self.grad_sums: list = []  # grad_sums.GradSum, applied in finish_grad_sync
+        self._sums_applied = False
 
     # -- construction helpers -----------------------------------------------------------------------
     def _initial_master(self, spec, params) -> torch.nn.Parameter:
@@ -212,6 +218,9 @@ class FP32ReduceZero(FullTensors):
 
     @torch.no_grad()
     def _launch(self, bucket: GradBucket) -> None:
+        if self._sums_applied:
+            raise RuntimeError("gradients were accumulated after finish_grad_sync summed them over the "
+                               "add_grad_sum groups: call step() or zero_grad() before the next backward")
         bucket.armed = False
         bucket.in_flight = comm.start_reduce_scatter_sum(bucket.full_buffer(), self.group, self.settings.reduce_dtype,
                                                          what=f"gradient bucket {bucket.spec.index}",
@@ -268,9 +277,20 @@ class FP32ReduceZero(FullTensors):
 
     def finish_grad_sync(self) -> None:
         """Reduce-scatter every bucket that still holds unreduced gradients or was never reduced this step,
-        and wait for every reduction in flight."""
+        wait for every reduction in flight, then (once per step) make the ``add_grad_sum`` sums."""
+        if self._sums_applied:
+            return
         self.launch_reductions()
         self.wait_reductions()
+        for grad_sum in self.grad_sums:
+            apply_grad_sum(self, grad_sum)
+        self._sums_applied = bool(self.grad_sums)
+
+    def add_grad_sum(self, params, group, *, average: bool = False, what: str = "gradient sum") -> None:
+        """From now on ``finish_grad_sync`` sums (``average``: averages) the reduced gradients of ``params``
+        over ``group``, whose ranks hold copies of them (see ``grad_sums.py``). Collective over ``group``:
+        checks that every peer owns the same elements of them (tied copies need ``own_bucket``)."""
+        self.grad_sums.append(make_grad_sum(self, params, group, average=average, what=what))
 
     @torch.no_grad()
     def all_reduce_param_grad(self, param, group) -> None:
@@ -425,6 +445,7 @@ class FP32ReduceZero(FullTensors):
             bucket.clear_grads()
             bucket.armed = False
         self._launch_order = []
+        self._sums_applied = False
         for p in self.params:
             p.grad = None
 
