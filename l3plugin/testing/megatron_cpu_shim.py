@@ -78,6 +78,38 @@ STOCK_ATTENTION = PatchSet("l3plugin.testing (stock attention on CPU; TEST-ONLY)
 ])
 
 
+def fused_layer_norm_by_torch(self, input):
+    """Megatron's FusedLayerNorm.forward (apex's fused affine layer norm), computed by torch."""
+    weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+    return torch.nn.functional.layer_norm(input, tuple(self.hidden_size), weight, self.bias, self.eps)
+
+
+_FUSED_LN = "megatron.core.fusions.fused_layer_norm"
+SEQUENCE_PARALLEL_NORM = PatchSet("l3plugin.testing (sequence parallelism on CPU; TEST-ONLY)", "megatron-core",
+                                  "0.16.1", [
+    Patch(_FUSED_LN, "HAVE_FUSED_LAYER_NORM", "l3plugin.testing.megatron_cpu_shim:HAVE_FUSED_LAYER_NORM",
+          why="Megatron's FusedLayerNorm needs apex (GPU); its torch equivalent below stands in"),
+    Patch(f"{_FUSED_LN}:FusedLayerNorm", "forward", "l3plugin.testing.megatron_cpu_shim:fused_layer_norm_by_torch",
+          signature=("self", "input"), why="apex's fused layer norm, computed by torch.nn.functional.layer_norm"),
+    Patch("megatron.core.models.backends", "LNImpl", f"{_FUSED_LN}:FusedLayerNorm",
+          why="without apex the local spec takes WrappedTorchNorm, which refuses sequence parallelism"),
+    Patch("megatron.core.models.gpt.gpt_layer_specs", "LNImpl", f"{_FUSED_LN}:FusedLayerNorm",
+          why="the same choice where the decoder block specs read it"),
+    Patch("megatron.core.transformer.transformer_block", "LayerNormImpl", f"{_FUSED_LN}:FusedLayerNorm",
+          why="the final layer norm, likewise"),
+    Patch("megatron.core.tensor_parallel.mappings", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
+          why="sequence parallelism's all-gather / reduce-scatter buffers are allocated at torch.cuda.current_device()"),
+])
+HAVE_FUSED_LAYER_NORM = True
+
+
+def sequence_parallel_norm_on_cpu():
+    """Within this block Megatron-Core's local spec uses FusedLayerNorm (computed by torch), which marks its
+    parameters sequence_parallel as on a GPU with apex, and sequence parallelism's buffers are CPU tensors:
+    the local spec then runs with sequence parallelism."""
+    return SEQUENCE_PARALLEL_NORM.within()
+
+
 def stock_schedules_on_cpu():
     """Within this block Megatron-Core's stock schedules and P2P communication run on CPU tensors."""
     return STOCK_SCHEDULES.within()
