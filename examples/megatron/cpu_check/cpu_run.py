@@ -16,7 +16,11 @@ Megatron-LM asserts CUDA and allocates on "cuda" in many places; here "cuda" mea
 - The CUDA RNG tracker keeps no states and its fork() does nothing: give --attention-dropout 0
   --hidden-dropout 0 (then nothing random is drawn inside a fork).
 - triton: batch_invariant_kernels (imported by initialize.py) is imported once with a stub triton
-  (jit, cdiv, language.constexpr), removed again so torch keeps seeing no triton.
+  (jit, cdiv, language.constexpr), removed again so torch keeps seeing no triton (not where triton is
+  installed: saving a checkpoint spawns processes that import pretrain_gpt.py, hence triton, themselves).
+- With --sequence-parallel: the local spec's layer norm is Megatron's FusedLayerNorm computed by torch
+  (apex's function stands in; WrappedTorchNorm, the local spec's norm without apex, refuses sequence
+  parallelism). It marks its parameters sequence_parallel as with apex on a GPU.
 - torch.compile (Megatron's jit_fuser) returns the function: the fused bias/dropout ops run eagerly.
 - megatron.legacy.fused_kernels.load (it runs nvcc) does nothing; initialize.py's JIT warm-up (dropout on
   tensors sized by the CP size) runs with the CPU generator's state restored after it.
@@ -136,8 +140,14 @@ def cuda_means_cpu():
 def import_batch_invariant_kernels_with_a_triton_stub():
     """initialize.py imports batch_invariant_kernels, which imports triton at its top and there only decorates
     its kernels (used with --batch-invariant-mode only). It is imported once with a stub triton in
-    sys.modules; the stub is removed right after, so torch (inductor, dynamo) keeps seeing no triton."""
+    sys.modules; the stub is removed right after, so torch (inductor, dynamo) keeps seeing no triton.
+    Where triton is installed (needed by the processes Megatron's checkpoint writer spawns, which import
+    pretrain_gpt.py without this tool), nothing is stubbed."""
     import importlib.machinery
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is not None:
+        return
 
     import megatron.core  # noqa: F401  (torch.compile decorators import dynamo now, without the stub)
 
@@ -183,6 +193,12 @@ def rng_tracker_without_cuda():
     tracker.set_states = lambda self, states: None
 
 
+def sequence_parallel_norm():
+    from l3plugin.testing.megatron_cpu_shim import SEQUENCE_PARALLEL_NORM
+
+    SEQUENCE_PARALLEL_NORM.apply()
+
+
 def main():
     argv = sys.argv[1:]
     if argv[:1] == ["-m"]:
@@ -196,6 +212,8 @@ def main():
     import_batch_invariant_kernels_with_a_triton_stub()
     rng_tracker_without_cuda()
     no_cuda_kernels()
+    if "--sequence-parallel" in argv:
+        sequence_parallel_norm()
     if module is None:
         sys.argv = rest
         runpy.run_path(script, run_name="__main__")
