@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean compat-megatron
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,5 +25,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The Megatron tests against another Megatron-Core / Megatron-LM: TAG=core_v0.19.0 (a tag of NVIDIA/Megatron-LM),
+# a checkout path, or TAG=pypi (the megatron-core of .venv, as CI). See compat/megatron.sh and docs/verified.md.
+compat-megatron:
+	@test -n "$(TAG)" || { echo "usage: make compat-megatron TAG=core_v0.19.0 (or a Megatron-LM checkout path, or pypi)"; exit 2; }
+	bash compat/megatron.sh $(TAG)
+
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) results .pytest_cache .compat

@@ -47,7 +47,7 @@ def _subcommands():
     """Subcommands owned by feature packages; each module adds its own parser (imports stay light)."""
     from l3plugin.debug.slow_rank import add_analyze_parser
     from l3plugin.demo import add_demo_parser
-    from l3plugin.patches import add_doctor_parser
+    from l3plugin.doctor import add_doctor_parser
     from l3plugin.planner import add_plan_parser
     from l3plugin.schedule.cli import add_schedule_parser, add_simulate_parser
 

@@ -1,13 +1,25 @@
 """Every change l3plugin makes to an upstream object (DeepSpeed, Megatron-Core, Megatron-LM, torch), declared
-in one place: what is replaced, by which named function, why, and against which upstream version it was checked.
+in one place: what is replaced, by which named function, why, and on which upstream versions it was checked.
 
 Neither DeepSpeed nor Megatron has a plug-in interface for what l3plugin changes, so it sets attributes of
 their classes and modules. Each such patch is one ``Patch`` row in one ``PatchSet`` below; the adapters call
 ``SET.apply()`` / ``SET.undo()`` and reach the replaced original through ``SET.stock(name)``. Before anything
 is set, every target of the set is imported and checked: it exists and its parameters start with the ones the
 replacement was written for. A mismatch raises ``PatchMismatch`` naming the target, what was found and the
-upstream version installed, instead of a quiet misbehaviour after an upstream rename. ``l3plugin doctor``
-prints this table with each target's check against the installed versions.
+upstream version imported, instead of a quiet misbehaviour after an upstream rename. ``l3plugin doctor``
+(l3plugin/doctor.py) prints this table with each target's check against the imported versions.
+
+Versions. A set names the module whose ``__version__`` it reads (``module``, by default the package name with
+"-" as ".": "megatron-core" -> ``megatron.core``) and declares the versions it was checked on (``checked``, a
+pip-style range such as ">=0.16.1,<0.20", or one version "0.19.8" meaning exactly that one). The version is
+read once per process from the IMPORTED module (a Megatron-LM checkout first on PYTHONPATH wins over pip's
+megatron-core, whose metadata may say something else). A version outside the range is refused with one
+``VersionOutOfRange`` naming the version, where it was imported from and the range, before any row is checked
+(``L3PLUGIN_UNCHECKED_VERSIONS=1`` turns that into a warning; every row is then still checked). A row that
+holds only for some versions says so (``versions="<0.18"``; another row with ``versions=">=0.18"`` gives
+the other target or signature): rows whose ``versions`` exclude the imported version are not applied or
+checked. Rows may share a ``name`` when they are variants of one patch, so ``stock(name)`` works on every
+version. ``variant()`` names the rows in use; ``l3plugin doctor`` prints it per set with the version and path.
 
 Replacements are named by "module:function" strings: this module imports nothing of l3plugin and nothing
 upstream until a set is applied or checked.
@@ -18,14 +30,25 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import os
 import sys
 import types
+import warnings
 import weakref
 from dataclasses import dataclass
+
+from l3plugin.versions import Imported, imported_version, version_in, version_range
 
 
 class PatchMismatch(RuntimeError):
     """An upstream target is missing or has another signature than the one l3plugin was checked against."""
+
+
+class VersionOutOfRange(PatchMismatch):
+    """The imported upstream version is outside the range a patch set was checked on."""
+
+
+UNCHECKED_ENV = "L3PLUGIN_UNCHECKED_VERSIONS"  # "1": an out-of-range version warns instead of raising
 
 
 def _resolve(path: str):
@@ -35,15 +58,6 @@ def _resolve(path: str):
     for name in filter(None, attrs.split(".")):
         obj = getattr(obj, name)
     return obj
-
-
-def installed_version(package: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,8 @@ class Patch:
       skipped. loaded_only: patched only if the module was imported
       already (never imported for it). rebind: modules that imported the original by name get the
       replacement too. instance: ``attribute`` is replaced on single instances (``apply_to``), not the class.
+      versions: the upstream versions this row is for ("<0.18", ">=0.18"; None: every version of the set's
+      range); rows of other versions are neither applied nor checked.
     """
 
     target: str
@@ -71,6 +87,7 @@ class Patch:
     loaded_only: bool = False
     rebind: bool = False
     instance: bool = False
+    versions: str | None = None
 
     @property
     def name(self) -> str:
@@ -120,11 +137,16 @@ class Patch:
 
 
 class PatchSet:
-    """Patches applied and undone together, against one upstream package."""
+    """Patches applied and undone together, against one upstream package, checked on the versions ``checked``
+    (a pip-style range or one version) of the module ``module`` (default: ``package`` with "-" as ".")."""
 
-    def __init__(self, name: str, package: str, checked: str, patches: list[Patch]):
+    def __init__(self, name: str, package: str, checked: str, patches: list[Patch], module: str | None = None):
         self.name, self.package, self.checked, self.patches = name, package, checked, list(patches)
+        self.module = module or package.replace("-", ".")
+        for versions in [checked] + [p.versions for p in self.patches if p.versions is not None]:
+            version_range(versions)  # a typo fails at declaration, not at the first apply
         self._stock: dict[str, object] = {}  # patch name -> the original, while applied
+        self._applied: list[Patch] = []  # the rows whose originals are in _stock, in order
         self._extra: list = []  # (owner, attribute, original) set by apply_on
         self._by_instance = weakref.WeakKeyDictionary()  # instance -> {replacement: original}
         SETS.append(self)
@@ -136,21 +158,66 @@ class PatchSet:
     def applied(self) -> bool:
         return bool(self._stock)
 
+    def imported(self) -> Imported:
+        return imported_version(self.module)
+
+    def in_range(self) -> bool | None:
+        """Whether the imported version is in ``checked`` (None: the module cannot be imported)."""
+        found = self.imported()
+        return version_in(found.version, self.checked) if found.version else None
+
+    def out_of_range_message(self) -> str:
+        found = self.imported()
+        return (f"l3plugin ({self.name}) was checked on {self.package} {self.checked}, but {self.module} "
+                f"{found.version} is imported (from {found.path}). Use a version in that range, or set "
+                f"{UNCHECKED_ENV}=1 to try this one anyway (every patch target is still checked)")
+
+    def check_version(self) -> None:
+        """Raise VersionOutOfRange (one message for the whole set) if the imported version is outside
+        ``checked``; with L3PLUGIN_UNCHECKED_VERSIONS=1 warn instead."""
+        if self.in_range() is not False:
+            return
+        if os.environ.get(UNCHECKED_ENV, "") not in ("", "0"):
+            warnings.warn(self.out_of_range_message().split(". Use")[0] + f"; trying anyway ({UNCHECKED_ENV})",
+                          UserWarning, stacklevel=3)
+            return
+        raise VersionOutOfRange(self.out_of_range_message())
+
+    def uses(self, patch: Patch) -> bool:
+        """Whether ``patch`` is a row for the imported version (a row without ``versions`` always is; a
+        version-specific row is not when the version cannot be read)."""
+        if patch.versions is None:
+            return True
+        found = self.imported()
+        return bool(found.version) and version_in(found.version, patch.versions)
+
+    def rows(self) -> list[Patch]:
+        """The rows for the imported version."""
+        return [p for p in self.patches if self.uses(p)]
+
+    def variant(self) -> str:
+        """Which version-specific rows are in use: "for <0.18" etc., "every row" when none is specific."""
+        specific = list(dict.fromkeys(p.versions for p in self.rows() if p.versions is not None))
+        return "rows for " + "; ".join(specific) if specific else "every row"
+
     def check(self, patches=None) -> None:
-        """Raise PatchMismatch listing every target that does not check out (nothing is changed)."""
-        problems = [p for p in (self.patches if patches is None else patches) if p.problem() is not None]
+        """Raise VersionOutOfRange for a version outside ``checked``, else PatchMismatch listing every row
+        for the imported version that does not check out (nothing is changed)."""
+        self.check_version()
+        problems = [p for p in (self.patches if patches is None else patches) if self.uses(p)
+                    and p.problem() is not None]
         if problems:
-            found = installed_version(self.package)
             raise PatchMismatch(
-                f"l3plugin ({self.name}) cannot patch {self.package} {found}: "
+                f"l3plugin ({self.name}) cannot patch {self.module} {self.imported()}: "
                 + "; ".join(p.problem() for p in problems)
-                + f". It was checked against {self.package} {self.checked}; use that version or report this.")
+                + f". It was checked on {self.package} {self.checked}; use such a version or report this.")
 
     def apply(self, which=None) -> None:
-        """Check every target not patched yet (of those ``which(patch)`` selects), then set their
-        replacements. Idempotent; a later call also patches ``loaded_only`` / ``optional`` targets whose
-        module has been imported since."""
-        todo = [p for p in self.patches if not p.instance and p.name not in self._stock
+        """Check every row for the imported version not patched yet (of those ``which(patch)`` selects), then
+        set their replacements. Idempotent; a later call also patches ``loaded_only`` / ``optional`` targets
+        whose module has been imported since."""
+        self.check_version()
+        todo = [p for p in self.rows() if not p.instance and p.name not in self._stock
                 and (which is None or which(p))]
         self.check(todo)
         for patch in todo:
@@ -160,6 +227,7 @@ class PatchSet:
             owner, attribute = found
             original = _current(owner, attribute, patch)
             self._stock[patch.name] = original
+            self._applied.append(patch)
             _ORIGINALS.setdefault((id(owner), attribute), original)
             _set(owner, attribute, _replacement(patch, original), patch.key is not None)
             if patch.rebind:
@@ -177,9 +245,8 @@ class PatchSet:
         while self._extra:
             owner, attribute, original = self._extra.pop()
             setattr(owner, attribute, original)
-        for patch in reversed(self.patches):
-            if patch.name not in self._stock:
-                continue
+        while self._applied:
+            patch = self._applied.pop()
             owner, attribute = patch.holder()
             original = self._stock.pop(patch.name)
             if patch.rebind:
@@ -207,7 +274,7 @@ class PatchSet:
 
     def _instance_patch(self, function) -> Patch:
         path = f"{function.__module__}:{function.__name__}"
-        return next(p for p in self.patches if p.instance and p.replacement == path)
+        return next(p for p in self.rows() if p.instance and p.replacement == path)
 
     def apply_to(self, instance, function):
         """Replace the attribute of the ``instance`` patch whose replacement is ``function`` on this one
@@ -251,47 +318,6 @@ def _rebind(attribute: str, old, new) -> None:
                 setattr(module, attribute, new)
         except TypeError:  # modules without __dict__
             continue
-
-
-def status(patch: Patch) -> str:
-    """One patch checked against what is installed: "ok", "skipped: ..." or "MISMATCH: ..."."""
-    module_name = patch.target.partition(":")[0]
-    if patch.loaded_only and module_name not in sys.modules:
-        return "ok (patched only once its module is imported)"
-    problem = patch.problem()
-    if problem is not None:
-        return f"MISMATCH: {problem}"
-    if patch.optional and patch.holder() is None:
-        return "skipped: not installed"
-    return "ok"
-
-
-def doctor(out=None) -> int:
-    """Print every patch set: the upstream version installed and checked against, each patch's target,
-    replacement (who patches), status and why. Returns 1 if any target does not check out."""
-    import warnings
-
-    out = out or sys.stdout
-    bad = 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # import-time warnings of the frameworks are not ours to show
-        for patch_set in SETS:
-            print(f"{patch_set.name}: {patch_set.package} {installed_version(patch_set.package)} installed, "
-                  f"checked against {patch_set.checked}", file=out)
-            for patch in patch_set.patches:
-                state = status(patch)
-                bad += state.startswith("MISMATCH")
-                print(f"  {patch.name}  ->  {patch.replacement}{'  (per instance)' if patch.instance else ''}\n"
-                      f"      {state}; {patch.why}", file=out)
-    print(f"{sum(len(s.patches) for s in SETS)} patches in {len(SETS)} sets; "
-          + (f"{bad} do not match the installed versions" if bad else "every target checks out"), file=out)
-    return 1 if bad else 0
-
-
-def add_doctor_parser(sub) -> None:
-    doctor_parser = sub.add_parser("doctor", help="list every upstream patch and check it against the installed "
-                                   "DeepSpeed / Megatron-Core / torch", description=__doc__.split("\n\n")[0])
-    doctor_parser.set_defaults(func=lambda _args: doctor())
 
 
 _ORIGINALS: dict = {}  # (id(owner), attribute or key) -> upstream's own value, while any set has replaced it
@@ -354,14 +380,24 @@ AUTOLOAD = PatchSet("l3plugin_autoload", "deepspeed", "0.19.8", [
               "at the first deepspeed.initialize instead (then the stock function is put back)"),
 ])
 
-MEGATRON = PatchSet("l3plugin.megatron", "megatron-core", "0.16.1", [
-    Patch("megatron.core.pipeline_parallel", "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
-          signature=("pp_size", "vp_size"), why=_SELECTOR),
-    Patch(_SCHEDULES, "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
-          signature=("pp_size", "vp_size"), why=_SELECTOR),
-    Patch("megatron.training.training", "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
-          signature=("pp_size", "vp_size"), loaded_only=True,
-          why="Megatron-LM's training loop imported the selector by name (a module global)"),
+
+def _selector_rows(versions: str, signature: tuple) -> list[Patch]:
+    """The three names of Megatron's selector, for the versions whose selector takes ``signature``."""
+    return [
+        Patch("megatron.core.pipeline_parallel", "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
+              signature=signature, versions=versions, why=_SELECTOR),
+        Patch(_SCHEDULES, "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
+              signature=signature, versions=versions, why=_SELECTOR),
+        Patch("megatron.training.training", "get_forward_backward_func", f"{_INSTALL}:get_forward_backward_func",
+              signature=signature, versions=versions, loaded_only=True,
+              why="Megatron-LM's training loop imported the selector by name (a module global)"),
+    ]
+
+
+MEGATRON = PatchSet("l3plugin.megatron", "megatron-core", ">=0.16.1,<0.20", [
+    *_selector_rows("<0.19", ("pp_size", "vp_size")),
+    # 0.19 adds schedule_pg_collection (Megatron-LM 0.19's loop passes it).
+    *_selector_rows(">=0.19", ("pp_size", "vp_size", "schedule_pg_collection")),
     # What a selector bound before install() returns, read from these globals at call time.
     Patch(_SCHEDULES, "forward_backward_pipelining_with_interleaving", f"{_INSTALL}:guard", wraps=True,
           signature=("forward_step_func",),
@@ -371,18 +407,23 @@ MEGATRON = PatchSet("l3plugin.megatron", "megatron-core", "0.16.1", [
           why="an early-bound stock selector still runs the flexible schedule while it is selected (warned)"),
 ])
 
-MEGATRON_LM_ARGS = PatchSet("l3plugin.megatron (Megatron-LM arguments)", "megatron-core", "0.16.1 (Megatron-LM "
-                            "core_v0.16.1)", [
+MEGATRON_LM_ARGS = PatchSet("l3plugin.megatron (Megatron-LM arguments)", "megatron-core", ">=0.16.1,<0.20", [
     Patch("megatron.training.initialize", "parse_args", f"{_INSTALL}:parse_args", optional=True,
-          signature=("extra_args_provider",),
+          signature=("extra_args_provider",), versions="<0.18",
           why="Megatron-LM's parser accepts l3plugin's flags (chained onto the script's extra_args_provider) and "
-              "the parsed CP arguments are checked"),
+              "the parsed CP arguments are checked (initialize_megatron calls it)"),
+    Patch("megatron.training.arguments", "parse_args", f"{_INSTALL}:parse_args", optional=True,
+          signature=("extra_args_provider",), versions=">=0.18",
+          why="the same, where pretrain_gpt's parse_and_validate_args calls it (pretrain no longer parses)"),
 ])
 
 _CP_ROUTE = "l3plugin.megatron.cp_route"
 _ONLY_OURS = "; inert unless cp_comm_type l3plugin_all_gather is selected"
+_BATCH_HOOKS = "l3plugin.megatron.batch_hooks"
+_BOUNDARIES = ("the batch gains the document boundaries of the full sequence from EOD tokens on TP rank 0, sent over "
+               "TP (--reset-attention-mask)" + _ONLY_OURS)
 
-CP_ROUTE = PatchSet("l3plugin.megatron (CP from Megatron-LM's flags)", "megatron-core", "0.16.1", [
+CP_ROUTE = PatchSet("l3plugin.megatron (CP from Megatron-LM's flags)", "megatron-core", ">=0.16.1,<0.20", [
     Patch("megatron.core.transformer.attention:SelfAttention", "__init__", f"{_CP_ROUTE}:_self_attention_init",
           signature=("self", "config", "submodules", "layer_number", "attn_mask_type", "cp_comm_type"),
           why="a SelfAttention built with cp_comm_type l3plugin_all_gather gets l3plugin's CP core attention "
@@ -390,19 +431,40 @@ CP_ROUTE = PatchSet("l3plugin.megatron (CP from Megatron-LM's flags)", "megatron
     Patch("megatron.core.models.gpt.gpt_model:GPTModel", "__init__", f"{_CP_ROUTE}:_gpt_model_init",
           signature=("self", "config", "transformer_layer_spec"),
           why="with the balanced CP layout, the model's RoPE follows it" + _ONLY_OURS),
+    # Up to 0.17: Megatron-LM's get_batch_on_this_tp_rank (megatron.training.utils) and Megatron-Core's THD
+    # sharding, which pretrain_gpt calls with the boundaries and which returns the PackedSeqParams.
     Patch("megatron.core.utils", "get_thd_batch_on_this_cp_rank", f"{_CP_ROUTE}:packed_batch_on_this_cp_rank",
           signature=("batch", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "cp_size", "cp_rank"), rebind=True,
+          versions="<0.18",
           why="packed batches sharded by l3plugin's CP layout, PackedSeqParams in sbhd with the global document "
               "boundaries" + _ONLY_OURS),
     Patch("megatron.training.utils", "get_batch_on_this_tp_rank", f"{_CP_ROUTE}:tp_batch_with_documents",
-          signature=("data_iterator",), rebind=True, optional=True,
+          signature=("data_iterator",), rebind=True, optional=True, versions="<0.18",
           why="Megatron-LM's batch gains the document boundaries from EOD tokens (--reset-attention-mask)"
               + _ONLY_OURS),
+    # From 0.18: both batch functions live in megatron.core.utils (THD sharding is gone, NVIDIA/Megatron-LM
+    # PR 4103) and pretrain_gpt's forward_step builds a "thd" PackedSeqParams itself (batch_hooks.py).
+    Patch("megatron.core.utils", "get_batch_on_this_tp_rank", f"{_BATCH_HOOKS}:tp_batch_with_documents",
+          signature=("batch", "is_sft", "is_hybrid_cp", "create_attention_mask_in_dataloader",
+                     "broadcast_src_rank", "broadcast_group", "cp_size", "tp_rank"),
+          rebind=True, versions=">=0.18,<0.19", why=_BOUNDARIES),
+    Patch("megatron.core.utils", "get_batch_on_this_tp_rank", f"{_BATCH_HOOKS}:tp_batch_with_documents",
+          signature=("batch", "has_cu_seqlens", "is_hybrid_cp", "create_attention_mask_in_dataloader",
+                     "broadcast_src_rank", "broadcast_group", "cp_size", "tp_rank"),
+          rebind=True, versions=">=0.19", why=_BOUNDARIES),
+    Patch("megatron.core.utils", "get_batch_on_this_cp_rank", f"{_BATCH_HOOKS}:cp_batch_by_layout",
+          signature=("batch", "is_hybrid_cp", "cp_group"), rebind=True, versions=">=0.18",
+          why="the batch sharded by l3plugin's CP layout, the document boundaries left global" + _ONLY_OURS),
+    Patch("megatron.core.models.gpt.gpt_model:GPTModel", "forward", f"{_BATCH_HOOKS}:gpt_model_forward",
+          signature=("self", "input_ids", "position_ids", "attention_mask", "decoder_input", "labels",
+                     "inference_context", "packed_seq_params"), versions=">=0.18",
+          why="pretrain_gpt's PackedSeqParams (qkv_format thd, built from those boundaries) given as sbhd: every "
+              "token keeps its global position" + _ONLY_OURS),
 ])
 
 _ROPE = "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding"
 
-ROPE = PatchSet("l3plugin.megatron (RoPE)", "megatron-core", "0.16.1", [
+ROPE = PatchSet("l3plugin.megatron (RoPE)", "megatron-core", ">=0.16.1,<0.20", [
     Patch(_ROPE, "forward", "l3plugin.megatron.model:rope_on_cpu", instance=True,
           signature=("self", "max_seq_len", "offset", "packed_seq", "cp_group"),
           why="on a CPU-only machine RotaryEmbedding moves its frequencies to the CUDA device and indexes with a "

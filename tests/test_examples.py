@@ -4,6 +4,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from l3plugin.testing.ranks import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,13 +27,25 @@ def test_megatron_example_trains_with_the_flexible_schedule():
     assert len(lines) == 2 and all("forward_backward_pipelining_flexible" in line for line in lines), out
 
 
-def test_patch_adds_only_existing_l3plugin_calls():
+PATCHED_TAGS = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0")  # docs/verified.md
+
+
+def test_there_is_a_pretrain_gpt_patch_for_every_verified_tag():
+    found = sorted(p.name for p in (ROOT / "patches").glob("megatron-lm-*-pretrain_gpt.patch"))
+    assert found == sorted(f"megatron-lm-{tag}-pretrain_gpt.patch" for tag in PATCHED_TAGS)
+
+
+@pytest.mark.parametrize("tag", PATCHED_TAGS)
+def test_patch_adds_only_existing_l3plugin_calls(tag):
     import l3plugin.megatron as l3m
 
-    patch = (ROOT / "patches" / "megatron-lm-core_v0.16.1-pretrain_gpt.patch").read_text()
+    patch = (ROOT / "patches" / f"megatron-lm-{tag}-pretrain_gpt.patch").read_text()
     added = [line[1:] for line in patch.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    removed = [line[1:] for line in patch.splitlines() if line.startswith("-") and not line.startswith("---")]
     assert any("l3plugin.megatron.install()" in line for line in added)
     assert any("l3plugin.megatron.chain_extra_args(" in line for line in added)
+    assert [line.strip() for line in removed] == ["extra_args_provider=add_modelopt_args if has_nvidia_modelopt "
+                                                  "else None,"]  # the only line changed: chained, not dropped
     assert callable(l3m.install) and callable(l3m.chain_extra_args)
 
 

@@ -57,4 +57,5 @@ def test_stock_schedule_on_cpu_matches_serial_bitwise(ranks, pp, vpp, m, layers)
 
 def test_without_the_shim_stock_schedules_need_cuda(ranks):
     results = ranks.run(2, run_stock, 2, None, 2, 2, use_shim=False, timeout=120)
-    assert all(r["error"] and "CUDA" in r["error"] for r in results), results
+    # a CPU build of torch names CUDA; a CUDA build (Python 3.12's from the package index) the missing driver
+    assert all(r["error"] and ("CUDA" in r["error"] or "NVIDIA driver" in r["error"]) for r in results), results

@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from l3plugin import patches
+from l3plugin import patches, versions
+from l3plugin.doctor import doctor
 from l3plugin.patches import Patch, PatchMismatch, PatchSet
 
 
@@ -40,7 +41,10 @@ def fake_upstream(monkeypatch):
     module.table = {"key": stock_function}
     module.KEY = "key"
     module.Engine = Engine
+    module.__version__ = "1.4.2"
+    module.__file__ = "/opt/fake/fake_upstream/__init__.py"
     monkeypatch.setitem(sys.modules, "fake_upstream", module)
+    monkeypatch.setattr(versions, "_IMPORTED", {})  # the version is read once per process: read the fake's
     user = types.ModuleType("fake_user_script")  # imported the function by name before the patch
     user.function = stock_function
     monkeypatch.setitem(sys.modules, "fake_user_script", user)
@@ -49,7 +53,7 @@ def fake_upstream(monkeypatch):
 
 
 here = __name__
-SET = PatchSet("test set", "pytest", "9.x", [
+SET = PatchSet("test set", "fake-upstream", ">=1.0,<2", module="fake_upstream", patches=[
     Patch("fake_upstream", "function", f"{here}:replacement_function", why="test", signature=("alpha", "beta"),
           rebind=True),
     Patch("fake_upstream", "other", f"{here}:wrapping_factory", why="test", wraps=True),
@@ -80,9 +84,10 @@ def test_apply_and_undo_restore_every_kind_of_target(fake_upstream):
 def test_a_renamed_or_changed_target_is_refused_before_anything_is_set(fake_upstream):
     module, _ = fake_upstream
     module.function = lambda gamma, beta=2: None  # upstream renamed a parameter
-    with pytest.raises(PatchMismatch, match=r"cannot patch pytest \S+: fake_upstream.function takes \(gamma, "
-                                            r"beta\); l3plugin expects \(alpha, beta, \.\.\.\).*checked against "
-                                            r"pytest 9\.x"):
+    with pytest.raises(PatchMismatch, match=r"cannot patch fake_upstream 1\.4\.2 \(imported from /opt/fake/"
+                                            r"fake_upstream\): fake_upstream.function takes \(gamma, beta\); "
+                                            r"l3plugin expects \(alpha, beta, \.\.\.\).*checked on "
+                                            r"fake-upstream >=1\.0,<2"):
         SET.apply()
     assert module.other is stock_function and not SET.applied  # nothing was set
     del module.table["key"]
@@ -100,7 +105,7 @@ def test_every_declared_patch_checks_out_against_the_installed_frameworks():
     import l3plugin.testing.megatron_cpu_shim  # noqa: F401  (declares the test-only sets)
 
     out = io.StringIO()
-    assert patches.doctor(out) == 0, out.getvalue()
+    assert doctor(out) == 0, out.getvalue()
     text = out.getvalue()
     assert "DeepSpeedEngine.load_checkpoint  ->  l3plugin.deepspeed.engine:load_checkpoint" in text
     assert "megatron.core.pipeline_parallel.schedules.get_forward_backward_func" in text

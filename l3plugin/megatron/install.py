@@ -115,9 +115,17 @@ def selected_schedule() -> str:
     return getattr(args, "pipeline_schedule", "default") or "default"
 
 
-def get_forward_backward_func(pp_size=None, vp_size=None, *args, **kwargs):
-    """Megatron's selector, answering the flexible schedule when it is selected and pp > 1."""
+def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection=None, **kwargs):
+    """Megatron's selector, answering the flexible schedule when it is selected and pp > 1.
+
+    Takes what every supported version's selector takes: (pp_size, vp_size) up to 0.18, plus
+    ``schedule_pg_collection`` from 0.19 (Megatron-LM 0.19's loop passes its ProcessGroupCollection). Only the
+    arguments given are passed on to Megatron's own selector."""
     if selected_schedule() == "flexible":
+        if type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection":
+            raise NotImplementedError(
+                "--pipeline-schedule flexible runs one model's pipeline; Megatron-Core's multi-module (cross-grid) "
+                "pipelines (a MultiModuleProcessGroupCollection) need --pipeline-schedule default")
         if pp_size is None:
             from megatron.core import parallel_state
 
@@ -126,12 +134,15 @@ def get_forward_backward_func(pp_size=None, vp_size=None, *args, **kwargs):
             from l3plugin.megatron.pipeline import forward_backward_pipelining_flexible
 
             return forward_backward_pipelining_flexible
-    return MEGATRON.stock(_STOCK_SELECTOR)(pp_size, vp_size, *args, **kwargs)
+    if schedule_pg_collection is not None:
+        kwargs["schedule_pg_collection"] = schedule_pg_collection
+    return MEGATRON.stock(_STOCK_SELECTOR)(pp_size, vp_size, **kwargs)
 
 
 def parse_args(extra_args_provider=None, *args, **kwargs):
     """Megatron-LM's parse_args with l3plugin's flags chained on, the parsed CP arguments checked."""
-    stock = MEGATRON_LM_ARGS.stock("megatron.training.initialize.parse_args")
+    # one row per version: megatron.training.initialize's up to 0.17, megatron.training.arguments' from 0.18
+    stock = MEGATRON_LM_ARGS.stock(MEGATRON_LM_ARGS.rows()[0].name)
     return prepare_cp_args(stock(chain_extra_args(extra_args_provider), *args, **kwargs))
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import torch
 
@@ -94,6 +95,12 @@ def _process_groups(p2p_communicator, pg_collection):
     return pg.pp, pg.tp, pg.cp, pg
 
 
+@functools.lru_cache(maxsize=4)
+def _takes_model_type(backward_step) -> bool:
+    """Megatron-Core 0.16's backward_step takes model_type before config; from 0.17 it does not."""
+    return "model_type" in inspect.signature(backward_step).parameters
+
+
 def _model_device(model) -> torch.device:
     for chunk in model:
         for param in chunk.parameters():
@@ -148,7 +155,7 @@ def forward_backward_pipelining_flexible(
         schedule, r, orders, dist.get_process_group_ranks(pp_group), pp_group,
         shape=(seq, micro_batch_size, config.hidden_size), dtype=config.pipeline_dtype,
         device=_model_device(model))
-    model_type = get_model_type(model[0])
+    model_type = (get_model_type(model[0]),) if _takes_model_type(backward_step) else ()
     free_output = functools.partial(deallocate_output_tensor,
                                     deallocate_pipeline_outputs=config.deallocate_pipeline_outputs)
 
@@ -234,7 +241,7 @@ def forward_backward_pipelining_flexible(
             last_for_chunk = index in grad_sync_points
             if last_for_chunk and grad_sync_func is None:
                 enable_grad_sync()  # DDP hooks reduce during this backward
-            input_grad = backward_step(input_tensor, output_tensor, output_grad, model_type, config)
+            input_grad = backward_step(input_tensor, output_tensor, output_grad, *model_type, config)
             if round_sync_func is not None and index in round_ends:
                 enable_grad_sync()
                 round_sync_func(c, model[c].parameters(), schedule.round_of(mb), last_for_chunk)

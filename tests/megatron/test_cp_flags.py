@@ -14,8 +14,14 @@ import pytest
 import torch
 
 from l3plugin.cp.sharding import cu_seqlens_from_eod
+from l3plugin.versions import imported_version, version_in
 
-STANDIN = Path(__file__).resolve().parents[1] / "data" / "megatron_lm_standin"
+# Megatron-LM reorganised get_batch and argument parsing in 0.18: a stand-in per layout.
+NEW_LM = version_in(imported_version("megatron.core").version, ">=0.18")
+STANDIN = Path(__file__).resolve().parents[1] / "data" / ("megatron_lm_standin_0_18" if NEW_LM else "megatron_lm_standin")
+# What pretrain_gpt's forward_step hands the model: up to 0.17 l3plugin's sharding returns "sbhd" params; from 0.18
+# the script builds "thd" ones itself and l3plugin gives them to GPTModel as "sbhd" (batch_hooks.gpt_model_forward).
+SCRIPT_FORMAT = "thd" if NEW_LM else "sbhd"
 SCRIPT = STANDIN / "pretrain_gpt_standin.py"
 MODEL = ["--num-layers", "2", "--seq-length", "32", "--transformer-impl", "local"]
 DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
@@ -119,9 +125,9 @@ def test_two_flags_give_document_masked_cp_equal_to_stock_cp1(ranks, tmp_path, s
     argv = [*MODEL, *DOCS, *OURS, "--l3plugin-cp-layout", layout, "--position-embedding-type", embedding]
     for r in ranks.run(2, run_standin, argv, str(tmp_path), launcher=launcher, timeout=180):
         assert r["core_attention"] == "AllGatherCPCoreAttention"
-        # No dense mask; the GLOBAL document boundaries from the EOD tokens, in the sbhd format.
+        # No dense mask; the GLOBAL document boundaries from the EOD tokens (the model gets them as sbhd).
         assert r["seen"] == {"attention_mask": None,
-                             "packed_seq_params": ("sbhd", [0, 5, 13, 14, 28, 32])}
+                             "packed_seq_params": (SCRIPT_FORMAT, [0, 5, 13, 14, 28, 32])}
         assert_same_step(r, stock_cp1(embedding))
 
 

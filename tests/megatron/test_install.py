@@ -1,6 +1,7 @@
 """Switching Megatron to the flexible schedule: the flag, install() and the launcher."""
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -46,6 +47,34 @@ def test_install_is_idempotent_and_reversible():
     assert schedules.get_forward_backward_func is stock and pipeline_parallel.get_forward_backward_func is stock
 
 
+def test_the_selector_takes_what_this_versions_training_loop_passes():
+    """Megatron-LM 0.19's loop calls get_forward_backward_func(schedule_pg_collection=pg_collection); earlier ones
+    pass nothing. The same call reaches the flexible schedule, and Megatron's own selector without it."""
+    import inspect
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    takes_collection = "schedule_pg_collection" in inspect.signature(schedules.get_forward_backward_func).parameters
+    kwargs = {"schedule_pg_collection": ProcessGroupCollection()} if takes_collection else {}
+    try:
+        l3m.install("flexible")
+        assert pipeline_parallel.get_forward_backward_func(2, None, **kwargs) is l3m.forward_backward_pipelining_flexible
+        if takes_collection:
+            from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+
+            cross_grid = object.__new__(MultiModuleProcessGroupCollection)
+            with pytest.raises(NotImplementedError, match="multi-module .* --pipeline-schedule default"):
+                pipeline_parallel.get_forward_backward_func(2, None, schedule_pg_collection=cross_grid)
+        l3m.install("default")
+        assert pipeline_parallel.get_forward_backward_func(2, None, **kwargs) is \
+            schedules.forward_backward_pipelining_without_interleaving
+    finally:
+        l3m.uninstall()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron.training") is not None,
+                    reason="the launcher's megatron-core-only path: with Megatron-LM importable (a source checkout) "
+                           "Megatron-LM's parser takes the flags, which this plain script never calls")
 @pytest.mark.parametrize("flag,expected", [(["--pipeline-schedule", "flexible"], "forward_backward_pipelining_flexible"),
                                            ([], "forward_backward_pipelining_with_interleaving")])
 def test_launcher_runs_a_script_with_the_plugin(flag, expected):

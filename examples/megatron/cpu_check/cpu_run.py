@@ -1,4 +1,4 @@
-"""CHECK TOOL, not product code: run Megatron-LM's pretrain_gpt.py (core_v0.16.1) on CPU / gloo, so the CP
+"""CHECK TOOL, not product code: run Megatron-LM's pretrain_gpt.py (core_v0.16.1 .. core_v0.19.0) on CPU / gloo, so the CP
 route can be checked against the real script on a machine without a GPU. l3plugin itself needs none of this.
 
     torchrun --nproc-per-node 2 cpu_run.py pretrain_gpt.py <args>                               (stock)
@@ -10,19 +10,22 @@ Megatron-LM asserts CUDA and allocates on "cuda" in many places; here "cuda" mea
   CUDA_DEVICE_MAX_CONNECTIONS=1 is set); set_device / synchronize / empty_cache / set_rng_state do nothing;
   streams and events are no-ops; random tensors made on "cuda" come from a generator of their own
   (torch.cuda.manual_seed seeds it), as on a GPU.
+- DataLoader(pin_memory=True) pins nothing and torch.accelerator reports none (with a CUDA build of torch,
+  as Python 3.12 gets from the package index, both would start CUDA).
 - Tensors: .cuda() and .pin_memory() return the tensor; device="cuda..." in torch's tensor factories and in
   Tensor.to becomes "cpu" and pin_memory=True is dropped (Megatron's RoPE under CP uses both); a CPU tensor's
   type() says "torch.cuda.*Tensor" (the mixed-precision optimizer checks it).
 - The CUDA RNG tracker keeps no states and its fork() does nothing: give --attention-dropout 0
   --hidden-dropout 0 (then nothing random is drawn inside a fork).
 - triton: batch_invariant_kernels (imported by initialize.py) is imported once with a stub triton
-  (jit, cdiv, language.constexpr), removed again so torch keeps seeing no triton (not where triton is
-  installed: saving a checkpoint spawns processes that import pretrain_gpt.py, hence triton, themselves).
+  (jit, cdiv, language.constexpr), removed again so torch keeps seeing no triton; where triton is installed
+  (Megatron-Core 0.18+ imports it in pipeline_parallel; saving a checkpoint spawns processes that import
+  pretrain_gpt.py, hence triton, themselves) nothing is stubbed.
 - With --sequence-parallel: the local spec's layer norm is Megatron's FusedLayerNorm computed by torch
-  (apex's function stands in; WrappedTorchNorm, the local spec's norm without apex, refuses sequence
-  parallelism). It marks its parameters sequence_parallel as with apex on a GPU.
+  (WrappedTorchNorm, the local spec's norm without apex, refuses sequence parallelism); it marks its
+  parameters sequence_parallel as with apex on a GPU.
 - torch.compile (Megatron's jit_fuser) returns the function: the fused bias/dropout ops run eagerly.
-- megatron.legacy.fused_kernels.load (it runs nvcc) does nothing; initialize.py's JIT warm-up (dropout on
+- megatron.legacy.fused_kernels.load (it runs nvcc; gone in 0.19) does nothing; initialize.py's JIT warm-up (dropout on
   tensors sized by the CP size) runs with the CPU generator's state restored after it.
 - The dataset helpers' `make` (initialize.py runs it on rank 0 at every start) builds for this Python.
 """
@@ -123,6 +126,14 @@ def cuda_means_cpu():
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.pin_memory = lambda self, *a, **k: self
+    loader_init = torch.utils.data.DataLoader.__init__
+
+    @functools.wraps(loader_init)
+    def loader_without_pinning(self, *args, **kwargs):
+        kwargs["pin_memory"] = False
+        loader_init(self, *args, **kwargs)
+    torch.utils.data.DataLoader.__init__ = loader_without_pinning
+    torch.accelerator.current_accelerator = lambda *a, **k: None
     torch.Tensor.type = _tensor_type(torch.Tensor.type)
     # Megatron's jit_fuser is torch.compile, warmed up on "cuda" at start (initialize.py): run eagerly.
     torch.compile = lambda fn=None, *a, **k: fn if fn is not None else (lambda f: f)
@@ -140,16 +151,14 @@ def cuda_means_cpu():
 def import_batch_invariant_kernels_with_a_triton_stub():
     """initialize.py imports batch_invariant_kernels, which imports triton at its top and there only decorates
     its kernels (used with --batch-invariant-mode only). It is imported once with a stub triton in
-    sys.modules; the stub is removed right after, so torch (inductor, dynamo) keeps seeing no triton.
-    Where triton is installed (needed by the processes Megatron's checkpoint writer spawns, which import
-    pretrain_gpt.py without this tool), nothing is stubbed."""
+    sys.modules; the stub is removed right after, so torch (inductor, dynamo) keeps seeing no triton."""
     import importlib.machinery
     import importlib.util
 
-    if importlib.util.find_spec("triton") is not None:
-        return
-
     import megatron.core  # noqa: F401  (torch.compile decorators import dynamo now, without the stub)
+
+    if importlib.util.find_spec("triton") is not None:
+        return  # the real one
 
     triton = types.ModuleType("triton")
     triton.__spec__ = importlib.machinery.ModuleSpec("triton", None)
@@ -170,15 +179,19 @@ def no_cuda_kernels():
     """initialize.py asks nvcc for its version before (not) building its fused kernels. Its JIT warm-up runs
     dropout on tensors of seq_length / context_parallel_size before the model is built: on a GPU that draws
     from the CUDA generator, here from the CPU one, which initialises the weights; keep that untouched."""
-    from megatron.legacy import fused_kernels
     from megatron.training import initialize
 
-    fused_kernels.load = lambda args: None
+    try:
+        from megatron.legacy import fused_kernels
+    except ImportError:
+        pass  # Megatron-LM 0.19 has no legacy fused kernels
+    else:
+        fused_kernels.load = lambda args: None
     warmup = initialize._warmup_jit_function
 
-    def warmup_outside_the_cpu_generator():
+    def warmup_outside_the_cpu_generator(*args, **kwargs):
         with torch.random.fork_rng(devices=[]):
-            warmup()
+            warmup(*args, **kwargs)
 
     initialize._warmup_jit_function = warmup_outside_the_cpu_generator
 

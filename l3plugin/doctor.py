@@ -1,0 +1,76 @@
+"""``l3plugin doctor``: every declared patch set (l3plugin/patches.py) against the upstream versions imported:
+per set the version and where it was imported from, the range checked and the variant in use; per row its
+target, replacement, status and why."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+from l3plugin import patches
+from l3plugin.patches import UNCHECKED_ENV, Patch, PatchSet
+from l3plugin.versions import installed_version
+
+
+def status(patch: Patch) -> str:
+    """One patch checked against what is imported: "ok", "skipped: ..." or "MISMATCH: ..."."""
+    module_name = patch.target.partition(":")[0]
+    if patch.loaded_only and module_name not in sys.modules:
+        return "ok (patched only once its module is imported)"
+    problem = patch.problem()
+    if problem is not None:
+        return f"MISMATCH: {problem}"
+    if patch.optional and patch.holder() is None:
+        return "skipped: not installed"
+    return "ok"
+
+
+def set_header(patch_set: PatchSet) -> str:
+    """The set's name, the version imported (and from where) against the range checked, and the variant."""
+    found, in_range = patch_set.imported(), patch_set.in_range()
+    verdict = {True: "in range", False: "OUT OF RANGE", None: "rows not checked"}[in_range]
+    text = (f"{patch_set.name}: {patch_set.module} {found}; checked on {patch_set.package} {patch_set.checked} "
+            f"({verdict}); variant: {patch_set.variant()}")
+    pip_says = installed_version(patch_set.package)
+    if found.version and pip_says not in ("not installed", found.version):
+        text += f"\n  (pip's metadata says {patch_set.package} {pip_says}: another copy is imported first)"
+    return text
+
+
+def doctor(out=None) -> int:
+    """Print every patch set: the upstream version imported (and from where) against the range checked, the
+    variant in use, each row's target, replacement (who patches), status and why. Returns 1 if a version is
+    out of range or any target does not check out."""
+    out = out or sys.stdout
+    bad = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # import-time warnings of the frameworks are not ours to show
+        for patch_set in patches.SETS:
+            print(set_header(patch_set), file=out)
+            out_of_range = patch_set.in_range() is False and os.environ.get(UNCHECKED_ENV, "") in ("", "0")
+            if out_of_range:
+                bad += 1
+                print(f"  {patch_set.out_of_range_message()}", file=out)
+            for patch in patch_set.patches:
+                scope = f"  [for {patch.versions}]" if patch.versions else ""
+                if out_of_range:
+                    state = "not checked (version out of range)"
+                elif patch_set.in_range() is None:
+                    state = f"not checked ({patch_set.module} is not importable)"
+                elif not patch_set.uses(patch):
+                    state = f"not used with {patch_set.module} {patch_set.imported().version or '(none)'}"
+                else:
+                    state = status(patch)
+                    bad += state.startswith("MISMATCH")
+                print(f"  {patch.name}  ->  {patch.replacement}{'  (per instance)' if patch.instance else ''}"
+                      f"{scope}\n      {state}; {patch.why}", file=out)
+    print(f"{sum(len(s.patches) for s in patches.SETS)} patches in {len(patches.SETS)} sets; "
+          + (f"{bad} problems with the imported versions" if bad else "every target checks out"), file=out)
+    return 1 if bad else 0
+
+
+def add_doctor_parser(sub) -> None:
+    doctor_parser = sub.add_parser("doctor", help="list every upstream patch and check it against the installed "
+                                   "DeepSpeed / Megatron-Core / torch", description=patches.__doc__.split("\n\n")[0])
+    doctor_parser.set_defaults(func=lambda _args: doctor())

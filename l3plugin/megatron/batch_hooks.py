@@ -1,0 +1,102 @@
+"""The CP route's batch hooks for Megatron-LM 0.18 and later (``--cp-comm-type l3plugin_all_gather`` with
+``--reset-attention-mask``; cp_route.py has the route itself and the hooks for 0.16 / 0.17).
+
+From 0.18, pretrain_gpt.py's ``get_batch`` reads the batch on TP rank 0, calls Megatron-Core's
+``megatron.core.utils.get_batch_on_this_tp_rank(batch, ...)`` (broadcast over TP) and
+``get_batch_on_this_cp_rank(batch, ...)`` (CP sharding; ``get_thd_batch_on_this_cp_rank`` is gone), and its
+``forward_step`` builds ``PackedSeqParams(qkv_format="thd", ...)`` itself whenever the batch has ``cu_seqlens``.
+So on these versions l3plugin (patches declared in l3plugin/patches.py, set CP_ROUTE, rows for >=0.18):
+
+- ``tp_batch_with_documents``: the document boundaries of the FULL sequence, from the EOD tokens on TP rank 0
+  BEFORE the stock broadcast (on the last pipeline stage it drops the tokens), sent to the TP group, as
+  ``cu_seqlens`` [1, n] and ``max_seqlen`` [1] = S (Megatron's RoPE takes its length from max_seqlen);
+- ``cp_batch_by_layout``: this CP rank's positions by l3plugin's layout, the boundaries left global;
+- ``gpt_model_forward``: the "thd" PackedSeqParams that pretrain_gpt built from those boundaries become
+  "sbhd" (every token keeps its global position; TE's per-document THD split is not l3plugin's layout).
+
+Each falls through to Megatron's own unless Megatron-LM's parsed arguments select l3plugin's CP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import torch
+
+from l3plugin.cp.sharding import cu_seqlens_from_eod, shard_batch
+from l3plugin.patches import CP_ROUTE
+
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # what get_batch_on_this_cp_rank shards
+
+
+def _documents_route():
+    from l3plugin.megatron import cp_route
+
+    route = cp_route.active_route()
+    return route if route is not None and route.documents else None
+
+
+def _broadcast_boundaries(cu, src: int, group, device) -> torch.Tensor:
+    """``cu`` (given on ``src``, None elsewhere) on every rank of ``group``: its length, then its values."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return cu
+    mine = dist.get_rank() == src
+    count = torch.tensor([cu.numel() if mine else 0], dtype=torch.int64, device=device)
+    dist.broadcast(count, src, group=group)
+    cu = cu.to(device) if mine else torch.empty(int(count), dtype=torch.int32, device=device)
+    dist.broadcast(cu, src, group=group)
+    return cu
+
+
+def tp_batch_with_documents(batch, *args, **kwargs):
+    """Megatron-Core's get_batch_on_this_tp_rank, plus ``cu_seqlens`` [1, n] (global document boundaries from
+    EOD) and ``max_seqlen`` [1] (= S) when l3plugin's CP has document masks."""
+    stock = CP_ROUTE.stock("megatron.core.utils.get_batch_on_this_tp_rank")
+    route = _documents_route()
+    if route is None:
+        return stock(batch, *args, **kwargs)
+    from l3plugin.megatron import cp_route
+
+    bound = inspect.signature(stock).bind(batch, *args, **kwargs).arguments
+    tokens = batch.get("tokens") if bound["tp_rank"] == 0 else None
+    cu = None if tokens is None else cu_seqlens_from_eod(tokens, cp_route._eod_token())
+    out = stock(batch, *args, **kwargs)
+    device = next((v.device for v in out.values() if torch.is_tensor(v)), torch.device("cpu"))
+    cu = _broadcast_boundaries(cu, bound["broadcast_src_rank"], bound["broadcast_group"], device)
+    out["cu_seqlens"] = cu.view(1, -1)
+    out["max_seqlen"] = cu[-1:].to(torch.int32)
+    out["cu_seqlens_padded"] = None
+    return out
+
+
+def cp_batch_by_layout(batch, *args, **kwargs):
+    """Megatron-Core's get_batch_on_this_cp_rank, except for l3plugin's CP with documents: this rank's
+    positions by l3plugin's layout; cu_seqlens and max_seqlen stay those of the full sequence."""
+    route = _documents_route()
+    cu = batch.get("cu_seqlens")
+    if route is None or cu is None:
+        return CP_ROUTE.stock("megatron.core.utils.get_batch_on_this_cp_rank")(batch, *args, **kwargs)
+    from megatron.core import parallel_state
+
+    cp_size = parallel_state.get_context_parallel_world_size()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    sequences = {key: batch[key] for key in SEQUENCE_KEYS if batch.get(key) is not None}
+    if cp_size > 1 and sequences:
+        sequences = shard_batch(sequences, cp_size, cp_rank, layout=route.layout, cu_seqlens=cu.reshape(-1))
+    return {**batch, **sequences}
+
+
+def gpt_model_forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+    """GPTModel.forward with pretrain_gpt's "thd" PackedSeqParams (built from the global boundaries of
+    ``tp_batch_with_documents``) given as "sbhd" when l3plugin's CP with documents is selected."""
+    stock = CP_ROUTE.stock("GPTModel.forward")
+    if _documents_route() is not None:
+        bound = inspect.signature(stock).bind(self, input_ids, position_ids, attention_mask, *args, **kwargs)
+        packed = bound.arguments.get("packed_seq_params")
+        if packed is not None and packed.qkv_format == "thd" and packed.cu_seqlens_q_padded is None:
+            bound.arguments["packed_seq_params"] = dataclasses.replace(packed, qkv_format="sbhd")
+            return stock(*bound.args, **bound.kwargs)
+    return stock(self, input_ids, position_ids, attention_mask, *args, **kwargs)
