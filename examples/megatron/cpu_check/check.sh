@@ -69,6 +69,7 @@ declare -A CMD=(
   [ckpt_tp2_pp2_cp1_stock]="$RUN4 pretrain_gpt.py $MODEL4 $DOCS $INIT $TP2PP2"
   [ckpt_tp2_pp2_cp2]="$LAUNCH8 $MODEL4 $DOCS $INIT $CP $TP2PP2"
   [planner_4d]="$LAUNCH8 $PLAN_4D $CPU $DOCS $INIT"
+  [planner_4d_fp32]="$LAUNCH8 ${PLAN_4D/--bf16 /} $CPU $DOCS $INIT"
   [ckpt_cp1_stock_bf16]="$RUN pretrain_gpt.py $MODEL4 $DOCS $INIT --bf16 --use-distributed-optimizer --accumulate-allreduce-grads-in-fp32"
   [cp1_stock_per_rank_mean]="$RUN pretrain_gpt.py $MODEL ${DOCS/ --calculate-per-token-loss/}"
   [cp2_2cp_per_rank_mean]="$LAUNCH $MODEL ${DOCS/ --calculate-per-token-loss/} $CP"
@@ -79,10 +80,10 @@ declare -A CMD=(
 ORDER="cp1_stock cp2_2cp_regather cp2_2cp_keep cp2_balanced_regather cp2_balanced_keep cp2_patch_2cp cp2_no_documents cp2_stock_refuses
  cp1_stock_per_rank_mean cp2_2cp_per_rank_mean pp2_cp1_stock pp2_cp2_2cp planner_cp2_regather planner_cp2_keep planner_flags_cp1_stock
  init_ckpt ckpt_cp1_stock ckpt_pp4_cp1_stock ckpt_pp4_cp2 ckpt_pp4_cp2_flexible ckpt_vp2_cp1_flexible ckpt_vp2_cp2_flexible
- ckpt_vp2_cp2_stock ckpt_tp2_pp2_cp1_stock ckpt_tp2_pp2_cp2 planner_4d ckpt_cp1_stock_bf16"
+ ckpt_vp2_cp2_stock ckpt_tp2_pp2_cp1_stock ckpt_tp2_pp2_cp2 planner_4d planner_4d_fp32 ckpt_cp1_stock_bf16"
 for name in ${@:-$ORDER}; do
   echo "== $name: ${CMD[$name]}" | tr -s ' \n' ' '; echo
   timeout 900 ${CMD[$name]} > "$OUT/$name.log" 2>&1; echo "   exit $?"
-  grep -o "lm loss: [^ ]*" "$OUT/$name.log" | awk '{printf "   %s", $3} END {print ""}'
+  grep -ao "lm loss: [^ ]*" "$OUT/$name.log" | awk '{printf "   %s", $3} END {print ""}'
   grep -m1 -o "AssertionError: Context parallelism[^\"']*" "$OUT/$name.log" | sed 's/^/   /'
 done

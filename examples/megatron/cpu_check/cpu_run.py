@@ -27,6 +27,9 @@ Megatron-LM asserts CUDA and allocates on "cuda" in many places; here "cuda" mea
 - torch.compile (Megatron's jit_fuser) returns the function: the fused bias/dropout ops run eagerly.
 - megatron.legacy.fused_kernels.load (it runs nvcc; gone in 0.19) does nothing; initialize.py's JIT warm-up (dropout on
   tensors sized by the CP size) runs with the CPU generator's state restored after it.
+- torch.distributed.isend sends a private copy: Megatron frees a sent output right after posting its
+  isend (schedules.py deallocate_output_tensor), which on a GPU is ordered behind the send on its stream but
+  on gloo can be read after the free (the stock interleaved schedule then sent garbage).
 - The dataset helpers' `make` (initialize.py runs it on rank 0 at every start) builds for this Python.
 """
 import contextlib
@@ -206,6 +209,19 @@ def rng_tracker_without_cuda():
     tracker.set_states = lambda self, states: None
 
 
+def isend_a_private_copy():
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    stock = distributed_c10d.isend
+
+    @functools.wraps(stock)
+    def isend(tensor, *args, **kwargs):
+        return stock(tensor.clone(), *args, **kwargs)
+
+    dist.isend = distributed_c10d.isend = isend  # P2POp checks its op against distributed_c10d.isend
+
+
 def sequence_parallel_norm():
     from l3plugin.testing.megatron_cpu_shim import SEQUENCE_PARALLEL_NORM
 
@@ -225,6 +241,7 @@ def main():
     import_batch_invariant_kernels_with_a_triton_stub()
     rng_tracker_without_cuda()
     no_cuda_kernels()
+    isend_a_private_copy()
     if "--sequence-parallel" in argv:
         sequence_parallel_norm()
     if module is None:
