@@ -265,6 +265,52 @@ def test_document_boundaries_reach_every_tp_rank(ranks):
     assert ranks.run(2, boundaries_over_tp, timeout=60) == [[0, 2, 5, 6, 8]] * 2
 
 
+def boundaries_over_tp_from_0_18():
+    """Megatron-Core 0.18+'s get_batch_on_this_tp_rank with TP = 2 on a last pipeline stage: it drops the tokens on
+    every rank, so l3plugin reads the EOD positions on TP rank 0 before the broadcast and sends the boundaries."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from megatron.core import utils as core_utils  # read at call time: the patched function
+
+    from l3plugin.megatron.cp_route import install_cp_route, uninstall_cp_route
+    from l3plugin.testing.megatron_cpu_shim import stock_attention_on_cpu
+
+    sys.path.insert(0, str(STANDIN))
+    try:
+        from megatron.training import global_vars
+
+        global_vars._GLOBAL_ARGS = ns(calculate_per_token_loss=True)
+        global_vars._GLOBAL_TOKENIZER = argparse.Namespace(eod=9)
+        mpu.destroy_model_parallel()
+        mpu.initialize_model_parallel(tensor_model_parallel_size=2)
+        install_cp_route()
+        tokens = torch.tensor([[1, 9, 2, 3, 9, 9, 4, 5]])
+        batch = {} if dist.get_rank() else {"tokens": tokens, "labels": tokens.roll(-1), "position_ids": tokens * 0,
+                                             "loss_mask": torch.ones(1, 8), "attention_mask": None,
+                                             "cu_seqlens": None, "max_seqlen": None}
+        flag = "is_sft" if version_in(imported_version("megatron.core").version, "<0.19") else "has_cu_seqlens"
+        with stock_attention_on_cpu():  # megatron.core.utils' receive buffers on torch.cuda.current_device()
+            out = core_utils.get_batch_on_this_tp_rank(
+                batch, **{flag: False}, is_hybrid_cp=False, create_attention_mask_in_dataloader=False,
+                broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+                broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=1,
+                tp_rank=mpu.get_tensor_model_parallel_rank(), micro_batch_size=1, seq_length=8, mtp_on_this_rank=False,
+                pipeline_model_parallel_size=2, is_pipeline_first_stage=False, is_pipeline_last_stage=True)
+        return out["tokens"], out["cu_seqlens"].tolist(), out["max_seqlen"].tolist(), out["labels"].tolist()
+    finally:
+        uninstall_cp_route()
+        mpu.destroy_model_parallel()
+        sys.path.remove(str(STANDIN))
+        for name in [n for n in sys.modules if n.startswith("megatron.training")]:
+            del sys.modules[name]
+
+
+@pytest.mark.skipif(not NEW_LM, reason="Megatron-Core's get_batch_on_this_tp_rank(batch, ...) exists from 0.18")
+def test_document_boundaries_reach_every_tp_rank_from_0_18(ranks):
+    labels = [[9, 2, 3, 9, 9, 4, 5, 1]]
+    assert ranks.run(2, boundaries_over_tp_from_0_18, timeout=60) == [(None, [[0, 2, 5, 6, 8]], [8], labels)] * 2
+
+
 def test_a_stage_without_boundaries_refuses_instead_of_attending_across_documents():
     """Megatron-LM's get_batch gives middle pipeline stages no batch: with documents that is an error."""
     from types import SimpleNamespace

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Runs real Megatron-LM pretrain_gpt.py (core_v0.16.1) on CPU, 2 ranks, gloo: stock cp = 1 with its dense
-# EOD document mask against l3plugin's CP = 2 (launcher, both layouts, both K/V modes; the two-line patch),
-# the stock refusal and the planner's emitted flags; prints each run's lm loss per iteration.
+# Runs real Megatron-LM pretrain_gpt.py (core_v0.16.1 .. core_v0.19.0) on CPU, 2 ranks, gloo: stock cp = 1 with
+# its dense EOD document mask against l3plugin's CP = 2 (launcher, both layouts, both K/V modes; the two-line
+# patch), the stock refusal, the planner's emitted flags, and the flexible schedule against stock's at PP 2 (with
+# and without virtual stages); prints each run's lm loss per iteration.
 # See ../README.md, "Checked with the real script".
-# Usage: MLM=/path/to/Megatron-LM VENV=/path/to/venv DATA=/path/prefix_text_document check.sh [RUN...]
+# Usage: MLM=/path/to/Megatron-LM VENV=/path/to/venv DATA=/path/prefix_text_document [TAG=core_v0.19.0] check.sh [RUN...]
+# (TAG picks patches/megatron-lm-$TAG-pretrain_gpt.patch; l3plugin must be importable in VENV or on PYTHONPATH.)
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 MLM=${MLM:?Megatron-LM checkout}; VENV=${VENV:?venv with torch, megatron-core, l3plugin, six, regex, pyyaml, pybind11}
 DATA=${DATA:?indexed dataset prefix (make_data.py)}; OUT=${OUT:-$PWD/cpu_check_logs}; ITERS=${ITERS:-5}
+TAG=${TAG:-core_v0.16.1}
 mkdir -p "$OUT"; cd "$MLM"
 export PATH="$VENV/bin:$PATH" OMP_NUM_THREADS=1
 TINY="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2
@@ -20,6 +23,8 @@ CPU="--max-position-embeddings 256 --position-embedding-type rope --transformer-
  --log-interval 1 --eval-iters 0 --eval-interval 1000 --no-rope-fusion --no-masked-softmax-fusion
  --no-bias-gelu-fusion --no-bias-dropout-fusion --no-gradient-accumulation-fusion --no-persist-layer-norm"
 MODEL="$TINY $CPU"
+MODEL4="${MODEL/--num-layers 2/--num-layers 4}"  # pp 2 x 2 virtual stages of one layer each
+PP2="--pipeline-model-parallel-size 2"; VP2="$PP2 --num-layers-per-virtual-pipeline-stage 1"
 DOCS="--reset-attention-mask --reset-position-ids --eod-mask-loss --calculate-per-token-loss"
 CP="--context-parallel-size 2 --cp-comm-type l3plugin_all_gather"
 RUN="torchrun --nproc-per-node 2 $HERE/cpu_run.py"
@@ -32,14 +37,14 @@ VP2="--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1"
 TP2PP2="--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"
 INIT="--load $OUT/init_ckpt --finetune --no-load-optim --no-load-rng"
 [ -f pretrain_gpt_l3plugin.py ] || patch -p1 -o pretrain_gpt_l3plugin.py pretrain_gpt.py \
-    < "$HERE/../../../patches/megatron-lm-core_v0.16.1-pretrain_gpt.patch" >/dev/null
+    < "$HERE/../../../patches/megatron-lm-$TAG-pretrain_gpt.patch" >/dev/null
 
 # The planner's Megatron-LM arguments for the same tiny model on 2 GPUs with CP 2 (bf16, distributed optimizer).
-plan() { "$VENV/bin/l3plugin" plan --model "$HERE/tiny_model.json" --gpus 2 --seq-len 256 --global-batch-tokens 1024 \
+plan() { "$VENV/bin/python" -m l3plugin plan --model "$HERE/tiny_model.json" --gpus 2 --seq-len 256 --global-batch-tokens 1024 \
     --tp 1 --pp 1 --cp 2 --cp-policy any --cp-kv "$1" --emit megatron | grep -v '^#' | tr -d '\\\n'; }
 PLAN_REGATHER=$(plan regather); PLAN_KEEP=$(plan keep)
 # The 131K plan's shape (TP, CP, PP, uneven virtual stages 'E|(t|)*nL', flexible schedule) for 4 layers on 8 ranks.
-PLAN_4D=$("$VENV/bin/l3plugin" plan --model "$HERE/tiny_model_4layers.json" --gpus 8 --seq-len 256 \
+PLAN_4D=$("$VENV/bin/python" -m l3plugin plan --model "$HERE/tiny_model_4layers.json" --gpus 8 --seq-len 256 \
     --global-batch-tokens 1024 --tp 2 --pp 2 --cp 2 --cp-policy any --emit megatron | grep -v '^#' | tr -d '\\\n' | tr -d "'")
 PLAN_CP1=$(echo "$PLAN_REGATHER" | sed 's/--context-parallel-size 2/--context-parallel-size 1/;
     s/--cp-comm-type l3plugin_all_gather//; s/--l3plugin-cp-kv regather//')
@@ -76,9 +81,17 @@ declare -A CMD=(
   [planner_cp2_regather]="$LAUNCH $PLAN_REGATHER $CPU $DOCS"
   [planner_cp2_keep]="$LAUNCH $PLAN_KEEP $CPU $DOCS"
   [planner_flags_cp1_stock]="$RUN pretrain_gpt.py $PLAN_CP1 $CPU $DOCS"
+  [pp2_stock]="$RUN pretrain_gpt.py $MODEL4 $PP2"
+  [pp2_flexible]="$LAUNCH $MODEL4 $PP2 --pipeline-schedule flexible"
+  [pp2_vp2_stock]="$RUN pretrain_gpt.py $MODEL4 $VP2"
+  [pp2_vp2_flexible]="$LAUNCH $MODEL4 $VP2 --pipeline-schedule flexible"
+  [pp2_vp2_patch_flexible]="$RUN pretrain_gpt_l3plugin.py $MODEL4 $VP2 --pipeline-schedule flexible"
+  [pp2_vp2_k1_flexible]="$LAUNCH $MODEL4 $VP2 --microbatch-group-size-per-virtual-pipeline-stage 1 --pipeline-schedule flexible"
+  [pp2_vp2_k1_stock_refuses]="$RUN pretrain_gpt.py $MODEL4 $VP2 --microbatch-group-size-per-virtual-pipeline-stage 1"
 )
 ORDER="cp1_stock cp2_2cp_regather cp2_2cp_keep cp2_balanced_regather cp2_balanced_keep cp2_patch_2cp cp2_no_documents cp2_stock_refuses
  cp1_stock_per_rank_mean cp2_2cp_per_rank_mean pp2_cp1_stock pp2_cp2_2cp planner_cp2_regather planner_cp2_keep planner_flags_cp1_stock
+ pp2_stock pp2_flexible pp2_vp2_stock pp2_vp2_flexible pp2_vp2_patch_flexible pp2_vp2_k1_flexible pp2_vp2_k1_stock_refuses
  init_ckpt ckpt_cp1_stock ckpt_pp4_cp1_stock ckpt_pp4_cp2 ckpt_pp4_cp2_flexible ckpt_vp2_cp1_flexible ckpt_vp2_cp2_flexible
  ckpt_vp2_cp2_stock ckpt_tp2_pp2_cp1_stock ckpt_tp2_pp2_cp2 planner_4d planner_4d_fp32 ckpt_cp1_stock_bf16"
 for name in ${@:-$ORDER}; do
@@ -86,4 +99,5 @@ for name in ${@:-$ORDER}; do
   timeout 900 ${CMD[$name]} > "$OUT/$name.log" 2>&1; echo "   exit $?"
   grep -ao "lm loss: [^ ]*" "$OUT/$name.log" | awk '{printf "   %s", $3} END {print ""}'
   grep -m1 -o "AssertionError: Context parallelism[^\"']*" "$OUT/$name.log" | sed 's/^/   /'
+  grep -m1 -o "ValueError: The number of contiguous micro-batches[^\"']*" "$OUT/$name.log" | sed 's/^/   /'
 done
