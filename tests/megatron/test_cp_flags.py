@@ -366,6 +366,8 @@ def pipelined_step(ranks, argv, out_dir, cp=1):
     return losses[0], grads, out
 
 
+@pytest.mark.skipif(NEW_LM, reason="the 0.18+ stand-in runs one pipeline stage (its pretrain_gpt's get_batch is "
+                                   "mirrored for PP = 1 only); the 4D layouts are tested on the 0.16 stand-in")
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_documents_on_every_pipeline_stage_equal_stock_cp1(ranks, tmp_path, layout):
     """cp = 2 with documents through the launcher equals stock Megatron-Core at cp = 1 (dense EOD mask, every
