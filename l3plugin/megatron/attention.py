@@ -105,9 +105,10 @@ class AllGatherCPCoreAttention(torch.nn.Module):
             if self.documents_required:
                 raise ValueError(
                     f"layer {self.layer_number}: document masks are on (--reset-attention-mask) but this forward "
-                    f"got no packed_seq_params.cu_seqlens_q. Megatron-LM's get_batch gives the batch, and with "
-                    f"it the document boundaries, only to the first and last pipeline stages: with document "
-                    f"masks every model chunk must be a first or last stage (PP <= 2, no virtual stages)")
+                    f"got no packed_seq_params.cu_seqlens_q. Megatron-LM's get_batch gives the boundaries only "
+                    f"to the first and last pipeline stages; l3plugin gives them to the others inside a "
+                    f"schedule call (a forward_backward_func from get_forward_backward_func, after "
+                    f"l3plugin.megatron.install()): run the model's forwards through it")
             return torch.tensor([0, seq_len])
         return packed_seq_params.cu_seqlens_q
 

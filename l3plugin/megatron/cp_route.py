@@ -4,7 +4,7 @@ l3plugin_all_gather`` (plus ``--reset-attention-mask`` for document masks) in an
 Stock Megatron-LM gives CP only to Transformer Engine's attention (the local DotProductAttention asserts
 cp == 1), and its document masks (--reset-attention-mask) are a dense [s, s] mask that CP cannot use.
 ``install_cp_route()`` (called by ``l3plugin.megatron.install()``, hence by the launcher and the patch)
-changes four things, each only while l3plugin's cp_comm_type is selected:
+changes five things, each only while l3plugin's cp_comm_type is selected:
 
 - Model: every ``SelfAttention`` built with ``cp_comm_type="l3plugin_all_gather"`` (Megatron's
   TransformerLayer passes the config's cp_comm_type when cp > 1) gets l3plugin's all-gather CP attention
@@ -19,11 +19,11 @@ changes four things, each only while l3plugin's cp_comm_type is selected:
   ``PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=<global boundaries>)``. Without
   --reset-attention-mask, Megatron's own get_batch_on_this_cp_rank shards by the paper's layout, which is
   l3plugin's "2cp". The dense mask is never built (``create_attention_mask_in_dataloader`` is turned off).
+- Every pipeline stage: Megatron-LM's get_batch reads data on the first and last stages only, so with
+  document masks a forward pre-hook on every GPTModel chunk gives each micro-batch the first stage's
+  boundaries (``l3plugin.megatron.cp_documents``: sent over the pipeline group, per micro-batch, with bounded
+  waits): any PP, virtual stages, stock or flexible schedules.
 - Arguments: bad combinations are refused when Megatron-LM has parsed them (``check_cp_args``).
-
-Megatron-LM's get_batch gives the batch only to the first and last pipeline stages; a middle stage
-(PP > 2, or a middle virtual stage) never sees the document boundaries, so with documents it raises
-instead of silently attending across documents.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from l3plugin.cp import CP_KV_MODES
 from l3plugin.cp.layout import LAYOUT_NAMES
 from l3plugin.cp.sharding import cu_seqlens_from_eod, shard_batch
 from l3plugin.megatron.attention import CP_COMM_TYPE, AllGatherCPCoreAttention
+from l3plugin.megatron.cp_documents import fill_boundaries, sbhd_packed_params
 from l3plugin.patches import CP_ROUTE
 
 TE_MODULE = "megatron.core.extensions.transformer_engine"
@@ -200,7 +201,10 @@ def _gpt_model_init(self, *args, **kwargs):
     CP_ROUTE.stock("GPTModel.__init__")(self, *args, **kwargs)
     comm = self.config.cp_comm_type
     if self.config.context_parallel_size > 1 and CP_COMM_TYPE in (comm if isinstance(comm, list) else [comm]):
-        layout = _route_for_model().layout
+        route = _route_for_model()
+        if route.documents:  # before the RoPE hook below, which reads the boundaries
+            self.register_forward_pre_hook(fill_boundaries, with_kwargs=True, prepend=True)
+        layout = route.layout
         if layout != "2cp":
             from l3plugin.megatron.attention import rope_follows_cp_layout
 
@@ -261,20 +265,12 @@ def packed_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded, max_seqle
     if route is None:
         return CP_ROUTE.stock("megatron.core.utils.get_thd_batch_on_this_cp_rank")(
             batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size, cp_rank)
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     cp_size = parallel_state.get_context_parallel_world_size() if cp_size is None else cp_size
     cp_rank = parallel_state.get_context_parallel_rank() if cp_rank is None else cp_rank
     cu = cu_seqlens.reshape(-1)
     if cp_size > 1:
         batch = shard_batch(batch, cp_size, cp_rank, layout=route.layout, cu_seqlens=cu)
-    # Megatron's RoPE takes its length from max_seqlen whenever packed_seq_params is given
-    # (RotaryEmbedding.get_rotary_seq_len), then slices it by CP rank. In "sbhd" every token keeps its global
-    # position, so that length is the whole sequence, not the longest document.
-    seq_len = int(cu[-1])
-    packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=seq_len, max_seqlen_kv=seq_len)
-    return batch, packed
+    return batch, sbhd_packed_params(cu)
 
 
 # ---- install ----

@@ -13,7 +13,9 @@ A script that bound the selector by name before ``install()`` ran (``from megatr
 import get_forward_backward_func`` at its top) keeps Megatron's own selector. That selector returns the stock
 pipelined schedules it reads from ``schedules``' module globals at call time, so ``install()`` also puts a
 guard there: while the flexible schedule is selected, a call that reaches the stock pipelined schedule runs
-the flexible one instead and warns once (``EarlyBoundSelectorWarning``) naming the fix. ``install()`` also
+the flexible one instead and warns once (``EarlyBoundSelectorWarning``) naming the fix. The guard also runs
+each stock pipelined schedule call inside ``cp_documents.boundaries_for_step`` (document masks of the CP
+route on middle pipeline stages), as the flexible schedule does itself. ``install()`` also
 warns right away about modules whose global ``get_forward_backward_func`` is still Megatron's.
 """
 
@@ -23,6 +25,7 @@ import functools
 import sys
 import warnings
 
+from l3plugin.megatron.cp_documents import schedule_step
 from l3plugin.megatron.cp_route import add_cp_arguments, install_cp_route, prepare_cp_args, uninstall_cp_route
 from l3plugin.patches import MEGATRON, MEGATRON_LM_ARGS
 
@@ -41,10 +44,12 @@ FIX = ("call l3plugin.megatron.install() before importing get_forward_backward_f
 
 
 def _guard(name, stock_fn):
+    stock_step = schedule_step(stock_fn)  # document boundaries for middle stages (cp_documents.py)
+
     @functools.wraps(stock_fn)
     def guarded(*args, **kwargs):
         if selected_schedule() != "flexible":
-            return stock_fn(*args, **kwargs)
+            return stock_step(*args, **kwargs)
         if not _state["warned"]:
             _state["warned"] = True
             warnings.warn(f"Megatron's stock {name} was reached through a get_forward_backward_func bound before "

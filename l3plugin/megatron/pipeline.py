@@ -27,6 +27,7 @@ import inspect
 import torch
 
 from l3plugin.checks import check_int
+from l3plugin.megatron.cp_documents import schedule_step
 from l3plugin.schedule.comm import PipelineChannels, pair_orders
 from l3plugin.schedule.plan import FORWARD, RankPlan, Schedule, build_schedule
 
@@ -107,6 +108,7 @@ def _model_device(model) -> torch.device:
     return torch.device("cpu")
 
 
+@schedule_step  # document boundaries of the CP route for middle stages (cp_documents.py)
 def forward_backward_pipelining_flexible(
     *, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
     decoder_seq_length=None, forward_only=False, collect_non_loss_data=False, first_val_step=None,

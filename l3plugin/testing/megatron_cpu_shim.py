@@ -1,6 +1,6 @@
 """TEST-ONLY: run Megatron-Core 0.16.1's *stock* pipeline schedules on CPU, so tests can compare with them.
 
-The stock schedules hard-code CUDA in a few places (measured in ../shared/notes/upstream-facts.md):
+The stock schedules hard-code CUDA in a few places (measured on Megatron-Core 0.16.1):
   schedules.py:596/983/2138      torch.zeros([], dtype=torch.int, device="cuda")   (token counter)
   p2p_communication.py:313/321   torch.empty(..., device=torch.cuda.current_device())  (receive buffers)
   p2p_communication.py:398/242   torch.cuda.synchronize()
@@ -92,6 +92,39 @@ SEQUENCE_PARALLEL = PatchSet("l3plugin.testing (sequence parallel on CPU; TEST-O
 def sequence_parallel_on_cpu():
     """Within this block a sequence-parallel GPTModel runs its forward on CPU (no CUDA RNG tracker)."""
     return SEQUENCE_PARALLEL.within()
+
+
+def fused_layer_norm_by_torch(self, input):
+    """Megatron's FusedLayerNorm.forward (apex's fused affine layer norm), computed by torch."""
+    weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+    return torch.nn.functional.layer_norm(input, tuple(self.hidden_size), weight, self.bias, self.eps)
+
+
+_FUSED_LN = "megatron.core.fusions.fused_layer_norm"
+# Megatron-Core's local spec, without apex, takes WrappedTorchNorm, which refuses sequence parallelism.
+SEQUENCE_PARALLEL_NORM = PatchSet("l3plugin.testing (sequence-parallel layer norm on CPU; TEST-ONLY)",
+                                  "megatron-core", "0.16.1", [
+    Patch(_FUSED_LN, "HAVE_FUSED_LAYER_NORM", "l3plugin.testing.megatron_cpu_shim:HAVE_FUSED_LAYER_NORM",
+          why="Megatron's FusedLayerNorm needs apex (GPU); its torch equivalent below stands in"),
+    Patch(f"{_FUSED_LN}:FusedLayerNorm", "forward", "l3plugin.testing.megatron_cpu_shim:fused_layer_norm_by_torch",
+          signature=("self", "input"), why="apex's fused layer norm, computed by torch.nn.functional.layer_norm"),
+    Patch("megatron.core.models.backends", "LNImpl", f"{_FUSED_LN}:FusedLayerNorm",
+          why="without apex the local spec takes WrappedTorchNorm, which refuses sequence parallelism"),
+    Patch("megatron.core.models.gpt.gpt_layer_specs", "LNImpl", f"{_FUSED_LN}:FusedLayerNorm",
+          why="the same choice where the decoder block specs read it"),
+    Patch("megatron.core.transformer.transformer_block", "LayerNormImpl", f"{_FUSED_LN}:FusedLayerNorm",
+          why="the final layer norm, likewise"),
+])
+HAVE_FUSED_LAYER_NORM = True
+
+
+@contextlib.contextmanager
+def sequence_parallel_norm_on_cpu():
+    """Within this block Megatron-Core's local spec uses FusedLayerNorm (computed by torch), which marks its
+    parameters sequence_parallel as on a GPU with apex, and sequence parallelism runs on CPU
+    (``sequence_parallel_on_cpu``): the local spec then runs with sequence parallelism."""
+    with SEQUENCE_PARALLEL.within(), SEQUENCE_PARALLEL_NORM.within():
+        yield
 
 
 def stock_schedules_on_cpu():

@@ -38,7 +38,8 @@ def run_standin(argv, out_dir, launcher=True):
     from megatron.core import parallel_state
 
     from l3plugin.megatron import launch, uninstall
-    from l3plugin.testing.megatron_cpu_shim import stock_attention_on_cpu
+    from l3plugin.testing.megatron_cpu_shim import (sequence_parallel_norm_on_cpu, stock_attention_on_cpu,
+                                                    stock_schedules_on_cpu)
 
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     sys.path.insert(0, str(STANDIN))
@@ -46,7 +47,9 @@ def run_standin(argv, out_dir, launcher=True):
     out = os.path.join(out_dir, f"rank{dist.get_rank()}.pt")
     try:
         # stock's local attention (the reference) and Megatron's RoPE allocate on "cuda"
-        with stock_attention_on_cpu(), rope_on_cpu():
+        # with --sequence-parallel: the local spec's norms as with apex on a GPU (WrappedTorchNorm refuses SP)
+        norms = sequence_parallel_norm_on_cpu() if "--sequence-parallel" in argv else contextlib.nullcontext()
+        with stock_attention_on_cpu(), stock_schedules_on_cpu(), norms, rope_on_cpu():
             if launcher == "patch":
                 sys.argv[:] = [str(SCRIPT), *argv, "--standin-result", out]
                 os.environ["STANDIN_AS_PATCHED"] = "1"
@@ -331,3 +334,90 @@ def test_a_stage_without_boundaries_refuses_instead_of_attending_across_document
                 core(q, q, q, None)
         else:
             assert core(q, q, q, None).shape == (4, 1, 8)
+
+
+# ---- the 4D layouts: documents on every pipeline stage, virtual stages, TP with sequence parallel ----
+
+PIPELINE = ["--num-layers", "4", "--seq-length", "32", "--transformer-impl", "local", "--position-embedding-type",
+            "rope", "--global-batch-size", "4"]  # one layer per (virtual) stage; 4 micro-batches
+PP = "--pipeline-model-parallel-size"
+# Ours (cp = 2), and the reference: stock Megatron-Core at cp = 1 with its dense EOD mask where every stage is a
+# first or last stage (stock gives a middle stage no mask: it attends across documents). Weights come from the
+# parameters' global names, so the layouts start from the same numbers.
+LAYOUTS = {
+    "pp4": ([PP, "4"], [PP, "2"]),  # Megatron's stock 1F1B, two middle stages
+    "pp2_vp2_flexible": ([PP, "2", "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule",
+                          "flexible"], [PP, "2"]),  # every rank holds a middle virtual stage
+    "tp2_pp2": (["--tensor-model-parallel-size", "2", "--sequence-parallel", PP, "2"],
+                ["--tensor-model-parallel-size", "2", "--sequence-parallel", PP, "2"]),
+}
+
+
+def world_of(argv, cp=1):
+    sizes = {flag: int(value) for flag, value in zip(argv, argv[1:])
+             if flag in (PP, "--tensor-model-parallel-size")}
+    return cp * sizes.get(PP, 1) * sizes.get("--tensor-model-parallel-size", 1)
+
+
+def pipelined_step(ranks, argv, out_dir, cp=1):
+    """Losses ([sum, tokens] per micro-batch, from the last stage) and every gradient keyed by TP rank."""
+    out = ranks.run(world_of(argv, cp), run_standin, argv, out_dir, timeout=300)
+    losses = [r["losses"] for r in out if r["losses"]]
+    grads = {(r["tp_rank"], name): g for r in out if r["cp_rank"] == 0 for name, g in r["grads"].items()}
+    return losses[0], grads, out
+
+
+@pytest.mark.skipif(NEW_LM, reason="the 0.18+ stand-in runs one pipeline stage (its pretrain_gpt's get_batch is "
+                                   "mirrored for PP = 1 only); the 4D layouts are tested on the 0.16 stand-in")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_documents_on_every_pipeline_stage_equal_stock_cp1(ranks, tmp_path, layout):
+    """cp = 2 with documents through the launcher equals stock Megatron-Core at cp = 1 (dense EOD mask, every
+    stage a first or last one): per micro-batch loss sums and token counts, every gradient. Middle stages get
+    no batch from get_batch; their attention would otherwise see one document, and RoPE the wrong length."""
+    ours, reference = LAYOUTS[layout]
+    ref_losses, ref_grads, ref = pipelined_step(ranks, [*PIPELINE, *DOCS, *reference], str(tmp_path / "cp1"))
+    assert ref[0]["core_attention"] == "DotProductAttention"
+    losses, grads, out = pipelined_step(ranks, [*PIPELINE, *DOCS, *OURS, *ours], str(tmp_path / "cp2"), cp=2)
+    assert {r["core_attention"] for r in out} == {"AllGatherCPCoreAttention"}
+    assert len(losses) == len(ref_losses) == 4
+    for got, want in zip(losses, ref_losses):
+        assert int(got[1]) == int(want[1])
+        assert abs(float(got[0] - want[0])) <= 1e-5 * abs(float(want[0]))
+    assert grads.keys() == ref_grads.keys()
+    for key, g in ref_grads.items():
+        err = float((grads[key] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+        assert err < 1e-5, f"{key}: relative error {err:.2e}"
+
+
+def mismatched_boundaries():
+    """Two pipeline stages; the last stage's own batch has other boundaries than the first stage sent."""
+    from megatron.core import parallel_state
+
+    from l3plugin.megatron.cp_documents import BoundaryChannel
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    try:
+        channel = BoundaryChannel(parallel_state.get_pipeline_model_parallel_group(), torch.device("cpu"))
+        chunk = object()
+        if channel.is_source:
+            first = channel.boundaries(chunk, torch.tensor([0, 5, 32], dtype=torch.int32)).tolist()
+            second = channel.boundaries(chunk, torch.tensor([0, 9, 32], dtype=torch.int32)).tolist()
+            channel.finish()
+            return [first, second]
+        middle = channel.boundaries(chunk, None).tolist()  # a middle stage: the first stage's
+        try:
+            channel.boundaries(chunk, torch.tensor([0, 10, 32], dtype=torch.int32))
+        except ValueError as exc:
+            return [middle, str(exc)]
+        return [middle, "no error"]
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_a_stage_reading_another_microbatch_is_named(ranks):
+    source, other = ranks.run(2, mismatched_boundaries, timeout=60)
+    assert source == [[0, 5, 32], [0, 9, 32]]
+    assert other[0] == [0, 5, 32]
+    assert "rank 1: micro-batch 1: the document boundaries of this stage's batch [0, 10, 32] differ from the " \
+           "first stage's [0, 9, 32]" in other[1]

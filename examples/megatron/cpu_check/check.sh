@@ -29,7 +29,13 @@ DOCS="--reset-attention-mask --reset-position-ids --eod-mask-loss --calculate-pe
 CP="--context-parallel-size 2 --cp-comm-type l3plugin_all_gather"
 RUN="torchrun --nproc-per-node 2 $HERE/cpu_run.py"
 LAUNCH="$RUN -m l3plugin.megatron.launch pretrain_gpt.py"
-LAUNCH4="${LAUNCH/--nproc-per-node 2/--nproc-per-node 4}"
+LAUNCH4="${LAUNCH/--nproc-per-node 2/--nproc-per-node 4}"; LAUNCH8="${LAUNCH/--nproc-per-node 2/--nproc-per-node 8}"
+RUN4="${RUN/--nproc-per-node 2/--nproc-per-node 4}"
+# 4D layouts: 4 layers (one per stage, or per virtual stage), 3 iterations (8 ranks on 2 cores are slow).
+MODEL4="${MODEL/--num-layers 2/--num-layers 4}"; MODEL4="${MODEL4/--train-iters $ITERS/--train-iters ${ITERS4:-3}}"
+VP2="--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1"
+TP2PP2="--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"
+INIT="--load $OUT/init_ckpt --finetune --no-load-optim --no-load-rng"
 [ -f pretrain_gpt_l3plugin.py ] || patch -p1 -o pretrain_gpt_l3plugin.py pretrain_gpt.py \
     < "$HERE/../../../patches/megatron-lm-$TAG-pretrain_gpt.patch" >/dev/null
 
@@ -37,6 +43,9 @@ LAUNCH4="${LAUNCH/--nproc-per-node 2/--nproc-per-node 4}"
 plan() { "$VENV/bin/python" -m l3plugin plan --model "$HERE/tiny_model.json" --gpus 2 --seq-len 256 --global-batch-tokens 1024 \
     --tp 1 --pp 1 --cp 2 --cp-policy any --cp-kv "$1" --emit megatron | grep -v '^#' | tr -d '\\\n'; }
 PLAN_REGATHER=$(plan regather); PLAN_KEEP=$(plan keep)
+# The 131K plan's shape (TP, CP, PP, uneven virtual stages 'E|(t|)*nL', flexible schedule) for 4 layers on 8 ranks.
+PLAN_4D=$("$VENV/bin/python" -m l3plugin plan --model "$HERE/tiny_model_4layers.json" --gpus 8 --seq-len 256 \
+    --global-batch-tokens 1024 --tp 2 --pp 2 --cp 2 --cp-policy any --emit megatron | grep -v '^#' | tr -d '\\\n' | tr -d "'")
 PLAN_CP1=$(echo "$PLAN_REGATHER" | sed 's/--context-parallel-size 2/--context-parallel-size 1/;
     s/--cp-comm-type l3plugin_all_gather//; s/--l3plugin-cp-kv regather//')
 
@@ -51,6 +60,22 @@ declare -A CMD=(
   [cp2_stock_refuses]="$RUN pretrain_gpt.py $MODEL $DOCS $CP"
   [pp2_cp1_stock]="$RUN pretrain_gpt.py $MODEL $DOCS --pipeline-model-parallel-size 2"
   [pp2_cp2_2cp]="$LAUNCH4 $MODEL $DOCS $CP --pipeline-model-parallel-size 2"
+  # 4D layouts. Megatron seeds each pipeline stage's weights differently, so every run starts from one checkpoint
+  # (saved after an lr = 0 step) and compares with stock PP 1 (every stage is a first/last one: its dense EOD
+  # mask reaches every layer; stock gives a middle stage attention_mask None, i.e. no documents).
+  [init_ckpt]="$RUN pretrain_gpt.py $MODEL4 $DOCS --train-iters 1 --lr 0 --save $OUT/init_ckpt --save-interval 1"
+  [ckpt_cp1_stock]="$RUN pretrain_gpt.py $MODEL4 $DOCS $INIT"
+  [ckpt_pp4_cp1_stock]="$RUN4 pretrain_gpt.py $MODEL4 $DOCS $INIT --pipeline-model-parallel-size 4"
+  [ckpt_pp4_cp2]="$LAUNCH8 $MODEL4 $DOCS $INIT $CP --pipeline-model-parallel-size 4"
+  [ckpt_pp4_cp2_flexible]="$LAUNCH8 $MODEL4 $DOCS $INIT $CP --pipeline-model-parallel-size 4 --pipeline-schedule flexible"
+  [ckpt_vp2_cp1_flexible]="$LAUNCH $MODEL4 $DOCS $INIT $VP2 --pipeline-schedule flexible"
+  [ckpt_vp2_cp2_flexible]="$LAUNCH4 $MODEL4 $DOCS $INIT $CP $VP2 --pipeline-schedule flexible"
+  [ckpt_vp2_cp2_stock]="$LAUNCH4 $MODEL4 $DOCS $INIT $CP $VP2"
+  [ckpt_tp2_pp2_cp1_stock]="$RUN4 pretrain_gpt.py $MODEL4 $DOCS $INIT $TP2PP2"
+  [ckpt_tp2_pp2_cp2]="$LAUNCH8 $MODEL4 $DOCS $INIT $CP $TP2PP2"
+  [planner_4d]="$LAUNCH8 $PLAN_4D $CPU $DOCS $INIT"
+  [planner_4d_fp32]="$LAUNCH8 ${PLAN_4D/--bf16 /} $CPU $DOCS $INIT"
+  [ckpt_cp1_stock_bf16]="$RUN pretrain_gpt.py $MODEL4 $DOCS $INIT --bf16 --use-distributed-optimizer --accumulate-allreduce-grads-in-fp32"
   [cp1_stock_per_rank_mean]="$RUN pretrain_gpt.py $MODEL ${DOCS/ --calculate-per-token-loss/}"
   [cp2_2cp_per_rank_mean]="$LAUNCH $MODEL ${DOCS/ --calculate-per-token-loss/} $CP"
   [planner_cp2_regather]="$LAUNCH $PLAN_REGATHER $CPU $DOCS"
@@ -66,11 +91,13 @@ declare -A CMD=(
 )
 ORDER="cp1_stock cp2_2cp_regather cp2_2cp_keep cp2_balanced_regather cp2_balanced_keep cp2_patch_2cp cp2_no_documents cp2_stock_refuses
  cp1_stock_per_rank_mean cp2_2cp_per_rank_mean pp2_cp1_stock pp2_cp2_2cp planner_cp2_regather planner_cp2_keep planner_flags_cp1_stock
- pp2_stock pp2_flexible pp2_vp2_stock pp2_vp2_flexible pp2_vp2_patch_flexible pp2_vp2_k1_flexible pp2_vp2_k1_stock_refuses"
+ pp2_stock pp2_flexible pp2_vp2_stock pp2_vp2_flexible pp2_vp2_patch_flexible pp2_vp2_k1_flexible pp2_vp2_k1_stock_refuses
+ init_ckpt ckpt_cp1_stock ckpt_pp4_cp1_stock ckpt_pp4_cp2 ckpt_pp4_cp2_flexible ckpt_vp2_cp1_flexible ckpt_vp2_cp2_flexible
+ ckpt_vp2_cp2_stock ckpt_tp2_pp2_cp1_stock ckpt_tp2_pp2_cp2 planner_4d planner_4d_fp32 ckpt_cp1_stock_bf16"
 for name in ${@:-$ORDER}; do
   echo "== $name: ${CMD[$name]}" | tr -s ' \n' ' '; echo
   timeout 900 ${CMD[$name]} > "$OUT/$name.log" 2>&1; echo "   exit $?"
-  grep -o "lm loss: [^ ]*" "$OUT/$name.log" | awk '{printf "   %s", $3} END {print ""}'
+  grep -ao "lm loss: [^ ]*" "$OUT/$name.log" | awk '{printf "   %s", $3} END {print ""}'
   grep -m1 -o "AssertionError: Context parallelism[^\"']*" "$OUT/$name.log" | sed 's/^/   /'
   grep -m1 -o "ValueError: The number of contiguous micro-batches[^\"']*" "$OUT/$name.log" | sed 's/^/   /'
 done

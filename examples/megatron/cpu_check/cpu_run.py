@@ -20,10 +20,17 @@ Megatron-LM asserts CUDA and allocates on "cuda" in many places; here "cuda" mea
   --hidden-dropout 0 (then nothing random is drawn inside a fork).
 - triton: batch_invariant_kernels (imported by initialize.py) is imported once with a stub triton
   (jit, cdiv, language.constexpr), removed again so torch keeps seeing no triton; where triton is installed
-  (Megatron-Core 0.18+ imports it in pipeline_parallel) nothing is stubbed.
+  (Megatron-Core 0.18+ imports it in pipeline_parallel; saving a checkpoint spawns processes that import
+  pretrain_gpt.py, hence triton, themselves) nothing is stubbed.
+- With --sequence-parallel: the local spec's layer norm is Megatron's FusedLayerNorm computed by torch
+  (WrappedTorchNorm, the local spec's norm without apex, refuses sequence parallelism); it marks its
+  parameters sequence_parallel as with apex on a GPU.
 - torch.compile (Megatron's jit_fuser) returns the function: the fused bias/dropout ops run eagerly.
 - megatron.legacy.fused_kernels.load (it runs nvcc; gone in 0.19) does nothing; initialize.py's JIT warm-up (dropout on
   tensors sized by the CP size) runs with the CPU generator's state restored after it.
+- torch.distributed.isend sends a private copy: Megatron frees a sent output right after posting its
+  isend (schedules.py deallocate_output_tensor), which on a GPU is ordered behind the send on its stream but
+  on gloo can be read after the free (the stock interleaved schedule then sent garbage).
 - The dataset helpers' `make` (initialize.py runs it on rank 0 at every start) builds for this Python.
 """
 import contextlib
@@ -203,6 +210,26 @@ def rng_tracker_without_cuda():
     tracker.set_states = lambda self, states: None
 
 
+def isend_a_private_copy():
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    stock = distributed_c10d.isend
+
+    @functools.wraps(stock)
+    def isend(tensor, *args, **kwargs):
+        return stock(tensor.clone(), *args, **kwargs)
+
+    dist.isend = distributed_c10d.isend = isend  # P2POp checks its op against distributed_c10d.isend
+
+
+def sequence_parallel_norm():
+    from l3plugin.testing.megatron_cpu_shim import SEQUENCE_PARALLEL, SEQUENCE_PARALLEL_NORM
+
+    SEQUENCE_PARALLEL.apply()
+    SEQUENCE_PARALLEL_NORM.apply()
+
+
 def main():
     argv = sys.argv[1:]
     if argv[:1] == ["-m"]:
@@ -216,6 +243,9 @@ def main():
     import_batch_invariant_kernels_with_a_triton_stub()
     rng_tracker_without_cuda()
     no_cuda_kernels()
+    isend_a_private_copy()
+    if "--sequence-parallel" in argv:
+        sequence_parallel_norm()
     if module is None:
         sys.argv = rest
         runpy.run_path(script, run_name="__main__")

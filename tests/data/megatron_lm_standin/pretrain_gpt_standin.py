@@ -1,7 +1,10 @@
 """Stand-in for Megatron-LM's pretrain_gpt.py (core_v0.16.1): the same functions imported by name at the
 top, the same get_batch and forward_step, the model built as gpt_builders.py builds it. One forward and
 backward of one packed sequence (documents ending in EOD, several crossing the CP chunk borders); the
-loss, token count and gradients, summed over the CP group, are saved to --standin-result."""
+loss, token count and gradients, summed over the CP group, are saved to --standin-result.
+With TP or PP > 1: one training step of --global-batch-size micro-batches through
+get_forward_backward_func(), as Megatron-LM's train_step runs it (data read on TP rank 0 of the first
+and last stages only; middle stages' get_batch returns None), weights from their global names."""
 import os
 import sys
 
@@ -12,7 +15,7 @@ from megatron.training.utils import (get_batch_on_this_cp_rank, get_batch_on_thi
                                      is_first_or_last_pipeline_stage)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/data: standin_gpt
-from standin_gpt import run_step  # noqa: E402
+from standin_gpt import run_step, train_step  # noqa: E402
 
 
 def get_batch(data_iterator, vp_stage=None):
@@ -48,7 +51,11 @@ def forward_step(data_iterator, model):
 
 
 def main(extra_args_provider=None):
-    run_step(initialize_megatron(extra_args_provider), forward_step)
+    args = initialize_megatron(extra_args_provider)
+    if args.pipeline_model_parallel_size > 1 or args.tensor_model_parallel_size > 1:
+        train_step(args, get_batch)
+    else:
+        run_step(args, forward_step)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
     add("--tensor-model-parallel-size", type=int, default=1)
     add("--pipeline-model-parallel-size", type=int, default=1)
     add("--context-parallel-size", type=int, default=1)
+    add("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    add("--sequence-parallel", action="store_true")
+    add("--global-batch-size", type=int, default=1, help="stand-in: micro-batches per step (DP = 1)")
     add("--cp-comm-type", nargs="+", type=str, default=["p2p"])  # no choices, as in Megatron-LM
     add("--transformer-impl", default="transformer_engine", choices=["local", "transformer_engine"])
     add("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
