@@ -502,7 +502,7 @@ COLLECTIVES = PatchSet("l3plugin.debug (record_collectives, local_collectives)",
 # -- tied embeddings on a CPU-only machine (l3plugin/megatron/model.py builds GPTModel inside TIED_EMBEDDINGS.within())
 _LANGUAGE_MODULE = "megatron.core.models.common.language_module.language_module:LanguageModule"
 
-TIED_EMBEDDINGS = PatchSet("l3plugin.megatron (tied embeddings on CPU)", "megatron-core", "0.16.1", [
+TIED_EMBEDDINGS = PatchSet("l3plugin.megatron (tied embeddings on CPU)", "megatron-core", ">=0.16.1,<0.20", [
     Patch(_LANGUAGE_MODULE, "setup_embeddings_and_output_layer", "l3plugin.megatron.model:tied_embeddings_on_cpu",
           wraps=True, signature=("self",),
           why="with tied embeddings at pp > 1 the copy of the first stage's embedding into the last stage moves the "

@@ -80,7 +80,8 @@ STOCK_ATTENTION = PatchSet("l3plugin.testing (stock attention on CPU; TEST-ONLY)
 ])
 
 
-SEQUENCE_PARALLEL = PatchSet("l3plugin.testing (sequence parallel on CPU; TEST-ONLY)", "megatron-core", "0.16.1", [
+SEQUENCE_PARALLEL = PatchSet("l3plugin.testing (sequence parallel on CPU; TEST-ONLY)", "megatron-core",
+                           ">=0.16.1,<0.20", [
     Patch(f"megatron.core.{module}", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
           why="the sequence-parallel gathers and scatters allocate at torch.cuda.current_device()")
     for module in ("utils", "tensor_parallel.mappings", "tensor_parallel.layers")
@@ -105,7 +106,7 @@ def fused_layer_norm_by_torch(self, input):
 _FUSED_LN = "megatron.core.fusions.fused_layer_norm"
 # Megatron-Core's local spec, without apex, takes WrappedTorchNorm, which refuses sequence parallelism.
 SEQUENCE_PARALLEL_NORM = PatchSet("l3plugin.testing (sequence-parallel layer norm on CPU; TEST-ONLY)",
-                                  "megatron-core", "0.16.1", [
+                                  "megatron-core", ">=0.16.1,<0.20", [
     Patch(_FUSED_LN, "HAVE_FUSED_LAYER_NORM", "l3plugin.testing.megatron_cpu_shim:HAVE_FUSED_LAYER_NORM",
           why="Megatron's FusedLayerNorm needs apex (GPU); its torch equivalent below stands in"),
     Patch(f"{_FUSED_LN}:FusedLayerNorm", "forward", "l3plugin.testing.megatron_cpu_shim:fused_layer_norm_by_torch",
