@@ -97,8 +97,10 @@ SEQUENCE_PARALLEL_NORM = PatchSet("l3plugin.testing (sequence parallelism on CPU
           why="the same choice where the decoder block specs read it"),
     Patch("megatron.core.transformer.transformer_block", "LayerNormImpl", f"{_FUSED_LN}:FusedLayerNorm",
           why="the final layer norm, likewise"),
-    Patch("megatron.core.tensor_parallel.mappings", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
-          why="sequence parallelism's all-gather / reduce-scatter buffers are allocated at torch.cuda.current_device()"),
+    *[Patch(f"megatron.core.tensor_parallel.{module}", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
+            why="sequence parallelism's all-gather / reduce-scatter buffers are allocated at "
+                "torch.cuda.current_device()")
+      for module in ("mappings", "layers")],
     *[Patch(module, "tensor_parallel", "l3plugin.testing.megatron_cpu_shim:no_fork_tensor_parallel", wraps=True,
             why="with sequence parallelism the embedding and the block run under the CUDA RNG tracker's fork (a no-op "
                 "here, for dropout 0 only)")
