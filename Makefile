@@ -28,7 +28,7 @@ test: $(STAMP)
 # The Megatron tests against another Megatron-Core / Megatron-LM: TAG=core_v0.19.0 (a tag of NVIDIA/Megatron-LM),
 # a checkout path, or TAG=pypi (the megatron-core of .venv, as CI). See compat/megatron.sh and docs/verified.md.
 compat-megatron:
-	@test -n "$(TAG)" || { echo "usage: make compat-megatron TAG=core_v0.19.0 (or a Megatron-LM checkout path, or pypi)"; exit 2; }
+	@test -n "$(TAG)" || { echo "usage: make compat-megatron TAG=core_v0.19.0 (or a checkout path, or pypi)"; exit 2; }
 	bash compat/megatron.sh $(TAG)
 
 clean:

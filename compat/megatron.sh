@@ -24,7 +24,8 @@ TARGET="${1:?usage: compat/megatron.sh <tag|checkout|pypi> [pytest args]}"
 shift
 COMPAT_DIR="$(mkdir -p "${COMPAT_DIR:-$ROOT/.compat}" && cd "${COMPAT_DIR:-$ROOT/.compat}" && pwd)"
 TESTS="${COMPAT_TESTS:-tests/megatron tests/zero/test_zero_megatron_dist_checkpoint.py tests/test_patches.py
-  tests/test_patch_versions.py tests/test_megatron_cpu_shim.py tests/test_examples.py::test_megatron_example_trains_with_the_flexible_schedule
+  tests/test_patch_versions.py tests/test_megatron_cpu_shim.py
+  tests/test_examples.py::test_megatron_example_trains_with_the_flexible_schedule
   tests/test_examples.py::test_patch_adds_only_existing_l3plugin_calls
   tests/test_examples.py::test_there_is_a_pretrain_gpt_patch_for_every_verified_tag}"
 

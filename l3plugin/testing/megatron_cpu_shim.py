@@ -65,11 +65,13 @@ def no_fork_tensor_parallel(module, _attribute):
 
 
 # Declared with l3plugin's patch registry (l3plugin/patches.py), like every patch of an upstream object.
-STOCK_SCHEDULES = PatchSet("l3plugin.testing (stock schedules on CPU; TEST-ONLY)", "megatron-core", ">=0.16.1,<0.20", [
+STOCK_SCHEDULES = PatchSet("l3plugin.testing (stock schedules on CPU; TEST-ONLY)", "megatron-core",
+                           ">=0.16.1,<0.20", [
     Patch(f"megatron.core.pipeline_parallel.{module}", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
           why='the stock schedules and P2P code allocate on device="cuda" and call torch.cuda')
     for module in ("schedules", "p2p_communication")])
-STOCK_ATTENTION = PatchSet("l3plugin.testing (stock attention on CPU; TEST-ONLY)", "megatron-core", ">=0.16.1,<0.20", [
+STOCK_ATTENTION = PatchSet("l3plugin.testing (stock attention on CPU; TEST-ONLY)", "megatron-core",
+                           ">=0.16.1,<0.20", [
     Patch("megatron.core.utils", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
           why="the global memory buffer is allocated at torch.cuda.current_device()"),
     Patch("megatron.core.transformer.dot_product_attention", "tensor_parallel",

@@ -18,7 +18,8 @@ from l3plugin.versions import imported_version, version_in
 
 # Megatron-LM reorganised get_batch and argument parsing in 0.18: a stand-in per layout.
 NEW_LM = version_in(imported_version("megatron.core").version, ">=0.18")
-STANDIN = Path(__file__).resolve().parents[1] / "data" / ("megatron_lm_standin_0_18" if NEW_LM else "megatron_lm_standin")
+DATA = Path(__file__).resolve().parents[1] / "data"
+STANDIN = DATA / ("megatron_lm_standin_0_18" if NEW_LM else "megatron_lm_standin")
 # What pretrain_gpt's forward_step hands the model: up to 0.17 l3plugin's sharding returns "sbhd" params; from 0.18
 # the script builds "thd" ones itself and l3plugin gives them to GPTModel as "sbhd" (batch_hooks.gpt_model_forward).
 SCRIPT_FORMAT = "thd" if NEW_LM else "sbhd"

@@ -58,7 +58,8 @@ def test_the_selector_takes_what_this_versions_training_loop_passes():
     kwargs = {"schedule_pg_collection": ProcessGroupCollection()} if takes_collection else {}
     try:
         l3m.install("flexible")
-        assert pipeline_parallel.get_forward_backward_func(2, None, **kwargs) is l3m.forward_backward_pipelining_flexible
+        flexible = pipeline_parallel.get_forward_backward_func(2, None, **kwargs)
+        assert flexible is l3m.forward_backward_pipelining_flexible
         if takes_collection:
             from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
 

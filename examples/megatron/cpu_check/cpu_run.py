@@ -1,4 +1,4 @@
-"""CHECK TOOL, not product code: run Megatron-LM's pretrain_gpt.py (core_v0.16.1 .. core_v0.19.0) on CPU / gloo, so the CP
+"""CHECK TOOL, not product code: run Megatron-LM's pretrain_gpt.py (core_v0.16.1..0.19.0) on CPU / gloo, so the CP
 route can be checked against the real script on a machine without a GPU. l3plugin itself needs none of this.
 
     torchrun --nproc-per-node 2 cpu_run.py pretrain_gpt.py <args>                               (stock)
@@ -6,7 +6,8 @@ route can be checked against the real script on a machine without a GPU. l3plugi
 
 Run it from the Megatron-LM checkout (its directory goes first on sys.path, as for `python pretrain_gpt.py`).
 Megatron-LM asserts CUDA and allocates on "cuda" in many places; here "cuda" means the CPU:
-- torch.cuda: is_available() True, device_count() 1, current_device() "cpu", capability (9, 0) (so
+- torch.cuda: is_available() True, device_count() 1, current_device() 0 (device "cuda:0", mapped to the CPU
+  below; Megatron-LM 0.19 builds f"cuda:{current_device()}"), capability (9, 0) (so
   CUDA_DEVICE_MAX_CONNECTIONS=1 is set); set_device / synchronize / empty_cache / set_rng_state do nothing;
   streams and events are no-ops; random tensors made on "cuda" come from a generator of their own
   (torch.cuda.manual_seed seeds it), as on a GPU.
@@ -113,7 +114,7 @@ def cuda_means_cpu():
     cuda = torch.cuda
     cuda.is_available = lambda: True
     cuda.device_count = lambda: 1
-    cuda.current_device = lambda: "cpu"
+    cuda.current_device = lambda: 0
     # Hopper-like: arguments.py then wants CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP > 1.
     cuda.get_device_capability = lambda *a, **k: (9, 0)
     cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(
