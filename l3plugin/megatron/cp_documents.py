@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 import torch
 
@@ -225,6 +226,16 @@ def schedule_step(schedule):
     return step
 
 
+def _count_like_forward_step(cu):
+    """Megatron-LM 0.19's forward_step adds each packed batch's document lengths to its FLOPs statistics,
+    which every rank then all-reduces over the world once per iteration: a stage whose batch had no
+    boundaries (here) must add them too, or that all-reduce waits forever for it."""
+    training = sys.modules.get("megatron.training.training")
+    update = getattr(training, "update_seqlen_stats_from_cu_seqlens", None)
+    if update is not None:
+        update(cu)
+
+
 def fill_boundaries(module, args, kwargs):
     """GPTModel forward pre-hook: the micro-batch's boundaries for this chunk (see the module docstring)."""
     channel = _step["channel"]
@@ -236,6 +247,7 @@ def fill_boundaries(module, args, kwargs):
     cu = channel.boundaries(module, given)
     if packed is not None:
         return None
+    _count_like_forward_step(cu)
     packed = sbhd_packed_params(cu)
     if positional:
         return (*args[:6], packed, *args[7:]), kwargs
