@@ -331,6 +331,8 @@ _HOOKS = "l3plugin.deepspeed.engine"
 
 # DeepSpeed: the latest patch of each minor release from 0.16 to 0.19 was run (compat/deepspeed.sh; docs/verified.md).
 DEEPSPEED_CHECKED = ">=0.16.9,<0.20"
+# ... except PipelineEngine on 0.18 (wrong fp32 masters measured on 0.18.9): refused there (deepspeed/config.py).
+DEEPSPEED_PIPELINE_WRONG = ">=0.18,<0.19"
 
 DEEPSPEED = PatchSet("l3plugin.deepspeed", "deepspeed", DEEPSPEED_CHECKED, [
     # Each replacement falls through to the original unless the config has "l3plugin": {"fp32_reduce_zero": true}.

@@ -234,4 +234,5 @@ def release_groups() -> None:
             dist.destroy_process_group(group)
         except (RuntimeError, ValueError):
             pass
-    sp._release_sequence_parallel_groups()
+    # DeepSpeed 0.19 has _release_sequence_parallel_groups for this; 0.17 and 0.18 only the two globals.
+    sp._SEQUENCE_PARALLEL_GROUP = sp._SEQUENCE_DATA_PARALLEL_GROUP = None

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ds_models import ds_config, engine_for, train
+from test_zero_deepspeed_pipe import REFUSED_THERE
 
 from l3plugin.testing.ranks import run_command
 
@@ -267,6 +268,7 @@ def pipe_leg(save_dir, load_dir, ours):
         return run()
 
 
+@REFUSED_THERE
 @pytest.mark.parametrize("direction", ["ours_to_stock", "stock_to_ours"])
 def test_pipeline_engine_checkpoints_cross(ranks, tmp_path, direction):
     ours_saves = direction == "ours_to_stock"
