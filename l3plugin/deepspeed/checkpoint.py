@@ -105,7 +105,7 @@ def partition_files(engine, load_dir, tag) -> list[str]:
     model file, which it reads later; here the files are counted (``partition_count`` inside is checked)."""
     mp_rank = getattr(engine, "checkpoint_mp_rank", None)  # DeepSpeed >= 0.17; before, computed at each use:
     if mp_rank is None:
-        mp_rank = 0 if engine.mpu is None else engine.mpu.get_model_parallel_rank()
+        mp_rank = engine.mpu.get_model_parallel_rank() if hasattr(engine.mpu, "get_model_parallel_rank") else 0
     names = []
     while True:
         name = engine._get_rank_zero_ckpt_name(checkpoints_path=load_dir, tag=tag, mp_rank=mp_rank,
