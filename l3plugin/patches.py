@@ -311,10 +311,13 @@ def _current(owner, attribute, patch: Patch):
 
 
 def _rebind(attribute: str, old, new) -> None:
-    """Modules that imported ``old`` by name (``from x import f`` before the patch) get ``new``."""
+    """Modules that imported ``old`` by name (``from x import f`` before the patch) get ``new``. The module that
+    defines ``old`` keeps it: there the name is its definition, not an import (a replacement named like the
+    attribute it replaces must survive undo)."""
+    home = getattr(old, "__module__", None)
     for module in list(sys.modules.values()):
         try:
-            if module is not None and vars(module).get(attribute) is old:
+            if module is not None and module.__name__ != home and vars(module).get(attribute) is old:
                 setattr(module, attribute, new)
         except TypeError:  # modules without __dict__
             continue

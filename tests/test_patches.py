@@ -81,6 +81,25 @@ def test_apply_and_undo_restore_every_kind_of_target(fake_upstream):
     assert module.other is stock_function and module.table["key"] is stock_function and not SET.applied
 
 
+def test_a_replacement_named_like_its_target_survives_undo_and_apply(fake_upstream, monkeypatch):
+    """undo rebinds importers back to stock, but not the replacement's own module (where the name is its
+    definition): a second apply still finds the replacement."""
+    module, user = fake_upstream
+    home = types.ModuleType("fake_replacements")
+    exec("def function(alpha, beta=2):\n    return 'ours'", vars(home))
+    monkeypatch.setitem(sys.modules, "fake_replacements", home)
+    same_name = PatchSet("same-name set", "fake-upstream", ">=1.0,<2", module="fake_upstream", patches=[
+        Patch("fake_upstream", "function", "fake_replacements:function", why="test", rebind=True)])
+    patches.SETS.remove(same_name)
+    replacement = home.function
+    for _ in range(2):
+        same_name.apply()
+        assert module.function is replacement and user.function is replacement
+        same_name.undo()
+        assert module.function is stock_function and user.function is stock_function
+        assert home.function is replacement
+
+
 def test_a_renamed_or_changed_target_is_refused_before_anything_is_set(fake_upstream):
     module, _ = fake_upstream
     module.function = lambda gamma, beta=2: None  # upstream renamed a parameter
