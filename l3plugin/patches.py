@@ -498,7 +498,7 @@ COLLECTIVE_OPS = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "
                   "reduce_scatter_single", "_reduce_scatter_base", "all_to_all", "all_to_all_single", "barrier",
                   "send", "recv", "isend", "irecv", "batch_isend_irecv")
 
-COLLECTIVES = PatchSet("l3plugin.debug (record_collectives, local_collectives)", "torch", "2.13.0", [
+COLLECTIVES = PatchSet("l3plugin.debug (record_collectives, local_collectives)", "torch", ">=2.13", [
     Patch(module, op, "l3plugin.debug.patching:collective_wrapper", wraps=True, optional=True,
           why="while a recorder or the local stand-ins are active, each call goes to them (Megatron-Core and "
               "DeepSpeed call these functions through both modules)")
