@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install clean compat-megatron
+.PHONY: demo test install clean compat-megatron compat-deepspeed
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test: $(STAMP)
 compat-megatron:
 	@test -n "$(TAG)" || { echo "usage: make compat-megatron TAG=core_v0.19.0 (or a checkout path, or pypi)"; exit 2; }
 	bash compat/megatron.sh $(TAG)
+
+# The DeepSpeed / transformers / accelerate subset against each version set of compat/deepspeed_sets.txt (a venv
+# per set under .compat/venvs): SETS="ds0.17-hf5.18" for some. See compat/deepspeed.sh and docs/verified.md.
+compat-deepspeed:
+	bash compat/deepspeed.sh $(SETS)
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .compat

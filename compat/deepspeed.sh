@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The DeepSpeed / Hugging Face compat run: one virtualenv per version set (compat/deepspeed_sets.txt) under
-# $COMPAT_VENVS (default /work/venvs/compat), then the named test subset against each.
+# $COMPAT_VENVS (default .compat/venvs), then the named test subset against each.
 #   compat/deepspeed.sh                 every set
 #   compat/deepspeed.sh ds0.16-hf4.57   one set (names from the sets file)
 #   COMPAT_ONLY_VENV=1 compat/deepspeed.sh NAME   build the venv only
@@ -10,7 +10,7 @@
 # into site-packages, as the wheel would put it.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-venvs="${COMPAT_VENVS:-/work/venvs/compat}"
+venvs="${COMPAT_VENVS:-$here/.compat/venvs}"
 python="${PYTHON:-python3}"
 torch_spec="${COMPAT_TORCH:-torch==2.13.0}"
 results="${COMPAT_RESULTS:-$here/results/compat}"
