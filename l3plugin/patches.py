@@ -216,7 +216,6 @@ class PatchSet:
         """Check every row for the imported version not patched yet (of those ``which(patch)`` selects), then
         set their replacements. Idempotent; a later call also patches ``loaded_only`` / ``optional`` targets
         whose module has been imported since."""
-        self.check_version()
         todo = [p for p in self.rows() if not p.instance and p.name not in self._stock
                 and (which is None or which(p))]
         self.check(todo)
@@ -386,6 +385,8 @@ DEEPSPEED = PatchSet("l3plugin.deepspeed", "deepspeed", DEEPSPEED_CHECKED, [
           why="under context_parallel_size N, shard data over data-parallel ranks only: a CP group shares batches"),
 ])
 
+# Megatron-Core releases every Megatron set was checked on (docs/verified.md; pyproject.toml says the same).
+MEGATRON_CHECKED = ">=0.16.1,<0.20"
 _SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 _INSTALL = "l3plugin.megatron.install"
 _SELECTOR = "one selector answering the flexible schedule when it is selected and pp > 1"
@@ -410,7 +411,7 @@ def _selector_rows(versions: str, signature: tuple) -> list[Patch]:
     ]
 
 
-MEGATRON = PatchSet("l3plugin.megatron", "megatron-core", ">=0.16.1,<0.20", [
+MEGATRON = PatchSet("l3plugin.megatron", "megatron-core", MEGATRON_CHECKED, [
     *_selector_rows("<0.19", ("pp_size", "vp_size")),
     # 0.19 adds schedule_pg_collection (Megatron-LM 0.19's loop passes it).
     *_selector_rows(">=0.19", ("pp_size", "vp_size", "schedule_pg_collection")),
@@ -423,7 +424,7 @@ MEGATRON = PatchSet("l3plugin.megatron", "megatron-core", ">=0.16.1,<0.20", [
           why="an early-bound stock selector still runs the flexible schedule while it is selected (warned)"),
 ])
 
-MEGATRON_LM_ARGS = PatchSet("l3plugin.megatron (Megatron-LM arguments)", "megatron-core", ">=0.16.1,<0.20", [
+MEGATRON_LM_ARGS = PatchSet("l3plugin.megatron (Megatron-LM arguments)", "megatron-core", MEGATRON_CHECKED, [
     Patch("megatron.training.initialize", "parse_args", f"{_INSTALL}:parse_args", optional=True,
           signature=("extra_args_provider",), versions="<0.18",
           why="Megatron-LM's parser accepts l3plugin's flags (chained onto the script's extra_args_provider) and "
@@ -439,7 +440,7 @@ _BATCH_HOOKS = "l3plugin.megatron.batch_hooks"
 _BOUNDARIES = ("the batch gains the document boundaries of the full sequence from EOD tokens on TP rank 0, sent over "
                "TP (--reset-attention-mask)" + _ONLY_OURS)
 
-CP_ROUTE = PatchSet("l3plugin.megatron (CP from Megatron-LM's flags)", "megatron-core", ">=0.16.1,<0.20", [
+CP_ROUTE = PatchSet("l3plugin.megatron (CP from Megatron-LM's flags)", "megatron-core", MEGATRON_CHECKED, [
     Patch("megatron.core.transformer.attention:SelfAttention", "__init__", f"{_CP_ROUTE}:_self_attention_init",
           signature=("self", "config", "submodules", "layer_number", "attn_mask_type", "cp_comm_type"),
           why="a SelfAttention built with cp_comm_type l3plugin_all_gather gets l3plugin's CP core attention "
@@ -480,7 +481,7 @@ CP_ROUTE = PatchSet("l3plugin.megatron (CP from Megatron-LM's flags)", "megatron
 
 _ROPE = "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding"
 
-ROPE = PatchSet("l3plugin.megatron (RoPE)", "megatron-core", ">=0.16.1,<0.20", [
+ROPE = PatchSet("l3plugin.megatron (RoPE)", "megatron-core", MEGATRON_CHECKED, [
     Patch(_ROPE, "forward", "l3plugin.megatron.model:rope_on_cpu", instance=True,
           signature=("self", "max_seq_len", "offset", "packed_seq", "cp_group"),
           why="on a CPU-only machine RotaryEmbedding moves its frequencies to the CUDA device and indexes with a "
@@ -507,7 +508,7 @@ COLLECTIVES = PatchSet("l3plugin.debug (record_collectives, local_collectives)",
 # -- tied embeddings on a CPU-only machine (l3plugin/megatron/model.py builds GPTModel inside TIED_EMBEDDINGS.within())
 _LANGUAGE_MODULE = "megatron.core.models.common.language_module.language_module:LanguageModule"
 
-TIED_EMBEDDINGS = PatchSet("l3plugin.megatron (tied embeddings on CPU)", "megatron-core", ">=0.16.1,<0.20", [
+TIED_EMBEDDINGS = PatchSet("l3plugin.megatron (tied embeddings on CPU)", "megatron-core", MEGATRON_CHECKED, [
     Patch(_LANGUAGE_MODULE, "setup_embeddings_and_output_layer", "l3plugin.megatron.model:tied_embeddings_on_cpu",
           wraps=True, signature=("self",),
           why="with tied embeddings at pp > 1 the copy of the first stage's embedding into the last stage moves the "

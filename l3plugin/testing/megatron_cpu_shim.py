@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from l3plugin.patches import Patch, PatchSet
+from l3plugin.patches import MEGATRON_CHECKED, Patch, PatchSet
 
 
 class _CpuCuda:
@@ -66,12 +66,12 @@ def no_fork_tensor_parallel(module, _attribute):
 
 # Declared with l3plugin's patch registry (l3plugin/patches.py), like every patch of an upstream object.
 STOCK_SCHEDULES = PatchSet("l3plugin.testing (stock schedules on CPU; TEST-ONLY)", "megatron-core",
-                           ">=0.16.1,<0.20", [
+                           MEGATRON_CHECKED, [
     Patch(f"megatron.core.pipeline_parallel.{module}", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
           why='the stock schedules and P2P code allocate on device="cuda" and call torch.cuda')
     for module in ("schedules", "p2p_communication")])
 STOCK_ATTENTION = PatchSet("l3plugin.testing (stock attention on CPU; TEST-ONLY)", "megatron-core",
-                           ">=0.16.1,<0.20", [
+                           MEGATRON_CHECKED, [
     Patch("megatron.core.utils", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
           why="the global memory buffer is allocated at torch.cuda.current_device()"),
     Patch("megatron.core.transformer.dot_product_attention", "tensor_parallel",
@@ -81,7 +81,7 @@ STOCK_ATTENTION = PatchSet("l3plugin.testing (stock attention on CPU; TEST-ONLY)
 
 
 SEQUENCE_PARALLEL = PatchSet("l3plugin.testing (sequence parallel on CPU; TEST-ONLY)", "megatron-core",
-                           ">=0.16.1,<0.20", [
+                           MEGATRON_CHECKED, [
     Patch(f"megatron.core.{module}", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
           why="the sequence-parallel gathers and scatters allocate at torch.cuda.current_device()")
     for module in ("utils", "tensor_parallel.mappings", "tensor_parallel.layers")
@@ -106,7 +106,7 @@ def fused_layer_norm_by_torch(self, input):
 _FUSED_LN = "megatron.core.fusions.fused_layer_norm"
 # Megatron-Core's local spec, without apex, takes WrappedTorchNorm, which refuses sequence parallelism.
 SEQUENCE_PARALLEL_NORM = PatchSet("l3plugin.testing (sequence-parallel layer norm on CPU; TEST-ONLY)",
-                                  "megatron-core", ">=0.16.1,<0.20", [
+                                  "megatron-core", MEGATRON_CHECKED, [
     Patch(_FUSED_LN, "HAVE_FUSED_LAYER_NORM", "l3plugin.testing.megatron_cpu_shim:HAVE_FUSED_LAYER_NORM",
           why="Megatron's FusedLayerNorm needs apex (GPU); its torch equivalent below stands in"),
     Patch(f"{_FUSED_LN}:FusedLayerNorm", "forward", "l3plugin.testing.megatron_cpu_shim:fused_layer_norm_by_torch",
