@@ -38,3 +38,23 @@ def test_demo_with_balanced_cp_layout_matches_single_process(ranks):
     assert all(r == losses[0] for r in losses)
     reference = ranks.run(4, train.reference_losses, opts, 2, timeout=300)[0]
     assert max(abs(a - b) for a, b in zip(losses[0], reference)) < TOLERANCE["fp32"]
+
+
+def test_the_silenced_upstream_warnings_are_the_ones_megatron_says():
+    """`make demo` prints only its own lines: the CPU-meaningless warnings it silences are named by their text, so
+    the names must be what this Megatron-Core says (else the filter silently stops working)."""
+    import inspect
+    import warnings
+
+    from megatron.core.tensor_parallel import layers
+
+    source = " ".join(inspect.getsource(layers).replace('"\n', "").replace('"', "").split())
+    for message in train.CPU_MEANINGLESS_WARNINGS:
+        assert message in source, f"Megatron-Core no longer says {message!r}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train._silence_cpu_meaningless_warnings()
+        for message in train.CPU_MEANINGLESS_WARNINGS:
+            warnings.warn(message + " for maximum speedup", UserWarning)
+        warnings.warn("another warning", UserWarning)
+    assert [str(w.message) for w in caught] == ["another warning"]
