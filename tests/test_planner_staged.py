@@ -304,7 +304,7 @@ def test_emitted_cp_flags_select_l3plugins_attention_with_the_planned_kv(cp_kv, 
     import argparse
     import shlex
 
-    from l3plugin.megatron.cp_route import CPRoute, add_cp_arguments, check_cp_args
+    from l3plugin.megatron.arguments import CPRoute, add_cp_arguments, check_cp_args
 
     req = PlanRequest("llama3-405b", gpus=16384, seq_len=131072, global_batch_tokens=16 * 2**20,
                       hardware=Hardware(cp_kv=cp_kv))

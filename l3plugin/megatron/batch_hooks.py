@@ -25,15 +25,14 @@ import inspect
 import torch
 
 from l3plugin.cp.sharding import cu_seqlens_from_eod, shard_batch
+from l3plugin.megatron.arguments import parsed_options
 from l3plugin.patches import CP_ROUTE
 
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # what get_batch_on_this_cp_rank shards
 
 
 def _documents_route():
-    from l3plugin.megatron import cp_route
-
-    route = cp_route.active_route()
+    route = parsed_options().cp_route
     return route if route is not None and route.documents else None
 
 

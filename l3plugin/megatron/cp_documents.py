@@ -40,6 +40,7 @@ import sys
 
 import torch
 
+from l3plugin.megatron.arguments import parsed_options
 from l3plugin.waits import resolve_timeout, wait_work
 
 BOUNDARY_TAG = 0x3CD0000  # point-to-point tags of the boundary messages (count, then boundaries)
@@ -175,9 +176,7 @@ class BoundaryChannel:
 
 
 def _documents_route():
-    from l3plugin.megatron.cp_route import active_route
-
-    route = active_route()
+    route = parsed_options().cp_route
     return route is not None and route.documents
 
 

@@ -23,7 +23,7 @@ changes five things, each only while l3plugin's cp_comm_type is selected:
   document masks a forward pre-hook on every GPTModel chunk gives each micro-batch the first stage's
   boundaries (``l3plugin.megatron.cp_documents``: sent over the pipeline group, per micro-batch, with bounded
   waits): any PP, virtual stages, stock or flexible schedules.
-- Arguments: bad combinations are refused when Megatron-LM has parsed them (``check_cp_args``).
+- Arguments: bad combinations are refused when Megatron-LM has parsed them (``arguments.check_cp_args``).
 """
 
 from __future__ import annotations
@@ -32,13 +32,11 @@ import dataclasses
 import functools
 import inspect
 import sys
-import warnings
 
 import torch
 
-from l3plugin.cp import CP_KV_MODES
-from l3plugin.cp.layout import LAYOUT_NAMES
 from l3plugin.cp.sharding import cu_seqlens_from_eod, shard_batch
+from l3plugin.megatron.arguments import CPRoute, parsed_options
 from l3plugin.megatron.attention import CP_COMM_TYPE, AllGatherCPCoreAttention
 from l3plugin.megatron.cp_documents import fill_boundaries, sbhd_packed_params
 from l3plugin.patches import CP_ROUTE
@@ -46,107 +44,14 @@ from l3plugin.patches import CP_ROUTE
 TE_MODULE = "megatron.core.extensions.transformer_engine"
 
 
-@dataclasses.dataclass(frozen=True)
-class CPRoute:
-    """l3plugin's CP as Megatron-LM's arguments select it."""
-
-    layout: str = "2cp"
-    cp_kv: str = "regather"
-    documents: bool = False  # --reset-attention-mask: document boundaries from EOD tokens
-
-
-def add_cp_arguments(group):
-    group.add_argument("--l3plugin-cp-layout", choices=LAYOUT_NAMES, default="2cp",
-                       help="with --cp-comm-type l3plugin_all_gather: which positions each CP rank holds. '2cp' "
-                            "(the paper's, Megatron's): chunks i and 2cp-1-i; 'balanced': documents dealt to ranks "
-                            "by attention work (needs --reset-attention-mask).")
-    group.add_argument("--l3plugin-cp-kv", choices=CP_KV_MODES, default="regather",
-                       help="with --cp-comm-type l3plugin_all_gather: 'regather' keeps only the local K/V for the "
-                            "backward and all-gathers them again there (TE's all-gather CP does the same); 'keep' "
-                            "saves the gathered K/V (no second all-gather, cp times the K/V memory).")
-    return group
-
-
-def _cp_comm_types(args) -> list:
-    value = getattr(args, "cp_comm_type", None)
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def check_cp_args(args) -> CPRoute | None:
-    """The route Megatron-LM's parsed ``args`` select, None if they do not select l3plugin's CP; raises a
-    ValueError naming the flag for a combination that cannot work."""
-    types = _cp_comm_types(args)
-    layout = getattr(args, "l3plugin_cp_layout", "2cp")
-    if CP_COMM_TYPE not in types:
-        if layout != "2cp" or getattr(args, "l3plugin_cp_kv", "regather") != "regather":
-            raise ValueError(f"--l3plugin-cp-layout / --l3plugin-cp-kv apply to --cp-comm-type {CP_COMM_TYPE} "
-                             f"only, but --cp-comm-type is {' '.join(map(str, types))}")
-        return None
-    if any(t != CP_COMM_TYPE for t in types):
-        raise ValueError(f"--cp-comm-type {' '.join(map(str, types))} mixes {CP_COMM_TYPE} with other types: "
-                         f"its document masks and sharding apply to the whole model; give it alone")
-    cp = getattr(args, "context_parallel_size", 1)
-    if cp < 2:
-        raise ValueError(f"--cp-comm-type {CP_COMM_TYPE} with --context-parallel-size {cp}: it is a "
-                         f"context-parallel attention; set --context-parallel-size 2 or more, or drop the flag")
-    impl = getattr(args, "transformer_impl", "transformer_engine")
-    if impl == "transformer_engine":
-        from l3plugin.te import te_unavailable_reason
-
-        reason = te_unavailable_reason()
-        if reason is not None:
-            raise ValueError(f"--cp-comm-type {CP_COMM_TYPE} with --transformer-impl transformer_engine needs "
-                             f"Transformer Engine: {reason}. Use --transformer-impl local (l3plugin's attention "
-                             f"needs no TE)")
-    elif impl != "local":
-        raise ValueError(f"--cp-comm-type {CP_COMM_TYPE} supports --transformer-impl local or "
-                         f"transformer_engine, got {impl}")
-    for flag in ("sft", "hybrid_context_parallel", "use_legacy_models"):
-        if getattr(args, flag, False):
-            raise ValueError(f"--cp-comm-type {CP_COMM_TYPE} does not support --{flag.replace('_', '-')} "
-                             f"(it brings its own packing or model); document masks come from "
-                             f"--reset-attention-mask")
-    documents = bool(getattr(args, "reset_attention_mask", False))
-    if documents and getattr(args, "micro_batch_size", 1) != 1:
-        raise ValueError(f"--reset-attention-mask with --cp-comm-type {CP_COMM_TYPE} needs --micro-batch-size 1 "
-                         f"(got {args.micro_batch_size}): the document boundaries describe one packed "
-                         f"sequence; raise --global-batch-size instead")
-    if layout == "balanced" and not documents:
-        raise ValueError("--l3plugin-cp-layout balanced deals documents to ranks: it needs "
-                         "--reset-attention-mask (documents from EOD tokens); use the default 2cp layout without")
-    return CPRoute(layout=layout, cp_kv=getattr(args, "l3plugin_cp_kv", "regather"), documents=documents)
-
-
-def prepare_cp_args(args):
-    """Check ``args`` and stop the data loader building the dense [s, s] mask: l3plugin's attention takes
-    causality from the layer and documents from the boundaries, never from a mask."""
-    route = check_cp_args(args)
-    if route is not None:
-        args.create_attention_mask_in_dataloader = False
-    if route is not None and route.documents and not getattr(args, "calculate_per_token_loss", False):
-        # Megatron's schedule divides each CP rank's loss by that rank's own token count (schedules.py,
-        # forward_step_calc_loss); with EOD / masked tokens the counts differ between ranks.
-        warnings.warn("with --cp-comm-type l3plugin_all_gather and --reset-attention-mask, each CP rank's loss "
-                      "is divided by its own token count, so gradients are a mean of per-rank means, not the "
-                      "token mean over the sequence; add --calculate-per-token-loss for the exact token mean "
-                      "(then CP = N trains exactly like CP = 1)", UserWarning, stacklevel=2)
-    return args
-
-
-def _megatron_lm_args():
-    training_globals = sys.modules.get("megatron.training.global_vars")
-    return getattr(training_globals, "_GLOBAL_ARGS", None)
-
-
 def active_route() -> CPRoute | None:
     """The route of Megatron-LM's parsed arguments (None without Megatron-LM or l3plugin's cp_comm_type)."""
-    args = _megatron_lm_args()
-    return None if args is None else check_cp_args(args)
+    return parsed_options().cp_route
 
 
 def _route_for_model() -> CPRoute:
     """Settings for a model built with our cp_comm_type: Megatron-LM's flags, else the defaults."""
-    return active_route() or CPRoute()
+    return parsed_options().cp_route or CPRoute()
 
 
 # ---- model: core attention and RoPE ----

@@ -1,8 +1,8 @@
 """Switching Megatron training scripts to the flexible schedule: the flag and the patch of
 ``get_forward_backward_func``.
 
-``add_arguments(parser)`` adds ``--pipeline-schedule {default,flexible}``; it is a valid
-``extra_args_provider`` and ``chain_extra_args(existing)`` combines it with one a script already passes.
+The flag, ``--pipeline-schedule {default,flexible}``, and the reading of Megatron-LM's parsed arguments are in
+arguments.py (``add_arguments`` / ``chain_extra_args`` / ``parsed_options``).
 ``install()`` (idempotent) makes every ``get_forward_backward_func`` name Megatron's training loop reads
 return ``forward_backward_pipelining_flexible`` when the flexible schedule is selected and pp > 1:
 ``megatron.core.pipeline_parallel.get_forward_backward_func``, ``...schedules.get_forward_backward_func``
@@ -26,10 +26,10 @@ import sys
 import warnings
 
 from l3plugin.megatron.cp_documents import schedule_step
-from l3plugin.megatron.cp_route import add_cp_arguments, install_cp_route, prepare_cp_args, uninstall_cp_route
+from l3plugin.megatron.arguments import SCHEDULES, chain_extra_args, parsed_options, prepare_cp_args
+from l3plugin.megatron.cp_route import install_cp_route, uninstall_cp_route
 from l3plugin.patches import MEGATRON, MEGATRON_LM_ARGS
 
-SCHEDULES = ("default", "flexible")
 _state = {"schedule": None, "warned": False}
 _STOCK_SELECTOR = "megatron.core.pipeline_parallel.schedules.get_forward_backward_func"
 _PIPELINED = ("forward_backward_pipelining_with_interleaving", "forward_backward_pipelining_without_interleaving")
@@ -83,36 +83,9 @@ def _early_bound(stock) -> list[str]:
     return sorted(out)
 
 
-def add_arguments(parser):
-    """Add l3plugin's flags (once: a parser that already has them is returned as it is)."""
-    if "--pipeline-schedule" in getattr(parser, "_option_string_actions", {}):
-        return parser
-    group = parser.add_argument_group("l3plugin")
-    group.add_argument(
-        "--pipeline-schedule", choices=SCHEDULES, default="default",
-        help="'flexible': l3plugin's interleaved 1F1B for any number of microbatches and any "
-             "--microbatch-group-size-per-virtual-pipeline-stage in 1..M (k < PP runs "
-             "all-forward-all-backward). 'default': Megatron's stock schedules.")
-    add_cp_arguments(group)
-    return parser
-
-
-def chain_extra_args(existing=None):
-    """An extra_args_provider that runs ``existing`` (if any) and then adds l3plugin's flags."""
-    def provider(parser):
-        if existing is not None:
-            parser = existing(parser)
-        return add_arguments(parser)
-    return provider
-
-
 def selected_schedule() -> str:
     """The schedule chosen by install(schedule=...) or, failing that, by Megatron-LM's parsed args."""
-    if _state["schedule"] is not None:
-        return _state["schedule"]
-    training_globals = sys.modules.get("megatron.training.global_vars")
-    args = getattr(training_globals, "_GLOBAL_ARGS", None)
-    return getattr(args, "pipeline_schedule", "default") or "default"
+    return _state["schedule"] or parsed_options().pipeline_schedule
 
 
 def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection=None, **kwargs):

@@ -14,7 +14,8 @@ import argparse
 import runpy
 import sys
 
-from l3plugin.megatron.install import add_arguments, hook_megatron_lm_arguments, install
+from l3plugin.megatron.arguments import add_arguments
+from l3plugin.megatron.install import hook_megatron_lm_arguments, install
 
 
 def main(argv=None):

@@ -161,7 +161,7 @@ def ns(**kw):
 
 
 def test_args_select_the_route_and_drop_the_dense_mask():
-    from l3plugin.megatron.cp_route import CPRoute, check_cp_args, prepare_cp_args
+    from l3plugin.megatron.arguments import CPRoute, check_cp_args, prepare_cp_args
 
     assert check_cp_args(ns()) == CPRoute(layout="2cp", cp_kv="regather", documents=True)
     assert check_cp_args(ns(cp_comm_type=["p2p"], reset_attention_mask=True)) is None
@@ -175,6 +175,30 @@ def test_args_select_the_route_and_drop_the_dense_mask():
     assert stock.create_attention_mask_in_dataloader is True  # stock runs are left alone
 
 
+def test_parsed_options_are_checked_once_per_arguments_object(monkeypatch):
+    """The selector and the CP hooks ask on every call; Megatron-LM's arguments are read and checked once per run
+    (once per arguments object), and a new arguments object is checked again."""
+    import types
+
+    from l3plugin.megatron import arguments
+
+    checked = []
+    check = arguments.check_cp_args
+    monkeypatch.setattr(arguments, "check_cp_args", lambda args: checked.append(args) or check(args))
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    assert arguments.parsed_options() == arguments.MegatronOptions()  # no parsed arguments: the defaults
+    global_vars._GLOBAL_ARGS = first = ns(pipeline_schedule="flexible")
+    for _ in range(3):
+        options = arguments.parsed_options()
+    assert options == arguments.MegatronOptions("flexible", arguments.CPRoute(documents=True)) and checked == [first]
+    global_vars._GLOBAL_ARGS = second = ns(cp_comm_type=["p2p"], reset_attention_mask=False)
+    assert arguments.parsed_options() == arguments.MegatronOptions("default", None) and checked == [first, second]
+    global_vars._GLOBAL_ARGS = ns(micro_batch_size=2)
+    with pytest.raises(ValueError, match="--micro-batch-size 1"):
+        arguments.parsed_options()
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(context_parallel_size=1), "--context-parallel-size 1"),
     (dict(cp_comm_type=["l3plugin_all_gather", "p2p"]), "mixes"),
@@ -185,7 +209,7 @@ def test_args_select_the_route_and_drop_the_dense_mask():
     (dict(cp_comm_type=["p2p"], l3plugin_cp_layout="balanced"), "apply to --cp-comm-type l3plugin_all_gather"),
 ])
 def test_bad_combinations_are_refused_naming_the_flag(change, message):
-    from l3plugin.megatron.cp_route import check_cp_args
+    from l3plugin.megatron.arguments import check_cp_args
     from l3plugin.te import te_unavailable_reason
 
     if "transformer_impl" in change and te_unavailable_reason() is None:
@@ -218,7 +242,8 @@ def test_spec_swap_picks_the_backend():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from l3plugin.megatron.attention import AllGatherCPCoreAttention
-    from l3plugin.megatron.cp_route import CPRoute, l3plugin_core_attention
+    from l3plugin.megatron.arguments import CPRoute
+    from l3plugin.megatron.cp_route import l3plugin_core_attention
     from l3plugin.te import te_unavailable_reason
 
     route = CPRoute(layout="balanced", cp_kv="keep", documents=True)
