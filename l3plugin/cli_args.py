@@ -13,8 +13,8 @@ def positive_int(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is invalid: must be an integer >= 1")
+    if value < 1:  # argparse names the flag before this text: the wording of checks.check_int
+        raise argparse.ArgumentTypeError(f"{value} is out of range: must be an integer >= 1")
     return value
 
 

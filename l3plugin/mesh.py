@@ -16,6 +16,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from l3plugin.checks import check_int
+
 DIMS = ("tp", "cp", "pp", "dp")
 # parallel_state's order string lists dimensions innermost first; ep=1 is a no-op placeholder.
 MEGATRON_ORDER = "tp-cp-ep-pp-dp"
@@ -33,8 +35,7 @@ class MeshShape:
     def __post_init__(self):
         for dim in DIMS:
             size = getattr(self, dim)
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"{dim}={size!r} is invalid: each mesh size must be an integer >= 1")
+            check_int(dim, size)
 
     @classmethod
     def for_world(cls, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None):
@@ -65,8 +66,7 @@ class MeshShape:
 
     def coords(self, rank: int) -> dict[str, int]:
         """{'tp': .., 'cp': .., 'pp': .., 'dp': ..} of a global rank (mixed radix, TP fastest)."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank} is out of range: must be in 0..{self.world_size - 1}")
+        check_int("rank", rank, 0, self.world_size - 1)
         out = {}
         for dim, size in zip(DIMS, self.sizes):
             out[dim] = rank % size
@@ -77,8 +77,7 @@ class MeshShape:
         coords = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
         rank, stride = 0, 1
         for dim, size in zip(DIMS, self.sizes):
-            if not 0 <= coords[dim] < size:
-                raise ValueError(f"{dim}={coords[dim]} is out of range: must be in 0..{size - 1}")
+            check_int(dim, coords[dim], 0, size - 1)
             rank += coords[dim] * stride
             stride *= size
         return rank

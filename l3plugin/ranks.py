@@ -37,6 +37,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from l3plugin.checks import check_int
+
 DEFAULT_TIMEOUT = 120.0
 _POLL = 0.2  # how often the parent checks for dead workers while it waits
 
@@ -232,8 +234,7 @@ class RankPool:
 
     def __init__(self, world_size: int, *, preload: tuple[str, ...] = (), start_timeout: float = 180.0,
                  grace: float = 5.0, keep_state: bool = False):
-        if world_size < 1:
-            raise ValueError(f"world_size={world_size} is invalid: must be >= 1")
+        check_int("world_size", world_size)
         self.world_size = world_size
         self.preload = tuple(preload)
         self.start_timeout = start_timeout

@@ -15,7 +15,7 @@ def test_even_and_uneven_splits():
     (dict(num_layers=6, pp_size=2, vpp_size=2), r"num_layers = 6 is not divisible by the 4 remaining virtual stages"),
     (dict(num_layers=0, pp_size=2), r"num_layers=0 is out of range: must be an integer >= 1"),
     (dict(num_layers=8, pp_size=2, vpp_size=0), r"vpp_size=0 is out of range"),
-    (dict(num_layers=8, pp_size=4, first_stage=9), r"first_stage=9 is out of range: must be in 0..num_layers \(=8\)"),
+    (dict(num_layers=8, pp_size=4, first_stage=9), r"first_stage=9 is out of range: must be an integer in 0..num_layers \(=8\)"),
     (dict(num_layers=8, pp_size=4, vpp_size=2, first_stage=1, last_stage=2),
      r"num_layers - first_stage - last_stage = 5 is not divisible"),
 ])

@@ -50,9 +50,9 @@ def test_bad_sizes_name_the_sizes_and_the_product():
         MeshShape.for_world(8, tp=2, cp=2, pp=2, dp=2)
     with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp\*cp\*pp = 2\*2\*1 = 4"):
         MeshShape.for_world(6, tp=2, cp=2)
-    with pytest.raises(ValueError, match=r"tp=0 is invalid"):
+    with pytest.raises(ValueError, match=r"tp=0 is out of range: must be an integer >= 1"):
         MeshShape(tp=0)
-    with pytest.raises(ValueError, match=r"rank=8 is out of range: must be in 0..7"):
+    with pytest.raises(ValueError, match=r"rank=8 is out of range: must be an integer in 0..7"):
         MeshShape(tp=2, pp=4).coords(8)
 
 

@@ -100,8 +100,7 @@ class CPLayout:
             raise ValueError(f"layout {self.name!r} is invalid: {problem}; ranges={self.ranges!r}"[:400])
 
     def rank_ranges(self, cp_rank: int) -> tuple:
-        if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < self.cp_size:
-            raise ValueError(f"cp_rank={cp_rank!r} is out of range: must be in 0..{self.cp_size - 1}")
+        check_int("cp_rank", cp_rank, 0, self.cp_size - 1)
         return self.ranges[cp_rank]
 
     def indices(self, cp_rank: int) -> torch.Tensor:

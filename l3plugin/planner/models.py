@@ -10,6 +10,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 
+from l3plugin.checks import check_int
+
 LLAMA3_VOCAB = 128256
 
 
@@ -27,9 +29,7 @@ class ModelSpec:
         for f in fields(self):
             if f.name == "name":
                 continue
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"model field {f.name}={value!r} is invalid: must be an integer >= 1")
+            check_int(f"model field {f.name}", getattr(self, f.name))
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                              f"{self.num_attention_heads}: the head dimension must be an integer")

@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
+from l3plugin.checks import check_int
 from l3plugin.schedule.layers import layers_per_virtual_stage
 
 from .costs import GIB, Layout, LayoutCosts
@@ -43,11 +44,6 @@ from .schedules import ScheduleCache, warmup_inflight
 
 # "memory": set by plan() when no layout without CP fits (or divides the batch over all GPUs)
 CP_POLICIES = ("long-context", "any", "memory")
-
-
-def _check_int(name: str, value, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {low}")
 
 
 @dataclass(frozen=True)
@@ -71,10 +67,10 @@ class PlanRequest:
     def __post_init__(self):
         object.__setattr__(self, "model", load_model(self.model))
         for name in ("gpus", "seq_len", "global_batch_tokens", "gpus_per_node", "micro_batch_size"):
-            _check_int("--" + name.replace("_", "-"), getattr(self, name))
+            check_int("--" + name.replace("_", "-"), getattr(self, name))
         for name in ("tp", "pp", "cp"):
             if getattr(self, name) is not None:
-                _check_int("--" + name, getattr(self, name))
+                check_int("--" + name, getattr(self, name))
         hbm = self.hbm_gb
         if isinstance(hbm, bool) or not isinstance(hbm, (int, float)) or not math.isfinite(hbm) or not hbm > 0:
             raise ValueError(f"--gpu-memory-gb={hbm!r} is invalid: must be a finite number > 0 (GiB per GPU)")

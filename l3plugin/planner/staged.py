@@ -19,6 +19,8 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 
+from l3plugin.checks import check_int
+
 from .costs import GIB, Layout
 from .search import (Evaluation, NoPlanFits, PlanRequest, ScheduleCache, describe, divisors, enumerate_layouts,
                      evaluate, plan)
@@ -46,9 +48,10 @@ def base_from_record(record, source: str) -> Base:
     if missing:
         raise ValueError(f"{source}: the plan record lacks {missing}; write it with `l3plugin plan ... --json`")
     for key in ("tp", "pp", "vpp"):
-        value = record[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{source}: {key}={value!r} is invalid: must be an integer >= 1")
+        try:
+            check_int(key, record[key])
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
     return Base(tp=record["tp"], pp=record["pp"], vpp=record["vpp"], source=source, cp=record.get("cp", 1),
                 dp=record.get("dp"), group_size=record.get("group_size"), seq_len=record.get("seq_len"),
                 model=record.get("model"))

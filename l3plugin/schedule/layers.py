@@ -22,8 +22,8 @@ def layers_per_virtual_stage(num_layers: int, pp_size: int, vpp_size: int = 1, *
     stages = pp_size * vpp_size
     ends = {0: first_stage, stages - 1: last_stage}
     for name, value in (("first_stage", first_stage), ("last_stage", last_stage)):
-        if value is not None and (not isinstance(value, int) or not 0 <= value <= num_layers):
-            raise ValueError(f"{name}={value!r} is out of range: must be in 0..num_layers (={num_layers})")
+        if value is not None:
+            check_int(name, value, 0, num_layers, "num_layers")
     if stages == 1:
         if first_stage not in (None, num_layers) or last_stage not in (None, num_layers):
             raise ValueError(f"with a single stage it holds all num_layers={num_layers} layers")

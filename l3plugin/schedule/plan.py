@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from l3plugin.checks import check_int
+
 FORWARD = "F"
 BACKWARD = "B"
 
@@ -153,17 +155,6 @@ class Schedule:
 
 
 # ---- construction -------------------------------------------------------------------------
-def _check_int(name: str, value, low: int, high: int | None = None, high_name: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}={value!r} is not an integer")
-    if high is None and value < low:
-        raise ValueError(f"{name}={value} is out of range: must be >= {low}")
-    if high is not None and not low <= value <= high:
-        raise ValueError(
-            f"{name}={value} is out of range: must be in {low}..{high_name} (={high})"
-        )
-
-
 def virtual_microbatch_table(num_microbatches: int, vpp: int, group_size: int):
     """[(microbatch, chunk)] in the order the forwards run (Megatron's ``get_schedule_table``)."""
     table = []
@@ -200,12 +191,12 @@ def build_schedule(pp_size: int, vpp_size: int, num_microbatches: int, group_siz
     ``group_size`` (k) defaults to ``min(pp_size, num_microbatches)``: Megatron's default k=p,
     clipped so that m < p still works (k must be in 1..m).
     """
-    _check_int("pp_size", pp_size, 1)
-    _check_int("vpp_size", vpp_size, 1)
-    _check_int("num_microbatches", num_microbatches, 1)
+    check_int("pp_size", pp_size)
+    check_int("vpp_size", vpp_size)
+    check_int("num_microbatches", num_microbatches)
     if group_size is None:
         group_size = min(pp_size, num_microbatches)
-    _check_int("group_size", group_size, 1, num_microbatches, "num_microbatches")
+    check_int("group_size", group_size, 1, num_microbatches, "num_microbatches")
 
     warmups = [
         warmup_count(pp_size, vpp_size, num_microbatches, group_size, rank)

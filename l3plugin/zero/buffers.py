@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from l3plugin.checks import check_int
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -93,10 +95,8 @@ def plan_buckets(params: list[tuple[int, int, torch.dtype, tuple[int, ...]]], wo
     ``alone``: indices into ``params`` of parameters that get a bucket of their own.
     Returns the slots (same order as ``params``) and the buckets.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be >= 1")
-    if bucket_numel < 1:
-        raise ValueError(f"bucket_numel={bucket_numel} must be >= 1")
+    check_int("world_size", world_size)
+    check_int("bucket_numel", bucket_numel)
     slots: list[ParamSlot] = []
     buckets: list[BucketSpec] = []
     current: list[ParamSlot] = []

@@ -112,7 +112,7 @@ def test_few_ranges_per_rank():
     (lambda: balanced_layout([0, 16], 16, 2, tolerance=0.5), r"tolerance=0.5 is out of range"),
     (lambda: balanced_layout([0, 16], 16, 2, min_piece=0), r"min_piece=0 is out of range"),
     (lambda: two_chunk_layout(18, 2), r"seq_len=18 is not divisible by 2\*cp_size = 4"),
-    (lambda: two_chunk_layout(16, 2).indices(2), r"cp_rank=2 is out of range: must be in 0..1"),
+    (lambda: two_chunk_layout(16, 2).indices(2), r"cp_rank=2 is out of range: must be an integer in 0..1"),
 ])
 def test_bad_input(call, message):
     with pytest.raises(ValueError, match=message):

@@ -85,7 +85,7 @@ def test_shard_batch_refuses_a_shorter_sequence_tensor():
     (lambda: document_metadata([0, 8, 16], 16, 2, 0, causal="no"), r"causal='no' is invalid: must be True or False"),
     (lambda: document_metadata([0, 8, 16], 16, 2, 0, causal=1), r"causal=1 is invalid: must be True or False"),
     (lambda: shard_indices(18, 2, 0), "seq_len=18 is not divisible by 2\\*cp_size = 4"),
-    (lambda: shard_indices(16, 2, 2), "cp_rank=2 is out of range: must be in 0..1"),
+    (lambda: shard_indices(16, 2, 2), "cp_rank=2 is out of range: must be an integer in 0..1"),
     (lambda: local_chunks(16, 0, 0), "cp_size=0 is out of range"),
     (lambda: document_metadata([1, 16], 16, 2, 0), "must start at 0"),
     (lambda: document_metadata([0, 15], 16, 2, 0), "must end at the full sequence length S=16"),

@@ -115,8 +115,8 @@ def bad_input_message(num_microbatches, group_size):
 
 @pytest.mark.parametrize("m,k,message", [
     (0, 2, "num_microbatches=0 is out of range: must be an integer >= 1"),
-    (4, 5, "group_size=5 is out of range: must be in 1..num_microbatches (=4)"),
-    (4, 0, "group_size=0 is out of range: must be in 1..num_microbatches (=4)"),
+    (4, 5, "group_size=5 is out of range: must be an integer in 1..num_microbatches (=4)"),
+    (4, 0, "group_size=0 is out of range: must be an integer in 1..num_microbatches (=4)"),
 ])
 def test_bad_input_names_parameter_value_and_range(ranks, m, k, message):
     for text in ranks.run(2, bad_input_message, m, k, timeout=60):

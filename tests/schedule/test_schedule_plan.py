@@ -213,13 +213,13 @@ def test_to_dict_layout_is_exact():
 @pytest.mark.parametrize(
     "args,message",
     [
-        ((0, 1, 8), "pp_size=0 is out of range: must be >= 1"),
-        ((2, 0, 8), "vpp_size=0 is out of range: must be >= 1"),
-        ((2, 1, 0), "num_microbatches=0 is out of range: must be >= 1"),
-        ((2, 1, 8, 0), r"group_size=0 is out of range: must be in 1\.\.num_microbatches \(=8\)"),
-        ((2, 1, 8, 9), r"group_size=9 is out of range: must be in 1\.\.num_microbatches \(=8\)"),
-        ((2.0, 1, 8), "pp_size=2.0 is not an integer"),
-        ((2, True, 8), "vpp_size=True is not an integer"),
+        ((0, 1, 8), "pp_size=0 is out of range: must be an integer >= 1"),
+        ((2, 0, 8), "vpp_size=0 is out of range: must be an integer >= 1"),
+        ((2, 1, 0), "num_microbatches=0 is out of range: must be an integer >= 1"),
+        ((2, 1, 8, 0), r"group_size=0 is out of range: must be an integer in 1\.\.num_microbatches \(=8\)"),
+        ((2, 1, 8, 9), r"group_size=9 is out of range: must be an integer in 1\.\.num_microbatches \(=8\)"),
+        ((2.0, 1, 8), "pp_size=2.0 is out of range: must be an integer >= 1"),
+        ((2, True, 8), "vpp_size=True is out of range: must be an integer >= 1"),
     ],
 )
 def test_bad_input_names_parameter_value_and_range(args, message):
