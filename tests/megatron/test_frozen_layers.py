@@ -175,3 +175,82 @@ def test_zero_buckets_and_reduces_only_trainable_parameters(ranks, stage, v):
             assert torch.allclose(weight, expected, atol=1e-6), (rank, lid)
     if v == 1:  # pipeline rank 0 holds only frozen layers: no bucket, no reduce-scatter, but it took part in the step
         assert results[0]["buckets"] == 0 and results[0]["handed_bytes"] == 0
+
+
+def gpt_frozen(chunks, frozen_prefix):
+    """Freeze the parameters of a GPTModel's chunks whose global name starts with one of ``frozen_prefix``."""
+    from l3plugin.megatron.model import global_name
+
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if global_name(chunk, name).startswith(frozen_prefix):
+                p.requires_grad_(False)
+
+
+def gpt_trainable_grads(chunks):
+    from l3plugin.megatron.model import global_name
+
+    return {global_name(ch, n): p.grad.clone() for ch in chunks for n, p in ch.named_parameters() if p.requires_grad}
+
+
+GPT_FROZEN = ("embedding.", "decoder.layers.0.", "decoder.layers.1.", "decoder.layers.2.self_attention.")
+
+
+def gpt_frozen_step(p, v, m, k):
+    """A real Megatron-Core GPTModel (4 layers, pp 2 x vpp 2) with the embedding, layers 0-1 and layer 2's
+    attention frozen: stages 0 and 1 are a frozen prefix, stage 2 the first trainable one."""
+    from l3plugin.megatron import forward_backward_pipelining_flexible
+    from l3plugin.mesh import init_mesh
+    from l3plugin.testing import tiny_gpt as gpt
+
+    mesh = init_mesh(pp=p, vpp=v)
+    r = mesh.coords["pp"]
+    config = gpt.gpt_config(4, pp=p, vpp=v, k=k)
+    chunks = [gpt.build_gpt(config, pre_process=r == 0 and c == 0, post_process=r == p - 1 and c == v - 1,
+                            vp_stage=c, seq_len=16) for c in range(v)]
+    gpt_frozen(chunks, GPT_FROZEN)
+    received = []
+    for chunk in chunks:
+        chunk.decoder.register_forward_pre_hook(lambda module, *_: received.append(
+            (module.layers[0].layer_number, module.input_tensor is not None and module.input_tensor.requires_grad)))
+    out = forward_backward_pipelining_flexible(
+        forward_step_func=gpt.forward_step, data_iterator=[iter(gpt.microbatches(m, 2, 16)) for _ in chunks],
+        model=chunks, num_microbatches=m, seq_length=16, micro_batch_size=2)
+    return {"grads": gpt_trainable_grads(chunks), "losses": [d["lm loss"] for d in out], "received": received,
+            "frozen_grads": [q.grad for ch in chunks for q in ch.parameters() if not q.requires_grad]}
+
+
+def gpt_frozen_serial(m):
+    from l3plugin.mesh import init_mesh
+    from l3plugin.testing import tiny_gpt as gpt
+
+    init_mesh(dp=2)  # both ranks compute the same serial reference; no communication
+    model = gpt.build_gpt(gpt.gpt_config(4), seq_len=16)
+    gpt_frozen([model], GPT_FROZEN)
+    losses = []
+    for batch in gpt.microbatches(m, 2, 16):
+        out, reduce = gpt.forward_step(iter([batch]), model)
+        loss, stats = reduce(out)
+        losses.append(stats["lm loss"])
+        (loss / m).backward()
+    return {"grads": gpt_trainable_grads([model]), "losses": losses}
+
+
+def test_gpt_model_with_a_frozen_prefix_matches_serial(ranks):
+    from l3plugin.debug.numerics import assert_bitwise_equal
+
+    p, v, m, k = 2, 2, 5, 3
+    pipelined = ranks.run(p, gpt_frozen_step, p, v, m, k, timeout=180)
+    serial = ranks.run(2, gpt_frozen_serial, m, timeout=180)[0]
+    grads = {name: g for r in pipelined for name, g in r["grads"].items()}
+    assert grads.keys() == serial["grads"].keys() and not any(name.startswith(GPT_FROZEN) for name in grads)
+
+    def flat(losses, named):
+        return {**{f"loss[{i}]": x for i, x in enumerate(losses)}, **{n: named[n] for n in sorted(named)}}
+
+    assert_bitwise_equal(flat(pipelined[-1]["losses"], grads), flat(serial["losses"], serial["grads"]))
+    for rank, r in enumerate(pipelined):
+        assert r["frozen_grads"] and all(g is None for g in r["frozen_grads"]), f"pipeline rank {rank}"
+        # Layer numbers 1..4 (stage s holds layer s + 1): inputs carry a gradient only into stage 3.
+        for layer_number, needs_grad in r["received"]:
+            assert needs_grad == (layer_number == 4), (rank, layer_number, needs_grad)
