@@ -80,3 +80,17 @@ def test_posting_orders_still_mirror_with_frozen_stages(p, v, m, data):
         assert recv is None or recv in sent
         if send is not None:
             sent.add(send)
+
+
+def test_the_balancer_times_the_plan_the_executor_runs_for_a_frozen_prefix():
+    # Stages 0-3 frozen (no backward cost), 4-5 trainable, p 2 x v 3: each rank holds frozen and trainable
+    # stages. Timed on the plan without gradient messages into the frozen prefix, the frozen stages' no-op
+    # backwards wait for nothing and the step is shorter (42 vs 45).
+    from l3plugin.schedule.balance import LayerCost, StageSplitter
+    from l3plugin.schedule.simulate import simulate
+
+    schedule = build_schedule(2, 3, 4, 1)
+    times = [(1.0, 0.0), (2.0, 0.0), (1.0, 0.0), (1.0, 0.0), (1.0, 1.0), (1.0, 4.0)]
+    split = StageSplitter([LayerCost(f, b) for f, b in times], schedule).evaluate("frozen prefix", (1,) * 6)
+    frozen = simulate(with_trainable_stages(schedule, [False] * 4 + [True] * 2), stage_times=times)
+    assert split.makespan == frozen.makespan == 42.0 and simulate(schedule, stage_times=times).makespan == 45.0
