@@ -108,13 +108,16 @@ class StageSplitter:
             peak = max(peak, held)
         return Split(name, counts, makespan, max((makespan - b) / b for b in busy), tuple(busy), peak)
 
+    def schedule_for(self, costs) -> Schedule:
+        """The plan the executor runs for a split with these stage costs: stages before the first with a
+        backward cost (a frozen prefix) exchange no gradients, so their no-op backward waits for nothing."""
+        first = next((s for s, c in enumerate(costs) if c.backward > 0), len(costs))
+        return with_trainable_stages(self.schedule, [s >= first for s in range(self.num_stages)])
+
     def _replay(self, costs) -> Replay:
-        """The replay of the plan the executor runs for this split: stages before the first with a backward
-        cost (a frozen prefix) exchange no gradients, so their no-op backward waits for nothing."""
         first = next((s for s, c in enumerate(costs) if c.backward > 0), len(costs))
         if first not in self._replays:
-            trainable = [s >= first for s in range(self.num_stages)]
-            self._replays[first] = Replay(with_trainable_stages(self.schedule, trainable))
+            self._replays[first] = Replay(self.schedule_for(costs))
         return self._replays[first]
 
     def _key(self, split: Split, scale: float):
