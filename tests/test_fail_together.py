@@ -59,9 +59,10 @@ def test_zero_setup_fails_together(ranks, case):
     legs = ranks.run(2, zero_setup_leg, case, timeout=TIMEOUT)
     if case == "ok":
         assert legs == [None, None]
-    elif case == "no parameters":
-        assert legs[1] == "ValueError: the optimizer holds no trainable parameters"
-        assert legs[0].startswith("PeerFailed") and "rank 1: ValueError: the optimizer holds no" in legs[0]
+    elif case == "no parameters":  # allowed (a frozen pipeline stage), but not on one rank of the group only
+        for leg in legs:
+            assert leg.startswith("PeerFailed") and "ZeRO optimizer setup ended differently" in leg
+            assert "rank 0: 1 buckets, 15 elements" in leg and "rank 1: 0 buckets, 0 elements" in leg
     else:  # each rank built buckets, but not the same: the first reduce-scatter would not match
         for leg in legs:
             assert leg.startswith("PeerFailed") and "ZeRO optimizer setup ended differently" in leg

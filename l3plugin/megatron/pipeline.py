@@ -16,6 +16,11 @@ Differences from the stock interleaved schedule, all deliberate:
   and a new per-round hook ``config.round_grad_sync_func(chunk_id, params, round_id, is_last_round)``
   runs after the last backward of every (chunk, round of k microbatches): ZeRO-2 reduce-scatters there.
 Chunks are opaque: uneven layers per stage need nothing here.
+
+Frozen layers: every call agrees over the PP group (one all-reduce of p x v flags) which virtual stages
+hold a trainable parameter (``requires_grad``). Stages before the first such stage skip their backward,
+receive their activations without requires_grad and exchange no gradients (the plan drops those messages
+on both sides: ``l3plugin.schedule.plan.with_trainable_stages``); frozen parameters never get a ``.grad``.
 """
 
 from __future__ import annotations
@@ -29,15 +34,16 @@ import torch
 from l3plugin.checks import check_int
 from l3plugin.megatron.cp_documents import schedule_step
 from l3plugin.schedule.comm import PipelineChannels, pair_orders
-from l3plugin.schedule.plan import FORWARD, RankPlan, Schedule, build_schedule
+from l3plugin.schedule.plan import FORWARD, RankPlan, Schedule, build_schedule, with_trainable_stages
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_plan(pp, vpp, m, k, forward_only, rank):
+def _cached_plan(pp, vpp, m, k, forward_only, rank, trainable):
     """Everything a step derives from the configuration alone, built once rather than every step:
-    the schedule (forward-only if asked), this rank's P2P order (a replay of the whole plan), and the
-    indices of its actions after which grad sync (chunk done) and round sync (round done) happen."""
-    schedule = build_schedule(pp, vpp, m, k)
+    the schedule (forward-only if asked; ``trainable``: one flag per virtual stage), this rank's P2P order
+    (a replay of the whole plan), and the indices of its actions after which grad sync (chunk done) and
+    round sync (round done) happen."""
+    schedule = with_trainable_stages(build_schedule(pp, vpp, m, k), trainable)
     if forward_only:
         schedule = forward_only_schedule(schedule)
     orders = {peer: tuple(ops) for peer, ops in pair_orders(schedule, rank).items()}
@@ -101,6 +107,20 @@ def _takes_model_type(backward_step) -> bool:
     return "model_type" in inspect.signature(backward_step).parameters
 
 
+def trainable_stages(model, pp_group, device) -> tuple[bool, ...]:
+    """Whether each virtual stage (pipeline order) has a parameter with requires_grad: this rank's chunks'
+    flags summed over the PP group (collective; every PP rank calls it at the same point)."""
+    from l3plugin import comm
+
+    p, r = pp_group.size(), pp_group.rank()
+    flags = torch.zeros(p * len(model), dtype=torch.float32, device=device)
+    for c, chunk in enumerate(model):
+        flags[c * p + r] = float(any(param.requires_grad for param in chunk.parameters()))
+    if p > 1:
+        comm.all_reduce_sum(flags, pp_group, what="trainable stages over the PP group")
+    return tuple(bool(f) for f in flags.tolist())
+
+
 def _model_device(model) -> torch.device:
     for chunk in model:
         for param in chunk.parameters():
@@ -140,9 +160,12 @@ def forward_backward_pipelining_flexible(
     k = p if k is None else k
     if k == p and num_microbatches < p:
         k = num_microbatches  # Megatron's default k = p: fewer microbatches than that make one group
+    device = _model_device(model)
+    # Forward-only: nothing needs a gradient (no collective either).
+    trainable = (False,) * (p * v) if forward_only else trainable_stages(model, pp_group, device)
     try:
         schedule, orders, grad_sync_points, round_ends = _cached_plan(
-            p, v, num_microbatches, k, bool(forward_only), r)
+            p, v, num_microbatches, k, bool(forward_only), r, trainable)
     except ValueError as exc:
         raise ValueError(f"{exc} (group_size is config.microbatch_group_size_per_vp_stage, set by "
                          f"--microbatch-group-size-per-virtual-pipeline-stage)") from None
@@ -153,8 +176,7 @@ def forward_backward_pipelining_flexible(
         seq //= tp_group.size()
     channels = PipelineChannels(
         schedule, r, orders, dist.get_process_group_ranks(pp_group), pp_group,
-        shape=(seq, micro_batch_size, config.hidden_size), dtype=config.pipeline_dtype,
-        device=_model_device(model))
+        shape=(seq, micro_batch_size, config.hidden_size), dtype=config.pipeline_dtype, device=device)
     model_type = (get_model_type(model[0]),) if _takes_model_type(backward_step) else ()
     free_output = functools.partial(deallocate_output_tensor,
                                     deallocate_pipeline_outputs=config.deallocate_pipeline_outputs)
@@ -230,18 +252,23 @@ def forward_backward_pipelining_flexible(
             if send_msg is not None:
                 channels.send(send_msg, output_tensor, schedule.owner_of(send_msg.dst_stage)[0],
                               on_complete=free_output if not forward_only else None)
-            if not forward_only:
+            if not forward_only and schedule.has_grad_path(stage):
                 saved[(mb, c)] = (input_tensor, output_tensor, send_msg)
         else:
-            input_tensor, output_tensor, sent = saved.pop((mb, c))
-            if sent is not None:
-                channels.wait_sent(sent)  # the output must be sent (and freed) before its backward
-            output_grad = None if recv_msg is None else channels.recv(
-                recv_msg, schedule.owner_of(recv_msg.src_stage)[0])
+            stage = schedule.stage_of(r, c)
             last_for_chunk = index in grad_sync_points
             if last_for_chunk and grad_sync_func is None:
                 enable_grad_sync()  # DDP hooks reduce during this backward
-            input_grad = backward_step(input_tensor, output_tensor, output_grad, *model_type, config)
+            input_grad = None
+            if schedule.has_grad_path(stage):  # else a frozen prefix: no backward, the hooks below still run
+                input_tensor, output_tensor, sent = saved.pop((mb, c))
+                if sent is not None:
+                    channels.wait_sent(sent)  # the output must be sent (and freed) before its backward
+                output_grad = None if recv_msg is None else channels.recv(
+                    recv_msg, schedule.owner_of(recv_msg.src_stage)[0])
+                if input_tensor is not None and not input_tensor.requires_grad:
+                    input_tensor = None  # the first trainable stage: no input gradient wanted
+                input_grad = backward_step(input_tensor, output_tensor, output_grad, *model_type, config)
             if round_sync_func is not None and index in round_ends:
                 enable_grad_sync()
                 round_sync_func(c, model[c].parameters(), schedule.round_of(mb), last_for_chunk)

@@ -101,7 +101,8 @@ def _run(args) -> int:
         from l3plugin.schedule import render_png, simulate
 
         costs = splitter.stage_costs(best.counts)
-        render_png(simulate(schedule, stage_times=[(c.forward, c.backward) for c in costs]), args.png)
+        render_png(simulate(splitter.schedule_for(costs), stage_times=[(c.forward, c.backward) for c in costs]),
+                   args.png)
         if not args.json:
             print(f"wrote {args.png}")
     return 0

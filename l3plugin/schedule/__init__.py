@@ -12,6 +12,7 @@ from .plan import (
     schedule_from_warmups,
     validate,
     warmup_count,
+    with_trainable_stages,
 )
 from .simulate import SimulationResult, TimedAction, simulate
 from .timeline import MissingExtraError, render_png, render_text
@@ -33,4 +34,5 @@ __all__ = [
     "simulate",
     "validate",
     "warmup_count",
+    "with_trainable_stages",
 ]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from l3plugin.checks import check_int
 
-from .plan import BACKWARD, Schedule
+from .plan import BACKWARD, Schedule, with_trainable_stages
 from .simulate import Replay
 
 # Two steps within this fraction of the step are equal (floating sums differ in the last bits).
@@ -80,7 +80,7 @@ class StageSplitter:
             raise ValueError(f"kinds has {len(kinds)} letters for {len(layers)} layers")
         self.layers, self.schedule, self.embedding, self.head = list(layers), schedule, embedding, head
         self.p2p_latency, self.kinds = p2p_latency, kinds
-        self.replay = Replay(schedule)
+        self._replays = {0: Replay(schedule)}  # by the first stage with a gradient path
         self.num_stages = schedule.num_stages
         # Rank 0's actions as (stage, +1 forward / -1 backward), for its activation memory.
         self._rank0 = [(schedule.stage_of(0, a.chunk), -1 if a.op == BACKWARD else 1)
@@ -100,13 +100,25 @@ class StageSplitter:
     def evaluate(self, name: str, counts) -> Split:
         counts = tuple(counts)
         costs = self.stage_costs(counts)
-        times, busy = self.replay.run([(c.forward, c.backward) for c in costs], self.p2p_latency)
+        times, busy = self._replay(costs).run([(c.forward, c.backward) for c in costs], self.p2p_latency)
         makespan = max(end for _, end in times)
         held = peak = 0.0
         for stage, sign in self._rank0:
             held += sign * costs[stage].activation
             peak = max(peak, held)
         return Split(name, counts, makespan, max((makespan - b) / b for b in busy), tuple(busy), peak)
+
+    def schedule_for(self, costs) -> Schedule:
+        """The plan the executor runs for a split with these stage costs: stages before the first with a
+        backward cost (a frozen prefix) exchange no gradients, so their no-op backward waits for nothing."""
+        first = next((s for s, c in enumerate(costs) if c.backward > 0), len(costs))
+        return with_trainable_stages(self.schedule, [s >= first for s in range(self.num_stages)])
+
+    def _replay(self, costs) -> Replay:
+        first = next((s for s, c in enumerate(costs) if c.backward > 0), len(costs))
+        if first not in self._replays:
+            self._replays[first] = Replay(self.schedule_for(costs))
+        return self._replays[first]
 
     def _key(self, split: Split, scale: float):
         return (round(split.makespan / scale / SAME_STEP), split.stage0_memory)

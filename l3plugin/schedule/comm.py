@@ -11,6 +11,9 @@ one order they agree on, the order of the messages in a global, dependency-respe
   the two sides deadlock; the same order on both sides cannot. It is always possible to post in that
   order: when a rank needs message j, every message of its own that precedes j in the replay comes from
   an action that precedes its current one, so it has already been sent.
+Frozen layers change the messages, not the rule: the plan (``Schedule.first_grad_stage``) drops the
+gradient messages into a frozen prefix on both sides, and an activation carries a gradient
+(requires_grad) only into a stage after the first trainable one.
 Sends are non-blocking and their completion is checked lazily; a rank only ever blocks on a receive its
 next compute step needs. Devices and dtypes come from the caller (the model), never hard-coded.
 Every blocking wait is bounded (``wait_timeout``, see l3plugin/waits.py): a peer that never sends or
@@ -56,6 +59,7 @@ class PipelineChannels:
         """``orders``: ``pair_orders(schedule, pp_rank)`` (callers cache it; None computes it).
         ``wait_timeout``: seconds any send or receive may take (None: ``l3plugin.waits.resolve_timeout``)."""
         self.pp_rank = pp_rank
+        self.schedule = schedule
         self.global_ranks = list(pp_global_ranks)
         self.group = group
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
@@ -67,10 +71,13 @@ class PipelineChannels:
         self._local: dict[Message, torch.Tensor] = {}
         self._sends: dict[Message, tuple] = {}  # message -> (work, tensor, on_complete, peer)
 
+    def _needs_grad(self, msg: Message) -> bool:
+        # Activations arrive as leaf inputs whose .grad the backward step reads, unless nothing trains
+        # before their stage (a frozen prefix: no input gradient is wanted).
+        return msg.kind == "activation" and self.schedule.input_needs_grad(msg.dst_stage)
+
     def _post_recv(self, peer: int, msg: Message):
-        # Activations arrive as leaf inputs whose .grad the backward step reads.
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device,
-                          requires_grad=msg.kind == "activation")
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=self._needs_grad(msg))
         self._posted[msg] = (dist.irecv(buf, src=self.global_ranks[peer], group=self.group), buf, peer)
 
     def _advance(self, peer: int, until: Message):
@@ -108,7 +115,7 @@ class PipelineChannels:
         """Start sending ``tensor``; ``on_complete(tensor)`` runs once the send is done (e.g. free it)."""
         if dst_rank == self.pp_rank:
             work = None
-            self._local[msg] = tensor.detach().requires_grad_(msg.kind == "activation")
+            self._local[msg] = tensor.detach().requires_grad_(self._needs_grad(msg))
         else:
             self._advance(dst_rank, msg)
             work = dist.isend(tensor.contiguous(), dst=self.global_ranks[dst_rank], group=self.group)

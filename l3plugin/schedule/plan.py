@@ -25,11 +25,17 @@ One deviation, only where stock Megatron rejects the config: with a final group 
 microbatches the ``2*(p-r-1)`` term is capped at ``s + k``, since the uncapped formula deadlocks
 for some such configs (see :func:`warmup_count`).  :func:`validate` replays every plan; the tests
 run it exhaustively on small grids and by property tests on larger ones.
+
+Frozen layers: ``Schedule.first_grad_stage`` is the first virtual stage holding a trainable parameter
+(:func:`with_trainable_stages`). Stages before it (a frozen prefix) have no gradient path: their
+backward steps stay in the plan (the grad-sync hooks still fire there) but compute and exchange
+nothing, and no gradient message goes into them. Activations into stages after it carry a gradient.
+The order of actions does not change, so both ranks of a pair still derive one posting order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from l3plugin.checks import check_int
 
@@ -100,15 +106,19 @@ class Schedule:
     microbatches: int
     group_size: int
     ranks: tuple[RankPlan, ...]
+    first_grad_stage: int = 0  # stages before it have no trainable parameter in or before them
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "pp": self.pp,
             "vpp": self.vpp,
             "microbatches": self.microbatches,
             "group_size": self.group_size,
             "ranks": [r.to_dict() for r in self.ranks],
         }
+        if self.first_grad_stage:
+            data["first_grad_stage"] = self.first_grad_stage
+        return data
 
     # ---- stage geometry -------------------------------------------------------------------
     @property
@@ -121,6 +131,15 @@ class Schedule:
     def owner_of(self, stage: int) -> tuple[int, int]:
         """(rank, chunk) that runs virtual stage ``stage``."""
         return stage % self.pp, stage // self.pp
+
+    # ---- frozen layers ---------------------------------------------------------------------
+    def has_grad_path(self, stage: int) -> bool:
+        """True if a trainable parameter lives in ``stage`` or before it: its backward has work to do."""
+        return stage >= self.first_grad_stage
+
+    def input_needs_grad(self, stage: int) -> bool:
+        """True if the activation ``stage`` receives must carry a gradient (an earlier stage trains)."""
+        return stage > self.first_grad_stage
 
     # ---- executor helpers -----------------------------------------------------------------
     def round_of(self, microbatch: int) -> int:
@@ -148,9 +167,11 @@ class Schedule:
         if action.op == FORWARD:
             recv = None if first else Message("activation", mb, stage - 1, stage)
             send = None if last else Message("activation", mb, stage, stage + 1)
+        elif not self.has_grad_path(stage):
+            recv = send = None  # a frozen prefix: nothing to compute, nothing to exchange
         else:
             recv = None if last else Message("grad", mb, stage + 1, stage)
-            send = None if first else Message("grad", mb, stage, stage - 1)
+            send = None if first or not self.input_needs_grad(stage) else Message("grad", mb, stage, stage - 1)
         return recv, send
 
 
@@ -205,6 +226,24 @@ def build_schedule(pp_size: int, vpp_size: int, num_microbatches: int, group_siz
     schedule = schedule_from_warmups(pp_size, vpp_size, num_microbatches, group_size, warmups)
     validate(schedule)
     return schedule
+
+
+def first_grad_stage(trainable) -> int:
+    """The first virtual stage whose ``trainable`` flag (one per stage, pipeline order) is set; the number
+    of stages if none is."""
+    return next((stage for stage, flag in enumerate(trainable) if flag), len(trainable))
+
+
+def with_trainable_stages(schedule: Schedule, trainable) -> Schedule:
+    """``schedule`` with the gradient path of a model whose virtual stage s has a trainable parameter iff
+    ``trainable[s]`` (stage s = chunk s // pp on rank s % pp). Same actions; fewer messages."""
+    trainable = list(trainable)
+    if len(trainable) != schedule.num_stages:
+        raise ValueError(f"trainable has {len(trainable)} entries; it needs one per virtual stage "
+                         f"(pp x vpp = {schedule.num_stages})")
+    frozen = replace(schedule, first_grad_stage=first_grad_stage(trainable))
+    validate(frozen)
+    return frozen
 
 
 def schedule_from_warmups(pp, vpp, num_microbatches, group_size, warmups) -> Schedule:

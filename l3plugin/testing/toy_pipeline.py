@@ -1,7 +1,8 @@
 """A tiny pipeline-parallel model for schedule tests, with a serial reference that accumulates identically.
 
 The model is a stack of ``num_layers`` Linear+tanh layers whose weights depend only on (seed, layer id),
-so a pipelined run (any p, v, split) and the serial run hold exactly the same numbers. Each microbatch's
+so a pipelined run (any p, v, split) and the serial run hold exactly the same numbers. ``frozen``: ids of
+layers whose parameters do not train (requires_grad False), the same in both runs. Each microbatch's
 loss is mean squared error, scaled as Megatron scales it (divided by the number of microbatches).
 Gradients of every layer are accumulated over microbatches in increasing microbatch order in both runs,
 so a correct schedule matches the serial reference bit for bit.
@@ -44,7 +45,7 @@ def split_layers(num_layers: int, num_stages: int, layers_per_stage: list[int] |
 class ToyChunk(nn.Module):
     """One model chunk (virtual stage). Speaks the protocol Megatron's schedules expect of a model."""
 
-    def __init__(self, config, layer_ids, hidden, *, is_first, is_last, seed=0, dtype=torch.float32):
+    def __init__(self, config, layer_ids, hidden, *, is_first, is_last, seed=0, dtype=torch.float32, frozen=()):
         super().__init__()
         from megatron.core.enums import ModelType
 
@@ -59,6 +60,7 @@ class ToyChunk(nn.Module):
             with torch.no_grad():
                 layer.weight.copy_(w)
                 layer.bias.copy_(b)
+            layer.requires_grad_(lid not in frozen)
             self.layers.append(layer)
         self.input_tensor = None
 
@@ -72,8 +74,9 @@ class ToyChunk(nn.Module):
         return h
 
     def grads(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Gradients of the trainable layers."""
         return {lid: (layer.weight.grad.clone(), layer.bias.grad.clone())
-                for lid, layer in zip(self.layer_ids, self.layers)}
+                for lid, layer in zip(self.layer_ids, self.layers) if layer.weight.requires_grad}
 
 
 def mse_loss_func(target, output):
@@ -91,39 +94,42 @@ def forward_step(data_iterator, model):
 
 
 def build_chunks(config, *, num_layers, hidden, pp_rank, pp_size, vpp_size=1, layers_per_stage=None,
-                 seed=0, dtype=torch.float32) -> list[ToyChunk]:
+                 seed=0, dtype=torch.float32, frozen=()) -> list[ToyChunk]:
     """This pipeline rank's model chunks: chunk c is virtual stage c*pp_size + pp_rank."""
     stages = split_layers(num_layers, pp_size * vpp_size, layers_per_stage)
     chunks = []
     for c in range(vpp_size):
         s = c * pp_size + pp_rank
         chunks.append(ToyChunk(config, stages[s], hidden, is_first=s == 0,
-                               is_last=s == len(stages) - 1, seed=seed, dtype=dtype))
+                               is_last=s == len(stages) - 1, seed=seed, dtype=dtype, frozen=frozen))
     return chunks
 
 
-def serial_reference(microbatches, *, num_layers, hidden, seed=0, dtype=torch.float32, loss_divisor=None):
+def serial_reference(microbatches, *, num_layers, hidden, seed=0, dtype=torch.float32, loss_divisor=None,
+                     frozen=()):
     """Losses and per-layer gradients of the whole model run microbatch by microbatch in one process.
 
     ``loss_divisor`` (default: the number of microbatches) lets a prefix of a step be reproduced.
     """
-    chunk = ToyChunk(None, range(num_layers), hidden, is_first=True, is_last=True, seed=seed, dtype=dtype)
+    chunk = ToyChunk(None, range(num_layers), hidden, is_first=True, is_last=True, seed=seed, dtype=dtype,
+                     frozen=frozen)
     losses = []
     m = loss_divisor or len(microbatches)
     for batch in microbatches:
         loss, _ = mse_loss_func(batch["y"], chunk(batch["x"]))
         losses.append(loss.detach().clone())
         loss = loss / m  # as Megatron's forward_step_calc_loss does (times cp size 1, over microbatches)
-        loss.backward()
+        if loss.requires_grad:  # else every layer is frozen
+            loss.backward()
     return losses, chunk.grads()
 
 
-def assert_matches_serial(results, microbatches, *, num_layers, hidden):
+def assert_matches_serial(results, microbatches, *, num_layers, hidden, frozen=()):
     """Ranks' results ({"grads": {layer: (dW, db)}, "losses": [...]}, last stage last) equal the serial
     reference bit for bit (l3plugin.debug.numerics names the first diverging tensor otherwise)."""
     from l3plugin.debug.numerics import assert_bitwise_equal
 
-    ref_losses, ref_grads = serial_reference(microbatches, num_layers=num_layers, hidden=hidden)
+    ref_losses, ref_grads = serial_reference(microbatches, num_layers=num_layers, hidden=hidden, frozen=frozen)
     grads = {}
     for r in results:
         grads.update(r["grads"])

@@ -16,6 +16,8 @@ class FullTensors:
 
     def elementwise_keys(self, bucket: GradBucket | None = None) -> list[str]:
         """The optimizer states sharded like the master weights (Adam's exp_avg, exp_avg_sq; not ``step``)."""
+        if bucket is None and not self.buckets:
+            return []  # nothing trainable here
         bucket = self.buckets[0] if bucket is None else bucket
         state = self.optimizer.state.get(bucket.master, {})
         return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == bucket.master.shape)

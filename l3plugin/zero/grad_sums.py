@@ -81,7 +81,7 @@ def make_grad_sum(zero, params, group, *, average: bool, what: str) -> GradSum:
                f"{zlib.crc32(str(layout).encode()):#010x}")
     names = ", ".join(zero.param_names[p] for p in params[:4] if p in zero.param_names)
     agree(error, group, what=f"{what} (here {names}{', ...' if len(params) > 4 else ''}): the copies' shards",
-          outcome=outcome, device=zero.buckets[0].device, timeout=zero.wait_timeout)
+          outcome=outcome, device=zero.device, timeout=zero.wait_timeout)
     return GradSum(params, group, average, what, pieces)
 
 

@@ -80,6 +80,8 @@ class FP32ReduceZero(FullTensors):
     param_names: {param: name} for the sharding map, checkpoints and export.
     own_bucket: parameters that each get a bucket of their own (copies tied across pipeline stages whose
         gradients are summed with ``add_grad_sum``: their shard ranges then match on every stage).
+    Frozen parameters (requires_grad False) get no bucket, hook or reduction; with none trainable (a frozen
+    pipeline stage) there are no buckets and ``step`` only joins the gradient norm's all-reduces.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, group=None, *, settings: ZeroSettings | None = None,
@@ -102,7 +104,7 @@ class FP32ReduceZero(FullTensors):
 
         # Fail together: a rank whose setup fails (or whose model differs) stops every rank here, instead of
         # leaving them in the first gradient collective.
-        device = next((p.device for pg in optimizer.param_groups for p in pg["params"]), "cpu")
+        self.device = device = next((p.device for pg in optimizer.param_groups for p in pg["params"]), "cpu")
         what = "ZeRO optimizer setup"
         try:
             self._build_buckets(optimizer, chunks, counts_in_norm, param_names, set(own_bucket))
@@ -127,8 +129,6 @@ class FP32ReduceZero(FullTensors):
             for p in mine:
                 ordered.append(p)
                 specs.append((g, chunk_of.get(p, 0), p.dtype, tuple(p.shape)))
-        if not ordered:
-            raise ValueError("the optimizer holds no trainable parameters")
         self.params = ordered
         self.param_names = {p: (param_names or {}).get(p, f"param{i}") for i, p in enumerate(ordered)}
         alone = {i for i, p in enumerate(ordered) if p in own_bucket}
@@ -332,8 +332,7 @@ class FP32ReduceZero(FullTensors):
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced fp32 gradient (collective over group and norm_group)."""
-        device = self.buckets[0].device
-        total = torch.zeros(1, dtype=torch.float32, device=device)
+        total = torch.zeros(1, dtype=torch.float32, device=self.device)
         for bucket, keep in zip(self.buckets, self.counted_in_norm):
             g = bucket.shard_grad
             if g is None:
