@@ -2,7 +2,8 @@
 
 - ours -> a stock DeepSpeed engine (same config without the "l3plugin" key) resumes them with optimizer state;
 - stock DeepSpeed's -> our engine, on 1, 2 and 4 data-parallel ranks;
-- ours -> DeepSpeed's ds_to_universal (run as a script) -> our engine and a stock engine (load_universal);
+- ours -> DeepSpeed's ds_to_universal (run as a script) -> our engine and a stock engine (load_universal), held to
+  what stock's own round trip gives (on DeepSpeed < 0.19 stock's fp32 accessor is wrong after it: _rebound_fp32_views);
 - ours -> DeepSpeed's standalone zero_to_fp32.py script;
 - PipelineEngine (pp=2 x dp=2, tied weight, ZeRO-1) checkpoints, both directions;
 - a truncated or foreign file is a clear error naming it (files are read with weights_only=True).
@@ -38,25 +39,51 @@ def _config(stage, plugin, **extra):
     return ds_config(stage, plugin=plugin, scheduler=True, clip=1.0, **extra)
 
 
+def _rebound_fp32_views(engine):
+    """{param: (its fp32 view, the view of its fp32 master)} for the parameters whose fp32 view (what
+    safe_get_full_fp32_param reads) is not in the ZeRO optimizer's fp32 partition. A stock universal load on
+    DeepSpeed < 0.19 rebinds it to an optimizer-state buffer (its map_to_flat_opt_states; fixed upstream in
+    deepspeedai/DeepSpeed#8474), while the partition the optimizer steps on holds the loaded master."""
+    opt, out = engine.optimizer, {}
+    for group, flat in zip(getattr(opt, "bit16_groups", []), getattr(opt, "single_partition_of_fp32_groups", [])):
+        for p in group:
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None:
+                continue
+            address = mapping.get_hp_fragment_address()
+            master = flat.narrow(0, address.start, address.numel)
+            if mapping.hp_fragment.data_ptr() != master.data_ptr():
+                out[p] = (mapping.hp_fragment, master)
+    return out
+
+
 def _snapshot(engine, stock=False):
-    """{name: [fp32 master, exp_avg, exp_avg_sq]} through DeepSpeed's accessors, plus counters."""
+    """{name: [fp32 master, exp_avg, exp_avg_sq]} through DeepSpeed's accessors, plus counters. For a stock
+    engine whose fp32 views were rebound (above), the master is read through them pointed back at it."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     if stock and not engine.optimizer._hp_optimizer_states_linked:
         # A stock engine links its optimizer-state fragments lazily (at its first step); do it now so the
         # accessors read the loaded state.
         engine.optimizer._lazy_init_hp_params_optimizer_state()
+    rebound = _rebound_fp32_views(engine) if stock else {}
     out = {}
-    for name, p in engine.module.named_parameters():
-        states = [safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")]
-        out[name] = [safe_get_full_fp32_param(p).clone()] + [None if s is None else s.clone() for s in states]
-        out[name].append(p.detach().clone())
+    try:
+        for p, (_, master) in rebound.items():
+            p._hp_mapping.hp_fragment = master
+        for name, p in engine.module.named_parameters():
+            states = [safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")]
+            out[name] = [safe_get_full_fp32_param(p).clone()] + [None if s is None else s.clone() for s in states]
+            out[name].append(p.detach().clone())
+    finally:
+        for p, (view, _) in rebound.items():  # stock goes on as it was
+            p._hp_mapping.hp_fragment = view
     step = None
     for state in engine.optimizer.optimizer.state.values():
         if "step" in state:
             step = float(state["step"])
     return {"params": out, "lr": engine.get_lr(), "global_steps": engine.global_steps, "adam_step": step,
-            "optimizer": type(engine.optimizer).__name__}
+            "optimizer": type(engine.optimizer).__name__, "rebound_fp32_views": len(rebound)}
 
 
 def _same(a, b):
@@ -169,6 +196,25 @@ def _ds_to_universal(folder):
     return os.path.join(folder, "t_universal")
 
 
+def _stock_rebinds_fp32_views() -> bool:
+    """Whether this DeepSpeed's universal loader rebinds the fp32 views (< 0.19; see _rebound_fp32_views)."""
+    from importlib.metadata import version  # deepspeed itself is not imported in pytest's process
+
+    from l3plugin.versions import version_in
+
+    return version_in(version("deepspeed"), "<0.19")
+
+
+def _assert_stock_universal_load(saved, stock):
+    """A stock engine's universal load: its master, moments and counters are the saved ones; on DeepSpeed < 0.19
+    its fp32 accessor reads an optimizer-state buffer instead (stock's own bug, the same for stock's checkpoints:
+    test_universal_checkpoint_from_stock_loads_in_ours), before and after the next step."""
+    _assert_resumed(saved, stock, "DeepSpeedZeroOptimizer")
+    for leg in stock:
+        assert (leg["loaded"]["rebound_fp32_views"] > 0) == _stock_rebinds_fp32_views(), leg["loaded"]
+        assert leg["after"]["rebound_fp32_views"] == leg["loaded"]["rebound_fp32_views"]
+
+
 def test_universal_checkpoint_from_ours_loads_in_ours_and_stock(ranks, tmp_path):
     saved = ranks.run(2, save_leg, 2, str(tmp_path), True, timeout=TIMEOUT)[0]
     universal = _ds_to_universal(str(tmp_path))
@@ -177,7 +223,7 @@ def test_universal_checkpoint_from_ours_loads_in_ours_and_stock(ranks, tmp_path)
         legs = ranks.run(world, load_leg, 2, str(tmp_path), True, "t_universal", True, timeout=TIMEOUT)
         _assert_resumed(saved, legs, "DeepSpeedFP32ReduceZero")
     stock = ranks.run(2, load_leg, 2, str(tmp_path), False, "t_universal", True, timeout=TIMEOUT)
-    _assert_resumed(saved, stock, "DeepSpeedZeroOptimizer")
+    _assert_stock_universal_load(saved, stock)
 
 
 def test_universal_checkpoint_from_stock_loads_in_ours(ranks, tmp_path):
@@ -185,6 +231,9 @@ def test_universal_checkpoint_from_stock_loads_in_ours(ranks, tmp_path):
     _ds_to_universal(str(tmp_path))
     legs = ranks.run(4, load_leg, 1, str(tmp_path), True, "t_universal", True, timeout=TIMEOUT)
     _assert_resumed(saved, legs, "DeepSpeedFP32ReduceZero")
+    # Stock's own round trip (stock save -> ds_to_universal -> stock load): what the stock leg above is held to.
+    stock = ranks.run(2, load_leg, 1, str(tmp_path), False, "t_universal", True, timeout=TIMEOUT)
+    _assert_stock_universal_load(saved, stock)
 
 
 # -- zero_to_fp32.py, the standalone script ----------------------------------------------------------------
