@@ -158,12 +158,40 @@ def _assert_resumed(saved, legs, expect_optimizer):
         assert _same(loaded, after) != []  # and the weights moved
 
 
+def _on_deepspeed(versions: str) -> bool:
+    from importlib.metadata import version  # deepspeed itself is not imported in pytest's process
+
+    from l3plugin.versions import version_in
+
+    return version_in(version("deepspeed"), versions)
+
+
+# Stock DeepSpeed 0.17 itself (measured with l3plugin not importable, docs/verified.md):
+# - its ZeRO-2 update with bf16 and gradient accumulation is wrong here (torch 2.13, CPU/gloo): 0.94 off an fp64
+#   reference where its stage 1's is 0.014 (0.16.9's stage 2: 0.014);
+# - for bf16 + ZeRO-1 + fp32 accumulation it builds FP16_UnfusedOptimizer, not BF16_Optimizer (its DDP_BFLOAT16 and
+#   BFLOAT16 constants are both "bf16"): no ZeRO partitions to cross.
+STOCK_ZERO2_WRONG = _on_deepspeed(">=0.17,<0.18")
+STOCK_NO_BF16_OPTIMIZER = _on_deepspeed(">=0.17,<0.18")
+
 # -- ours -> stock ------------------------------------------------------------------------------------------
 STOCK = {1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", "bf16_opt": "BF16_Optimizer"}
 
 
+def stock_optimizer_name(stage):
+    with _stock():
+        return type(engine_for(_config(stage, None)).optimizer).__name__
+
+
+def _skip_without_stock_bf16_optimizer(ranks, stage):
+    if stage == "bf16_opt" and STOCK_NO_BF16_OPTIMIZER:
+        assert ranks.run(2, stock_optimizer_name, stage, timeout=TIMEOUT)[0] == "FP16_UnfusedOptimizer"
+        pytest.skip("DeepSpeed 0.17 builds FP16_UnfusedOptimizer (no ZeRO) for bf16 + ZeRO-1 + fp32 accumulation")
+
+
 @pytest.mark.parametrize("stage", [1, 2, "bf16_opt"])
 def test_stock_engine_resumes_our_checkpoint(ranks, tmp_path, stage):
+    _skip_without_stock_bf16_optimizer(ranks, stage)
     saved = ranks.run(2, save_leg, stage, str(tmp_path), True, timeout=TIMEOUT)[0]
     assert saved["optimizer"] == "DeepSpeedFP32ReduceZero"
     stock = ranks.run(2, load_leg, stage, str(tmp_path), False, timeout=TIMEOUT)
@@ -171,14 +199,18 @@ def test_stock_engine_resumes_our_checkpoint(ranks, tmp_path, stage):
     # The stock continuation and ours agree (not bit-exact: stock reduces in bf16).
     ours = ranks.run(2, load_leg, stage, str(tmp_path), True, timeout=TIMEOUT)[0]
     assert ours["after"]["lr"] == stock[0]["after"]["lr"]
-    for name, (fp32, *_rest) in ours["after"]["params"].items():
-        other = stock[0]["after"]["params"][name][0]
-        assert torch.allclose(fp32, other, rtol=0, atol=2e-3), name
+    agree = {name: torch.allclose(fp32, stock[0]["after"]["params"][name][0], rtol=0, atol=2e-3)
+             for name, (fp32, *_rest) in ours["after"]["params"].items()}
+    if stage == 2 and STOCK_ZERO2_WRONG:
+        assert not all(agree.values())  # stock 0.17's own ZeRO-2 step (above); the loaded state was checked
+    else:
+        assert all(agree.values()), agree
 
 
 # -- stock -> ours, any DP size -----------------------------------------------------------------------------
 @pytest.mark.parametrize("stage", [1, 2, "bf16_opt"])
 def test_our_engine_resumes_stock_checkpoint_on_any_dp_size(ranks, tmp_path, stage):
+    _skip_without_stock_bf16_optimizer(ranks, stage)
     saved = ranks.run(2, save_leg, stage, str(tmp_path), False, timeout=TIMEOUT)[0]
     assert saved["optimizer"] == STOCK[stage]
     for world in (1, 2, 4) if stage == 2 else (2,):
@@ -198,11 +230,7 @@ def _ds_to_universal(folder):
 
 def _stock_rebinds_fp32_views() -> bool:
     """Whether this DeepSpeed's universal loader rebinds the fp32 views (< 0.19; see _rebound_fp32_views)."""
-    from importlib.metadata import version  # deepspeed itself is not imported in pytest's process
-
-    from l3plugin.versions import version_in
-
-    return version_in(version("deepspeed"), "<0.19")
+    return _on_deepspeed("<0.19")
 
 
 def _assert_stock_universal_load(saved, stock):
