@@ -103,7 +103,7 @@ def read_zero(engine, load_dir, tag, optimizer_states: bool, options: PluginOpti
 def partition_files(engine, load_dir, tag) -> list[str]:
     """The saved ranks' partition files, found by DeepSpeed's naming. Stock learns their number from the
     model file, which it reads later; here the files are counted (``partition_count`` inside is checked)."""
-    mp_rank = getattr(engine, "checkpoint_mp_rank", None)  # DeepSpeed >= 0.17; before, computed at each use:
+    mp_rank = getattr(engine, "checkpoint_mp_rank", None)  # DeepSpeed >= 0.19; before, computed at each use:
     if mp_rank is None:
         mp_rank = engine.mpu.get_model_parallel_rank() if hasattr(engine.mpu, "get_model_parallel_rank") else 0
     names = []

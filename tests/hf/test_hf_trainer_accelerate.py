@@ -34,12 +34,23 @@ def _hook_accelerate():
     DEEPSPEED.apply()
 
 
-def _reset_accelerate():
+def _accelerate_environment() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+
+
+def _reset_accelerate(environment: dict):
+    """Put back accelerate's state and its ACCELERATE_* variables as they were before the run (workers are reused:
+    transformers 4.57's TrainingArguments(bf16=True) sets ACCELERATE_MIXED_PRECISION=bf16, which would make a later
+    Accelerator() of the same worker run in bf16)."""
     import os
 
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set by the Trainer / Accelerator; workers are reused
+    for name in set(_accelerate_environment()) - set(environment):
+        del os.environ[name]
+    os.environ.update(environment)
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
@@ -61,6 +72,7 @@ def trainer_run(cp, out_dir, bf16=True, ours=True):
 
     quiet_deepspeed()
     _hook_accelerate()
+    environment = _accelerate_environment()
     config = {**ZERO, "l3plugin": {"fp32_reduce_zero": ours, "context_parallel_size": cp}}
     try:
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4 // (2 // cp), max_steps=2,
@@ -76,7 +88,7 @@ def trainer_run(cp, out_dir, bf16=True, ours=True):
         return {"error": str(exc)}
     finally:
         release_groups()
-        _reset_accelerate()
+        _reset_accelerate(environment)
 
 
 def close(got, ref, tol):
@@ -115,6 +127,7 @@ def accelerate_run(cp):
 
     quiet_deepspeed()
     _hook_accelerate()
+    environment = _accelerate_environment()
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
               "steps_per_print": 10**9, "l3plugin": {"context_parallel_size": cp, "cp_layout": "2cp"}}
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what `accelerate launch --use_deepspeed` sets
@@ -148,16 +161,17 @@ def accelerate_run(cp):
         seen = torch.tensor([len(losses)])
         dist.all_reduce(seen)
         return {"losses": losses, "grads": grads, "weights": _weights(engine), "batches": int(seen),
-                "attn": model.config._attn_implementation}
+                "attn": model.config._attn_implementation, "bf16": engine.bfloat16_enabled()}
     finally:
         release_groups()
-        _reset_accelerate()
+        _reset_accelerate(environment)
 
 
 def test_accelerate_cp2_matches_cp1(ranks):
     got = ranks.run(2, accelerate_run, 2)
     ref = ranks.run(2, accelerate_run, 1)
     assert got[0]["attn"] == "l3plugin_all_gather_cp" and ref[0]["attn"] == "sdpa"
+    assert not got[0]["bf16"] and not ref[0]["bf16"]  # fp32, as configured (no mixed precision left by another run)
     assert got[0]["losses"] == got[1]["losses"]  # one CP group: the same batches, the whole sequences' loss
     assert got[0]["batches"] == 8 and ref[0]["batches"] == 8  # DP-only sharding: both ranks of the group saw all 4
     want = [(a + b) / 2 for a, b in zip(ref[0]["losses"], ref[1]["losses"])]
