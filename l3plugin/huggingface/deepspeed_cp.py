@@ -107,8 +107,30 @@ def _fix_batch_size(config: dict, world: int, cp: int) -> None:
         config["train_batch_size"] = micro * gas * (world // cp)  # counted over all ranks, as HF's "auto" does
 
 
-def _sequence_parallel_groups(cp: int):
-    """DeepSpeed's sequence-parallel module with groups of ``cp`` ranks (built once, reused after)."""
+class SequenceParallelMpu:
+    """The ``mpu`` DeepSpeed is handed under CP from the key: its sequence-parallel module (every name read from
+    it), plus the model-parallel rank and size. DeepSpeed 0.17 and 0.18 ask any mpu for
+    ``get_model_parallel_rank`` when naming checkpoint files (0.19 only when model-parallel size > 1), which
+    their module lacks. CP from the key has no tensor parallelism: rank 0 of 1, the ``mp_rank_00`` files every
+    version writes."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    @staticmethod
+    def get_model_parallel_rank() -> int:
+        return 0
+
+    @staticmethod
+    def get_model_parallel_world_size() -> int:
+        return 1
+
+
+def _sequence_parallel_groups(cp: int) -> SequenceParallelMpu:
+    """DeepSpeed's sequence-parallel module with groups of ``cp`` ranks (built once, reused after), as an mpu."""
     import torch.distributed as dist
 
     from l3plugin.deepspeed.config import KEY
@@ -123,9 +145,9 @@ def _sequence_parallel_groups(cp: int):
         if have != cp:
             raise ValueError(f'"{KEY}.context_parallel_size" is {cp} but DeepSpeed\'s sequence-parallel groups '
                              f"already have {have} ranks (built earlier in this process)")
-        return sp
+        return SequenceParallelMpu(sp)
     sp.initialize_sequence_parallel(cp)
-    return sp
+    return SequenceParallelMpu(sp)
 
 
 def initialize_with_key(*args, **kwargs):
