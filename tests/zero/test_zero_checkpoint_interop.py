@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ds_models import ds_config, engine_for, train
-from test_zero_deepspeed_pipe import REFUSED_THERE
+from stock_bugs import SKIP_IF_STOCK_ZERO_STEP_FAILS
 
 from l3plugin.testing.ranks import run_command
 
@@ -135,7 +135,7 @@ def _assert_resumed(saved, legs, expect_optimizer):
 STOCK = {1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", "bf16_opt": "BF16_Optimizer"}
 
 
-@pytest.mark.parametrize("stage", [1, 2, "bf16_opt"])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=SKIP_IF_STOCK_ZERO_STEP_FAILS), pytest.param(2, marks=SKIP_IF_STOCK_ZERO_STEP_FAILS), "bf16_opt"])  # stock steps on after loading
 def test_stock_engine_resumes_our_checkpoint(ranks, tmp_path, stage):
     saved = ranks.run(2, save_leg, stage, str(tmp_path), True, timeout=TIMEOUT)[0]
     assert saved["optimizer"] == "DeepSpeedFP32ReduceZero"
@@ -150,7 +150,7 @@ def test_stock_engine_resumes_our_checkpoint(ranks, tmp_path, stage):
 
 
 # -- stock -> ours, any DP size -----------------------------------------------------------------------------
-@pytest.mark.parametrize("stage", [1, 2, "bf16_opt"])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=SKIP_IF_STOCK_ZERO_STEP_FAILS), pytest.param(2, marks=SKIP_IF_STOCK_ZERO_STEP_FAILS), "bf16_opt"])  # stock trains the checkpoint
 def test_our_engine_resumes_stock_checkpoint_on_any_dp_size(ranks, tmp_path, stage):
     saved = ranks.run(2, save_leg, stage, str(tmp_path), False, timeout=TIMEOUT)[0]
     assert saved["optimizer"] == STOCK[stage]
@@ -169,6 +169,7 @@ def _ds_to_universal(folder):
     return os.path.join(folder, "t_universal")
 
 
+@SKIP_IF_STOCK_ZERO_STEP_FAILS  # its last leg steps stock
 def test_universal_checkpoint_from_ours_loads_in_ours_and_stock(ranks, tmp_path):
     saved = ranks.run(2, save_leg, 2, str(tmp_path), True, timeout=TIMEOUT)[0]
     universal = _ds_to_universal(str(tmp_path))
@@ -180,6 +181,7 @@ def test_universal_checkpoint_from_ours_loads_in_ours_and_stock(ranks, tmp_path)
     _assert_resumed(saved, stock, "DeepSpeedZeroOptimizer")
 
 
+@SKIP_IF_STOCK_ZERO_STEP_FAILS  # stock trains the checkpoint
 def test_universal_checkpoint_from_stock_loads_in_ours(ranks, tmp_path):
     saved = ranks.run(2, save_leg, 1, str(tmp_path), False, timeout=TIMEOUT)[0]
     _ds_to_universal(str(tmp_path))
@@ -268,8 +270,7 @@ def pipe_leg(save_dir, load_dir, ours):
         return run()
 
 
-@REFUSED_THERE
-@pytest.mark.parametrize("direction", ["ours_to_stock", "stock_to_ours"])
+@pytest.mark.parametrize("direction", ["ours_to_stock", pytest.param("stock_to_ours", marks=SKIP_IF_STOCK_ZERO_STEP_FAILS)])  # stock trains there
 def test_pipeline_engine_checkpoints_cross(ranks, tmp_path, direction):
     ours_saves = direction == "ours_to_stock"
     saved = ranks.run(4, pipe_leg, str(tmp_path), None, ours_saves, timeout=TIMEOUT)
