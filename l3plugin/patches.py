@@ -333,8 +333,6 @@ _HOOKS = "l3plugin.deepspeed.engine"
 
 # DeepSpeed: the latest patch of each minor release from 0.16 to 0.19 was run (compat/deepspeed.sh; docs/verified.md).
 DEEPSPEED_CHECKED = ">=0.16.9,<0.20"
-# ... except PipelineEngine on 0.18 (wrong fp32 masters measured on 0.18.9): refused there (deepspeed/config.py).
-DEEPSPEED_PIPELINE_WRONG = ">=0.18,<0.19"
 
 DEEPSPEED = PatchSet("l3plugin.deepspeed", "deepspeed", DEEPSPEED_CHECKED, [
     # Each replacement falls through to the original unless the config has "l3plugin": {"fp32_reduce_zero": true}.
@@ -367,6 +365,10 @@ DEEPSPEED = PatchSet("l3plugin.deepspeed", "deepspeed", DEEPSPEED_CHECKED, [
     Patch(_PIPE, "_exec_backward_pass", f"{_HOOKS}:exec_backward_pass_with_prologue", signature=("self", "buffer_id"),
           versions="<0.18", why="before 0.18 the pipeline's first stages call neither the optimizer's backward "
           "prologue nor an epilogue: l3plugin's micro-batch start and end-of-backward reductions"),
+    Patch(_ENGINE, "_backward_prologue_per_tensor", f"{_HOOKS}:backward_prologue_per_tensor",
+          signature=("self", "grad"), versions=">=0.18,<0.19",
+          why="0.18 divides the gradient the pipeline's earlier stages receive by the accumulation steps a second "
+          "time (0.19's PipelineEngine does not): the last stage only"),
     # The pipeline schedule dispatches through a class-level table of functions, not attribute lookup.
     Patch(_PIPE, "_INSTRUCTION_MAP", f"{_HOOKS}:exec_reduce_tied_grads", key="deepspeed.runtime.pipe.schedule:ReduceTiedGrads",
           signature=("self",), why="the instruction table entry of _exec_reduce_tied_grads"),

@@ -15,7 +15,6 @@ import contextvars
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from l3plugin.patches import DEEPSPEED_PIPELINE_WRONG
 from l3plugin.zero.settings import boolean, json_options, whole_number
 
 KEY = "l3plugin"
@@ -200,19 +199,4 @@ def check_supported(engine, options: PluginOptions) -> None:
 def check_model_supported(engine) -> None:
     """What only the built model tells (DeepSpeed finds MoE layers after its config checks)."""
     problems = ["the model has MoE layers; they are not supported"] if getattr(engine, "has_moe_layers", False) else []
-    if _pipeline_on(engine, PIPELINE_WRONG):
-        problems.append(f"PipelineEngine gives wrong fp32 master weights on DeepSpeed {PIPELINE_WRONG} (measured on "
-                        "0.18.9: 1e-3 to 4e-2 off an fp64 reference; 0.16, 0.17 and 0.19 agree to 1e-5): use another "
-                        "DeepSpeed version, or DeepSpeedEngine")
     _unsupported(problems)
-
-
-PIPELINE_WRONG = DEEPSPEED_PIPELINE_WRONG  # compat/deepspeed.sh, tests/zero/test_zero_deepspeed_pipe.py
-
-
-def _pipeline_on(engine, versions: str) -> bool:
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
-    from l3plugin.versions import imported_version, version_in
-
-    return isinstance(engine, PipelineEngine) and version_in(imported_version("deepspeed").version, versions)

@@ -124,6 +124,17 @@ def exec_backward_pass_with_prologue(self, buffer_id):
     exec_backward_pass(self, buffer_id)
 
 
+def backward_prologue_per_tensor(self, grad):
+    """DeepSpeed 0.18 divides the gradient arriving at every forward output by the accumulation steps, also
+    on the pipeline's stages before the last, which receive the last stage's gradient divided already: there it
+    was divided twice (0.19's PipelineEngine divides on the last stage only). Ours: the last stage only."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if runs_fp32_reduce_zero(self) and isinstance(self, PipelineEngine) and not self.is_last_stage():
+        return grad
+    return _stock(_ENGINE, "_backward_prologue_per_tensor")(self, grad)
+
+
 # -- checkpoints (checkpoint.py) ----------------------------------------------------------------------------
 def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - stock's
                     exclude_frozen_parameters=False):

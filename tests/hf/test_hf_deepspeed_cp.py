@@ -12,6 +12,7 @@ import torch.distributed as dist
 import transformers  # noqa: E402,F401 (the "hf" test extra, installed by make test: missing, it fails here, never skips)
 
 from hf_models import NEEDS_DEEPSPEED_SP, packed, quiet_deepspeed, step_rows, tiny_model  # noqa: E402
+from stock_bugs import SKIP_IF_STOCK_ZERO_STEP_FAILS  # noqa: E402
 
 STEPS, GAS = 2, 2
 
@@ -90,7 +91,9 @@ def close(a, b, tol):
 
 
 @NEEDS_DEEPSPEED_SP
-@pytest.mark.parametrize("zero,tol", [("stock1", 1e-5), ("stock2", 1e-5), ("ours1", 2e-2), ("ours2", 2e-2)])
+@pytest.mark.parametrize("zero,tol", [pytest.param("stock1", 1e-5, marks=SKIP_IF_STOCK_ZERO_STEP_FAILS),
+                                      pytest.param("stock2", 1e-5, marks=SKIP_IF_STOCK_ZERO_STEP_FAILS),
+                                      ("ours1", 2e-2), ("ours2", 2e-2)])
 def test_cp2_matches_cp1_under_zero_with_accumulation(ranks, zero, tol):
     ref = ranks.run(2, run, 1, zero)
     got = ranks.run(2, run, 2, zero)

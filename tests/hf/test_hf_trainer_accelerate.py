@@ -8,6 +8,7 @@ import torch.distributed as dist
 import accelerate  # noqa: E402,F401 (the "hf" test extra, installed by make test: missing, it fails here, never skips)
 
 from hf_models import NEEDS_DEEPSPEED_SP, ROW_A, ROW_B, documents, quiet_deepspeed, tiny_model  # noqa: E402
+from stock_bugs import SKIP_IF_STOCK_ZERO_STEP_FAILS  # noqa: E402
 
 pytestmark = NEEDS_DEEPSPEED_SP  # every run here is CP from the key
 
@@ -95,6 +96,7 @@ def close(got, ref, tol):
     return all(float((got[n] - w).abs().max()) < tol * float(w.abs().max()) for n, w in ref.items())
 
 
+@SKIP_IF_STOCK_ZERO_STEP_FAILS  # its reference is stock ZeRO-2
 def test_trainer_cp2_matches_cp1(ranks, tmp_path):
     # fp32 with DeepSpeed's own ZeRO-2: AdamW's first steps amplify bf16 noise past any useful tolerance.
     ref = ranks.run(2, trainer_run, 1, str(tmp_path / "cp1"), False, False)
@@ -167,6 +169,7 @@ def accelerate_run(cp):
         _reset_accelerate(environment)
 
 
+@SKIP_IF_STOCK_ZERO_STEP_FAILS  # both runs are stock ZeRO-1
 def test_accelerate_cp2_matches_cp1(ranks):
     got = ranks.run(2, accelerate_run, 2)
     ref = ranks.run(2, accelerate_run, 1)
