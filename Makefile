@@ -22,11 +22,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/l3plugin demo
 
-# Two pytest workers (one per core here): each file runs whole in one worker with its own rank pools, so one
-# worker's multi-rank or subprocess test overlaps the other's single-process work. TEST_WORKERS=0 runs serially.
-TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q
 
 # The Megatron tests against another Megatron-Core / Megatron-LM: TAG=core_v0.19.0 (a tag of NVIDIA/Megatron-LM),
 # a checkout path, or TAG=pypi (the megatron-core of .venv, as CI). See compat/megatron.sh and docs/verified.md.
