@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from l3plugin.testing import toy_pipeline as toy
+from reduce_scatter_census import bytes_handed_to_reduce_scatter
 from test_flexible_pipeline import HIDDEN, MBS, SEQ, toy_config
 
 
@@ -121,7 +122,6 @@ def zero_frozen_step(stage, p, v, m, k, model):
     from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
     from l3plugin.mesh import init_mesh
-    from l3plugin.zero import optimizer as zero_optimizer
 
     mesh = init_mesh(pp=p, vpp=v if v > 1 else None, dp=dist.get_world_size() // p)
     layers, frozen = 2 * p * v, frozen_layers(model, p, v)
@@ -131,22 +131,12 @@ def zero_frozen_step(stage, p, v, m, k, model):
     params = [q for chunk in chunks for q in chunk.parameters()]  # frozen ones too: the optimizer may hold them
     zero = megatron_zero(chunks, torch.optim.SGD(params, lr=0.1), stage=stage, bucket_numel=10_000)
     attach_to_schedule(config, zero)
-    handed = []  # bytes of every full gradient buffer handed to a reduce-scatter
-    start = zero_optimizer.comm.start_reduce_scatter_sum
-
-    def recording(full, *args, **kwargs):
-        handed.append(full.numel() * full.element_size())
-        return start(full, *args, **kwargs)
-
-    zero_optimizer.comm.start_reduce_scatter_sum = recording
-    try:
+    with bytes_handed_to_reduce_scatter() as handed:
         batches = toy.make_microbatches(m, SEQ, MBS, HIDDEN)
         forward_backward_pipelining_flexible(
             forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
             num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
         zero.step()
-    finally:
-        zero_optimizer.comm.start_reduce_scatter_sum = start
     layer_of = {q: lid for chunk in chunks for lid, layer in zip(chunk.layer_ids, chunk.layers)
                 for q in layer.parameters()}
     return {"bucketed": sorted({layer_of[q] for b in zero.buckets for q in b.params}),

@@ -4,28 +4,17 @@ update. (The Megatron-Core path, with a pipeline stage holding nothing trainable
 import torch
 
 from ds_models import ds_config, engine_for, make_mlp, train
+from reduce_scatter_census import bytes_handed_to_reduce_scatter
 
 
 def frozen_first_layer(stage):
-    from l3plugin.zero import optimizer as zero_optimizer
-
     model = make_mlp()
     model[0].requires_grad_(False)  # the first Linear
     engine = engine_for(ds_config(stage, gas=2, plugin={"fp32_reduce_zero": True}), model=model)
     frozen = {name: p.detach().clone() for name, p in engine.module.named_parameters() if not p.requires_grad}
     zero = engine.optimizer.zero
-    handed = []  # bytes of every full gradient buffer handed to a reduce-scatter
-    start = zero_optimizer.comm.start_reduce_scatter_sum
-
-    def recording(full, *args, **kwargs):
-        handed.append(full.numel() * full.element_size())
-        return start(full, *args, **kwargs)
-
-    zero_optimizer.comm.start_reduce_scatter_sum = recording
-    try:
+    with bytes_handed_to_reduce_scatter() as handed:
         train(engine, 2)
-    finally:
-        zero_optimizer.comm.start_reduce_scatter_sum = start
     params = dict(engine.module.named_parameters())
     return {"bucketed": sorted(name for name, p in params.items() if p in zero.slots),
             "trainable": sorted(name for name, p in params.items() if p.requires_grad),
