@@ -128,3 +128,23 @@ def all_reduce_sum(t: torch.Tensor, group, timeout: float = DEFAULT_TIMEOUT, wha
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
         InFlight(work, t, t, _describe("all-reduce", t, group, what)).wait(timeout)
     return t
+
+
+def broadcast_from(t: torch.Tensor, group_src: int, group, timeout: float = DEFAULT_TIMEOUT,
+                   what: str = "") -> torch.Tensor:
+    """Copy ``t`` of the rank ``group_src`` (its rank in ``group``) into ``t`` on every rank (bounded wait)."""
+    if dist.get_world_size(group) > 1:
+        work = dist.broadcast(t, src=dist.get_global_rank(group, group_src), group=group, async_op=True)
+        InFlight(work, t, t, _describe("broadcast", t, group, what)).wait(timeout)
+    return t
+
+
+def reduce_sum_to(t: torch.Tensor, group_dst: int, group, timeout: float = DEFAULT_TIMEOUT,
+                  what: str = "") -> torch.Tensor:
+    """Sum ``t`` over ``group`` into ``t`` of the rank ``group_dst`` (its rank in ``group``); the other ranks'
+    ``t`` is left undefined (bounded wait)."""
+    if dist.get_world_size(group) > 1:
+        work = dist.reduce(t, dst=dist.get_global_rank(group, group_dst), op=dist.ReduceOp.SUM, group=group,
+                           async_op=True)
+        InFlight(work, t, t, _describe("reduce", t, group, what)).wait(timeout)
+    return t

@@ -1,0 +1,39 @@
+"""Who encodes which images: the plan alone (no processes)."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from l3plugin.encoder import PLACEMENTS, check_placement, image_shares
+from l3plugin.encoder.placement import share_size
+
+
+@given(st.integers(0, 40), st.integers(1, 9))
+def test_shares_cover_every_image_once_in_order_in_blocks_of_the_gather_size(num_images, pp):
+    shares = image_shares(num_images, pp)
+    assert len(shares) == pp
+    assert [i for s in shares for i in s] == list(range(num_images))  # each image once, rank order = image order
+    size = share_size(num_images, pp)
+    assert all(len(s) <= size for s in shares)
+    # Rank r's block starts at r * size: the first num_images rows of the padded all-gather are the images.
+    assert all(s.start == min(r * size, num_images) for r, s in enumerate(shares))
+
+
+def test_uneven_shares_are_padded_at_the_end():
+    assert [len(s) for s in image_shares(5, 2)] == [3, 2]
+    assert [len(s) for s in image_shares(1, 4)] == [1, 0, 0, 0]
+    assert [len(s) for s in image_shares(0, 3)] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("args,message", [((-1, 2), "num_images=-1 is out of range"),
+                                          ((4, 0), "pp_size=0 is out of range")])
+def test_bad_shares_name_the_parameter(args, message):
+    with pytest.raises(ValueError, match=message):
+        image_shares(*args)
+
+
+def test_placement_names():
+    assert set(PLACEMENTS) == {"pipeline", "broadcast", "replicated"}
+    assert check_placement("replicated") == "replicated"
+    with pytest.raises(ValueError, match="encoder placement 'vit' is invalid: one of pipeline"):
+        check_placement("vit")
