@@ -131,19 +131,18 @@ class PlacementStep:
 
 
 def placements(splitter: StageSplitter, counts, encoder: EncoderCost, *, images_per_microbatch: int,
-               bandwidth_gbps: float = 0.0, text_message_bytes: float = 0.0) -> list[PlacementStep]:
+               bandwidth_gbps: float = 0.0) -> list[PlacementStep]:
     """The three placements (``PLACEMENTS`` order) of ``encoder`` beside the text pipeline cut as ``counts``
-    (layers per virtual stage) over ``splitter``'s schedule; ``text_message_bytes`` is one P2P message of the
-    text pipeline (an activation or its gradient)."""
+    (layers per virtual stage) over ``splitter``'s schedule, whose ``p2p_latency`` is the text pipeline's
+    per-message time."""
     check_int("images_per_microbatch", images_per_microbatch, low=0)
     _check_number("bandwidth_gbps", bandwidth_gbps)
-    _check_number("text_message_bytes", text_message_bytes)
     per_byte = 1.0 / (bandwidth_gbps * 1e9) if bandwidth_gbps else 0.0
     schedule = splitter.schedule
     p, images = schedule.pp, schedule.microbatches * images_per_microbatch
     costs = splitter.stage_costs(counts)
     text_times = [(c.forward, c.backward) for c in costs]
-    text_latency = text_message_bytes * per_byte
+    text_latency = splitter.p2p_latency
     text_runs, text_busy = Replay(splitter.schedule_for(costs)).run(text_times, text_latency)
     text_step = max(end for _, end in text_runs)
 
@@ -172,7 +171,7 @@ def placements(splitter: StageSplitter, counts, encoder: EncoderCost, *, images_
     share = math.ceil(images / p)
     gather = (p - 1) * share * encoder.token_bytes * per_byte
     scatter = gather if encoder.backward else 0.0
-    allreduce = 2.0 * (p - 1) / p * encoder.grad_bytes * per_byte
+    allreduce = 2.0 * (p - 1) / p * encoder.grad_bytes * per_byte if images else 0.0
     compute = share * (encoder.forward + encoder.backward)
     step = compute + gather + text_step + scatter + allreduce
     out.append(PlacementStep("replicated", step, text_step, compute,
@@ -220,6 +219,7 @@ def multimodal_step(model: "str | ModelSpec", kinds: str, *, pp: int, vpp: int =
     check_int("text_seq", text_seq)
     if bandwidth_gbps is None:
         bandwidth_gbps = hardware.inter_node_gbps
+    _check_number("bandwidth_gbps", bandwidth_gbps)
     rate = hardware.peak_tflops * 1e12 * hardware.mfu
     schedule = build_schedule(pp, vpp, microbatches, group_size)
     embedding, layers, head = model_layer_costs(model, kinds, text_seq=text_seq, frozen=frozen,
@@ -228,14 +228,15 @@ def multimodal_step(model: "str | ModelSpec", kinds: str, *, pp: int, vpp: int =
     def seconds(cost: LayerCost) -> LayerCost:
         return LayerCost(cost.forward / rate, cost.backward / rate, cost.activation)
 
+    # One text P2P message: a bf16 activation (or its gradient) of the sample's text tokens.
+    message = float(BF16 * text_seq * model.hidden_size)
     splitter = StageSplitter([seconds(c) for c in layers], schedule, embedding=seconds(embedding),
-                             head=seconds(head), kinds=kinds)
+                             head=seconds(head), kinds=kinds,
+                             p2p_latency=message / (bandwidth_gbps * 1e9) if bandwidth_gbps else 0.0)
     splits = splitter.balance()
     cost = encoder_cost(encoder, image_tokens, model.hidden_size, rate)
-    message = float(BF16 * text_seq * model.hidden_size)
-    return MultimodalStep(splits, placements(splitter, splits[0].counts, cost,
-                                             images_per_microbatch=images_per_sample, bandwidth_gbps=bandwidth_gbps,
-                                             text_message_bytes=message), cost, message)
+    return MultimodalStep(splits, placements(splitter, splits[0].counts, cost, images_per_microbatch=images_per_sample,
+                                             bandwidth_gbps=bandwidth_gbps), cost, message)
 
 
 def _bubble(step: float, busy) -> float:
