@@ -26,9 +26,9 @@ Placements, each on the same text pipeline (a ``StageSplitter`` split, simulated
               token gradients are reduce-scattered (same bytes), every rank runs its share's encoder backward
               and the encoder gradients (fp32) are all-reduced over PP (ring: 2 (P-1)/P x bytes / bandwidth;
               counted in full, as if there were no data-parallel reduction to merge it into).
-The encoder's time on the critical path is the step minus the same step with the encoder's compute set to
-zero (same plan, same messages); its share is that over the step. Data-parallel traffic is left out of every
-placement.
+Every collective is counted as exposed (none overlaps the pipeline). The encoder's time on the critical path
+is the step minus the same step with the encoder's compute set to zero (same plan, same messages); its share
+is that over the step. Data-parallel traffic is left out of every placement.
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ def test_paper_sized_model_replicated_beats_the_others_and_lowers_the_encoder_sh
     kinds = multimodal_kinds(32, 4)
     result = multimodal_step("llama3-8b", kinds, pp=4, vpp=2, microbatches=32, text_seq=192, image_tokens=1200)
     assert result.splits[0].name == "balanced"
-    steps = {s.name: s for s in result.placements}
+    steps = {name: result.placement(name) for name in PLACEMENTS}
     assert steps["replicated"].step < min(steps["pipeline"].step, steps["broadcast"].step)
     assert steps["replicated"].encoder_share < min(steps["pipeline"].encoder_share, steps["broadcast"].encoder_share)
     assert steps["pipeline"].pipeline == pytest.approx(result.split("balanced").makespan, rel=1e-12)
