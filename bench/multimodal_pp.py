@@ -157,7 +157,7 @@ def run_simulated(args) -> int:
 # ---- entry point: one subcommand per section (simulated is the default) -------------------------------------
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    subparsers = parser.add_subparsers(dest="section", metavar="{simulated}")
+    subparsers = parser.add_subparsers(dest="section")
     add_simulated_parser(subparsers)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
