@@ -1,0 +1,170 @@
+"""Multimodal pipeline (Llama 3 paper, section 3.2): stage splits of a frozen text model with trainable
+cross-attention layers, and where the image encoder runs under pipeline parallelism (figure 6).
+
+    .venv/bin/python bench/multimodal_pp.py                      # = simulated, the paper-sized tables (seconds)
+    .venv/bin/python bench/multimodal_pp.py simulated --json     # every figure as JSON
+    .venv/bin/python bench/multimodal_pp.py simulated --pp 2 --vpp 1 --microbatches 4 --image-tokens 1200
+
+simulated (pure Python, no processes, FLOP-based: l3plugin/planner/encoder_costs.py, layer_costs.py,
+l3plugin/schedule/balance.py): a Llama-3.2-11B-like text model (--model shapes, default llama3-8b: its 32
+self-attention layers frozen with a trainable cross-attention layer after every 4, 40 layers; embedding
+and head frozen), one sample of --text-seq text tokens and one image of --image-tokens tokens per
+micro-batch, m micro-batches, k = p. Per (image tokens, p, v): rank load max/min and bubble (worst rank's
+idle / busy) of the equal-count split, the paper's grouping (4 S + 1 X per stage, where the stages divide
+the groups) and the balanced split; then, on the balanced split, the step time and the encoder's share of
+it (encoder compute on the critical path / step) for the three encoder placements: pipeline (inside stage
+0 per micro-batch), broadcast (rank 0 before and after the pipeline) and replicated (every PP rank encodes
+ceil(B/P) images). Encoder: ViT-H/14-like (width 1280, MLP 5120) with Llama 3's 40 layers, trainable.
+Times: FLOPs / (--peak-tflops x --mfu); communication: bytes / --bandwidth-gbps (0: free).
+Prints tables, asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from l3plugin.planner.encoder_costs import (  # noqa: E402
+    PLACEMENTS,
+    EncoderSpec,
+    multimodal_kinds,
+    multimodal_step,
+)
+from l3plugin.planner.machine import Hardware  # noqa: E402
+from l3plugin.planner.models import load_model  # noqa: E402
+
+SPLITS = ("count", "grouped", "balanced")
+
+
+# ---- simulated -----------------------------------------------------------------------------------------------
+def add_simulated_parser(subparsers) -> None:
+    parser = subparsers.add_parser("simulated", help="stage splits and encoder placements from the cost model "
+                                   "(pure Python, the default)")
+    parser.add_argument("--model", default="llama3-8b", help="text model shapes: a planner preset or JSON file")
+    parser.add_argument("--self-layers", type=int, default=None, help="self-attention layers (default: the "
+                        "model's num_layers)")
+    parser.add_argument("--self-per-cross", type=int, default=4, help="a cross-attention layer after every N "
+                        "self-attention layers (default 4)")
+    parser.add_argument("--text-seq", type=int, default=192, help="text tokens per sample (default 192)")
+    parser.add_argument("--image-tokens", type=int, nargs="+", default=[1200, 3000],
+                        help="tokens per image (= its patches; paper: 1.2K at 448x448, 3K at 672x672)")
+    parser.add_argument("--pp", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--vpp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--microbatches", type=int, default=32, help="m (default 32); k = p")
+    parser.add_argument("--encoder-width", type=int, default=1280)
+    parser.add_argument("--encoder-depth", type=int, default=40)
+    parser.add_argument("--encoder-mlp-ratio", type=int, default=4)
+    parser.add_argument("--frozen-encoder", action="store_true", help="encoder frozen (no backward)")
+    parser.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops)
+    parser.add_argument("--mfu", type=float, default=Hardware.mfu)
+    parser.add_argument("--bandwidth-gbps", type=float, default=Hardware.inter_node_gbps,
+                        help="GB/s per GPU for P2P and the encoder's collectives over PP (default the network's "
+                             "50; 0: communication free)")
+    parser.add_argument("--json", action="store_true", help="print every figure as JSON instead of tables")
+    parser.set_defaults(func=run_simulated)
+
+
+def simulated(args) -> dict:
+    """Every figure of the simulated section (what --json prints)."""
+    model = load_model(args.model)
+    kinds = multimodal_kinds(args.self_layers or model.num_layers, args.self_per_cross)
+    encoder = EncoderSpec(width=args.encoder_width, depth=args.encoder_depth, mlp_ratio=args.encoder_mlp_ratio,
+                          trainable=not args.frozen_encoder)
+    hardware = Hardware(peak_tflops=args.peak_tflops, mfu=args.mfu)
+    settings = {"model": model.name, "kinds": kinds, "frozen": "SEH", "text_seq": args.text_seq,
+                "images_per_sample": 1, "micro_batch_samples": 1, "microbatches": args.microbatches,
+                "group_size": "pp", "encoder": {"width": encoder.width, "depth": encoder.depth,
+                                                "mlp_ratio": encoder.mlp_ratio, "patch_size": encoder.patch_size,
+                                                "trainable": encoder.trainable,
+                                                "params": encoder.params(model.hidden_size)},
+                "peak_tflops": hardware.peak_tflops, "mfu": hardware.mfu, "bandwidth_gbps": args.bandwidth_gbps,
+                "time_unit": "seconds"}
+    rows, skipped = [], []
+    for image_tokens in args.image_tokens:
+        for pp in args.pp:
+            for vpp in args.vpp:
+                if pp * vpp > len(kinds):
+                    skipped.append({"image_tokens": image_tokens, "pp": pp, "vpp": vpp,
+                                    "why": f"{len(kinds)} layers cannot fill {pp * vpp} virtual stages"})
+                    continue
+                step = multimodal_step(model, kinds, pp=pp, vpp=vpp, microbatches=args.microbatches,
+                                       group_size=min(pp, args.microbatches), text_seq=args.text_seq,
+                                       image_tokens=image_tokens, encoder=encoder, hardware=hardware,
+                                       bandwidth_gbps=args.bandwidth_gbps)
+                splits = {name: (step.split(name).to_dict() if step.split(name) else None) for name in SPLITS}
+                rows.append({"image_tokens": image_tokens, "pp": pp, "vpp": vpp, "microbatches": args.microbatches,
+                             "group_size": min(pp, args.microbatches), "splits": splits,
+                             "encoder_per_image": {"forward": step.encoder.forward, "backward": step.encoder.backward,
+                                                   "token_bytes": step.encoder.token_bytes},
+                             "text_message_bytes": step.text_message_bytes,
+                             "placements": {p.name: p.to_dict() for p in step.placements}})
+    return {"settings": settings, "rows": rows, "skipped": skipped}
+
+
+def print_simulated(result: dict) -> None:
+    s = result["settings"]
+    enc = s["encoder"]
+    print(f"Simulated: {s['model']} shapes, {s['kinds'].count('S')} frozen S + {s['kinds'].count('X')} trainable X "
+          f"layers ({s['kinds'][:10]}...), T={s['text_seq']}, 1 sample and 1 image per micro-batch, "
+          f"m={s['microbatches']}, k=p; encoder ViT width {enc['width']} depth {enc['depth']} MLP x{enc['mlp_ratio']} "
+          f"({enc['params'] / 1e6:.0f}M params, {'trainable' if enc['trainable'] else 'frozen'}); "
+          f"{s['peak_tflops']:g} TFLOPs x MFU {s['mfu']:g}, {s['bandwidth_gbps']:g} GB/s")
+    print("\nText pipeline splits: rank load max/min / bubble (worst rank's idle / busy)")
+    header = (f"{'I':>5} {'p':>3} {'v':>2} | {'count':>11} | {'grouped':>11} | {'balanced':>11} | "
+              f"{'bal/count step':>14} | balanced layers per virtual stage")
+    print(header)
+    print("-" * len(header))
+    for row in result["rows"]:
+        cells = []
+        for name in SPLITS:
+            split = row["splits"][name]
+            cells.append(f"{split['load_max_over_min']:.2f} / {split['bubble']:.2f}" if split else "n/a")
+        ratio = row["splits"]["balanced"]["makespan"] / row["splits"]["count"]["makespan"]
+        print(f"{row['image_tokens']:>5} {row['pp']:>3} {row['vpp']:>2} | " + " | ".join(f"{c:>11}" for c in cells)
+              + f" | {ratio:>14.3f} | {' '.join(map(str, row['splits']['balanced']['counts']))}")
+    print("\nEncoder placements on the balanced split: step (s) / encoder share of the step; comm = encoder-related "
+          "communication on the critical path (s)")
+    header = (f"{'I':>5} {'p':>3} {'v':>2} | {'text pipe':>9} | "
+              + " | ".join(f"{name + ' step/share':>22}" for name in PLACEMENTS) + " | comm pipe/bcast/repl")
+    print(header)
+    print("-" * len(header))
+    for row in result["rows"]:
+        places = [row["placements"][name] for name in PLACEMENTS]
+        print(f"{row['image_tokens']:>5} {row['pp']:>3} {row['vpp']:>2} | {places[0]['pipeline']:>9.3f} | "
+              + " | ".join(f"{p['step']:>13.3f} / {p['encoder_share']:>5.1%}" for p in places)
+              + " | " + "/".join(f"{p['comm']:.3f}" for p in places))
+    for skip in result["skipped"]:
+        print(f"skipped I={skip['image_tokens']} p={skip['pp']} v={skip['vpp']}: {skip['why']}")
+
+
+def run_simulated(args) -> int:
+    try:
+        result = simulated(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_simulated(result)
+    return 0
+
+
+# ---- entry point: one subcommand per section (simulated is the default) -------------------------------------
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    subparsers = parser.add_subparsers(dest="section")
+    add_simulated_parser(subparsers)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv.insert(0, "simulated")
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
