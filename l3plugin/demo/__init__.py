@@ -150,25 +150,57 @@ def run_demo(args) -> int:
     return 0
 
 
+TEXT_DEMO_DEFAULTS = {"tp": 2, "cp": 2, "dp": 1, "layers": MODEL["num_layers"], "zero_stage": 2, "cp_layout": "2cp",
+                      "dtype": "bf16"}  # flags of the text demo only (None when not given: --multimodal refuses them)
+
+
+def run(args) -> int:
+    if args.multimodal:
+        from l3plugin.demo.multimodal import run_multimodal_demo
+
+        given = [k for k in TEXT_DEMO_DEFAULTS if getattr(args, k) is not None
+                 and not (k == "dtype" and args.dtype == "fp32")]
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            print(f"error: {flags}: not used by --multimodal (pipeline ranks only, fp32); leave them out",
+                  file=__import__("sys").stderr)
+            return 2
+        return run_multimodal_demo(args)
+    for name, default in TEXT_DEMO_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return run_demo(args)
+
+
 def add_demo_parser(sub):
-    from l3plugin.cli_args import add_mesh_sizes, positive_int
+    from l3plugin.cli_args import positive_int
 
     demo = sub.add_parser("demo", help="the main job: a tiny Llama trained with 4D parallelism on CPU",
                           description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
-    add_mesh_sizes(demo, tp=2, cp=2, pp=2, dp=1)
+    for dim in ("tp", "cp", "pp", "dp"):
+        default = 2 if dim == "pp" else TEXT_DEMO_DEFAULTS[dim]
+        demo.add_argument(f"--{dim}", type=positive_int, default=2 if dim == "pp" else None,
+                          help=f"{dim.upper()} size (default {default})")
     demo.add_argument("--vpp", type=positive_int, default=2, help="model chunks per pipeline rank (default 2)")
     demo.add_argument("--group-size", type=positive_int, default=3,
                       help="k: consecutive microbatches per virtual stage per round (default 3)")
     demo.add_argument("--microbatches", type=positive_int, default=5, help="per DP rank and step (default 5)")
-    demo.add_argument("--layers", type=positive_int, default=MODEL["num_layers"])
+    demo.add_argument("--layers", type=positive_int, default=None, help=f"default {MODEL['num_layers']}")
     demo.add_argument("--steps", type=positive_int, default=30)
     demo.add_argument("--seq-len", type=positive_int, default=64)
-    demo.add_argument("--zero-stage", type=int, choices=(1, 2), default=2)
-    demo.add_argument("--cp-layout", choices=("2cp", "balanced"), default="2cp",
+    demo.add_argument("--zero-stage", type=int, choices=(1, 2), default=None, help="default 2")
+    demo.add_argument("--cp-layout", choices=("2cp", "balanced"), default=None,
                       help="which tokens each CP rank holds: 2cp = the paper's chunks i and 2cp-1-i; balanced "
                            "= document pieces dealt by attention work (equal tokens per rank) (default 2cp)")
-    demo.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    demo.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default bf16 (--multimodal: fp32)")
+    demo.add_argument("--multimodal", action="store_true",
+                      help="instead: a tiny mllama-like model (small ViT, frozen text model with cross-attention "
+                           "layers) on --pp ranks, its split from `l3plugin balance`, the image encoder placed "
+                           "by --placement, checked against one process")
+    demo.add_argument("--placement", choices=("replicated", "broadcast", "pipeline"), default="replicated",
+                      help="--multimodal: where the image encoder runs (default replicated: every PP rank "
+                           "encodes its share of the images, the paper's choice)")
     demo.add_argument("--results", default="results", help="folder for loss.png, timeline.png, summary.json")
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds before a hung step is stopped")
-    demo.set_defaults(func=run_demo)
+    demo.set_defaults(func=run)
     return demo

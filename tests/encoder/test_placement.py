@@ -37,3 +37,11 @@ def test_placement_names():
     assert check_placement("replicated") == "replicated"
     with pytest.raises(ValueError, match="encoder placement 'vit' is invalid: one of pipeline"):
         check_placement("vit")
+
+
+def test_multimodal_demo_refuses_the_text_demo_flags(capsys):
+    from l3plugin.cli import main
+
+    assert main(["demo", "--multimodal", "--tp", "2", "--zero-stage", "1"]) == 2
+    assert "--tp, --zero-stage: not used by --multimodal (pipeline ranks only, fp32)" in capsys.readouterr().err
+    assert main(["demo", "--multimodal", "--dtype", "bf16"]) == 2
