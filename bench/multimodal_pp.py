@@ -22,8 +22,10 @@ Prints tables, asserts nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,6 +38,8 @@ from l3plugin.planner.encoder_costs import (  # noqa: E402
 )
 from l3plugin.planner.machine import Hardware  # noqa: E402
 from l3plugin.planner.models import load_model  # noqa: E402
+
+import torch  # noqa: E402
 
 SPLITS = ("count", "grouped", "balanced")
 
@@ -154,11 +158,173 @@ def run_simulated(args) -> int:
     return 0
 
 
+# ---- real: 2 gloo ranks, measured -----------------------------------------------------------------------------
+REAL_KINDS = "SSSX" * 3  # 12 layers: a trainable cross-attention layer after every 3 frozen self-attention layers
+_TRAINERS = {}  # in each worker: contender name -> PipelinedTrainer (one mesh for all of them)
+
+
+def add_real_parser(subparsers) -> None:
+    parser = subparsers.add_parser("real", help="2 gloo ranks (pp 2, one per core): encoder placements and "
+                                   "splits timed side by side (interleaved rounds)")
+    parser.add_argument("--vpp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--text-seq", type=int, default=128)
+    parser.add_argument("--image-tokens", type=int, default=256, help="tokens (patches) per image")
+    parser.add_argument("--encoder-width", type=int, default=256)
+    parser.add_argument("--encoder-depths", type=int, nargs=2, default=[2, 8])
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds after a warm-up round (default 5)")
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(func=run_real)
+
+
+def real_runs(args) -> dict:
+    """Contender name -> MultimodalRun: the three placements at two encoder depths on the balanced split, and
+    the count split beside the balanced one (replicated, first depth)."""
+    from l3plugin.demo.multimodal import MultimodalRun, balanced_counts
+
+    base = MultimodalRun(kinds=REAL_KINDS, pp=2, vpp=args.vpp, microbatches=args.microbatches, group_size=2,
+                         seq_len=args.text_seq, micro_batch_size=1, patches=args.image_tokens,
+                         encoder_width=args.encoder_width, hidden=args.hidden, heads=args.heads)
+    balanced = balanced_counts(base)
+    count = tuple(len(REAL_KINDS) // (2 * args.vpp) for _ in range(2 * args.vpp))
+    runs = {}
+    for depth in args.encoder_depths:
+        for placement in PLACEMENTS:
+            runs[f"{placement} depth {depth}"] = dataclasses.replace(
+                base, placement=placement, encoder_depth=depth, counts=balanced)
+    depth = args.encoder_depths[0]
+    runs["count split"] = dataclasses.replace(base, placement="replicated", encoder_depth=depth, counts=count)
+    return runs
+
+
+def _build_trainers(runs) -> None:
+    from l3plugin.demo.multimodal import PipelinedTrainer
+    from l3plugin.mesh import init_mesh
+
+    first = next(iter(runs.values()))
+    init_mesh(pp=first.pp, vpp=first.vpp if first.vpp > 1 else None)
+    _TRAINERS.clear()
+    for name, run in runs.items():
+        _TRAINERS[name] = PipelinedTrainer(run, init_mesh=False)
+
+
+def _timed_step(name) -> dict:
+    """On every rank: one training step of a contender: wall (barrier to barrier), this rank's busy time (its
+    own part of the step minus the time its pipeline receives and sends waited)."""
+    import torch.distributed as dist
+    from pp_schedule import CHANNEL_WAITS, timed_channel_waits
+
+    waits = {label: 0.0 for _, label in CHANNEL_WAITS}
+    with timed_channel_waits(waits):
+        dist.barrier()
+        start = time.perf_counter()
+        _TRAINERS[name].step(returns_record=False)
+        own = time.perf_counter() - start
+        dist.barrier()
+        wall = time.perf_counter() - start
+    return {"wall": wall, "busy": own - sum(waits.values())}
+
+
+def _backward_ratio(hidden, heads, seq, repeats=7) -> dict:
+    """In one process: backward / forward seconds of a self-attention layer, trainable and frozen (input
+    gradients only), medians of interleaved repeats on the same input."""
+    import statistics
+
+    from l3plugin.demo import multimodal_model as mm
+    from l3plugin.mesh import init_mesh
+
+    init_mesh(dp=2)
+    chunk = mm.build_text_chunk(mm.mllama_config("S", hidden=hidden, heads=heads), "S", pre_process=False,
+                                post_process=False, seq_len=seq)
+    layer = chunk.module.decoder.layers[0]
+    x = torch.randn(seq, 1, hidden, requires_grad=True)
+    times = {True: [], False: []}
+    for i in range(2 * repeats + 2):
+        trainable = bool(i % 2)
+        for q in layer.parameters():
+            q.requires_grad_(trainable)
+            q.grad = None
+        start = time.perf_counter()
+        out, _ = layer(x, attention_mask=None)
+        middle = time.perf_counter()
+        out.sum().backward()
+        end = time.perf_counter()
+        if i >= 2:  # the first pair warms up
+            times[trainable].append((end - middle) / (middle - start))
+    return {"trainable": statistics.median(times[True]), "frozen": statistics.median(times[False])}
+
+
+def real(args) -> dict:
+    import statistics
+
+    from l3plugin.ranks import RankPool
+
+    runs = real_runs(args)
+    names = list(runs)
+    record = {name: [] for name in names}
+    with RankPool(2, preload=("megatron.core",), keep_state=True) as pool:
+        pool.run(_build_trainers, runs, timeout=900)
+        for round_id in range(args.rounds + 1):
+            order = names if round_id % 2 else names[::-1]  # rotate: no contender always first
+            for name in order:
+                result = pool.run(_timed_step, name, timeout=900)
+                if round_id:  # round 0 warms up
+                    record[name].append(result)
+        ratio = pool.run(_backward_ratio, args.hidden, args.heads, args.text_seq, timeout=900)[0]
+
+    def wall(name):
+        return [max(r["wall"] for r in ranks) for ranks in record[name]]
+
+    def per_round_ratio(a, b):
+        return statistics.median(x / y for x, y in zip(wall(a), wall(b)))
+
+    depth0 = args.encoder_depths[0]
+    baseline = {name: (f"replicated depth {name.split()[-1]}" if "depth" in name else f"replicated depth {depth0}")
+                for name in names}  # the same depth's replicated placement; the count split: the balanced one
+    rows = []
+    for name in names:
+        busy = [statistics.median(ranks[i]["busy"] for ranks in record[name]) for i in range(2)]
+        rows.append({"contender": name, "counts": list(runs[name].counts), "step_s": statistics.median(wall(name)),
+                     "busy_s": busy, "busy_max_over_min": max(busy) / min(busy),
+                     "step_vs_baseline": per_round_ratio(name, baseline[name]), "baseline": baseline[name]})
+    return {"setup": {k: v for k, v in vars(args).items() if k != "func"}, "kinds": REAL_KINDS, "rows": rows,
+            "backward_over_forward": ratio}
+
+
+def print_real(result: dict) -> None:
+    setup = result["setup"]
+    print(f"Measured: 2 gloo ranks (pp 2, one core each), vpp {setup['vpp']}, m {setup['microbatches']}, k 2, "
+          f"micro-batch 1 sample: {setup['text_seq']} text tokens, one image of {setup['image_tokens']} tokens "
+          f"(every 5th micro-batch, j % 5 == 1, without); text hidden {setup['hidden']}, layers {result['kinds']} "
+          f"(S frozen); ViT width {setup['encoder_width']}; medians of {setup['rounds']} interleaved rounds")
+    print(f"  {'contender':<22} {'layers per stage':<16} {'step s':>7} {'rank busy s':>13} {'busy max/min':>12} "
+          f"{'step / baseline (per-round median)':>34}")
+    for row in result["rows"]:
+        busy = "/".join(f"{b:.3f}" for b in row["busy_s"])
+        print(f"  {row['contender']:<22} {' '.join(map(str, row['counts'])):<16} {row['step_s']:>7.3f} {busy:>13} "
+              f"{row['busy_max_over_min']:>12.2f} {row['step_vs_baseline']:>8.3f} vs {row['baseline']}")
+    ratio = result["backward_over_forward"]
+    print(f"Self-attention layer backward / forward, one process: trainable {ratio['trainable']:.2f}, frozen "
+          f"(input gradients only) {ratio['frozen']:.2f}")
+
+
+def run_real(args) -> int:
+    result = real(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_real(result)
+    return 0
+
+
 # ---- entry point: one subcommand per section (simulated is the default) -------------------------------------
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="section")
     add_simulated_parser(subparsers)
+    add_real_parser(subparsers)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "simulated")

@@ -33,6 +33,7 @@ class MultimodalRun:
     micro_batch_size: int = 2
     patches: int = 6  # image tokens per image
     encoder_depth: int = 2
+    encoder_width: int = 16
     hidden: int = 32
     heads: int = 4
     lr: float = 0.0
@@ -56,7 +57,7 @@ class MultimodalRun:
                                      images_per_microbatch=self.images_per_microbatch(), patches=self.patches)
 
     def encoder(self):
-        return mm.TinyViT(patches=self.patches, depth=self.encoder_depth, hidden=self.hidden)
+        return mm.TinyViT(patches=self.patches, depth=self.encoder_depth, width=self.encoder_width, hidden=self.hidden)
 
 
 def named_grads(named_params) -> dict[str, torch.Tensor]:
@@ -86,13 +87,18 @@ def forward_step(placement, images, tokens, data_iterator, model):
 
 
 class PipelinedTrainer:
-    """One pipeline rank: its chunks, its encoder (where the placement puts one), SGD on what it trains."""
+    """One pipeline rank: its chunks, its encoder (where the placement puts one), SGD on what it trains.
+    ``init_mesh=False``: Megatron's parallel_state is already set up for pp x vpp (several trainers side by side)."""
 
-    def __init__(self, run: MultimodalRun):
-        from l3plugin.mesh import init_mesh
+    def __init__(self, run: MultimodalRun, init_mesh: bool = True):
+        from megatron.core import parallel_state as ps
+
+        from l3plugin import mesh
 
         self.run = run
-        rank = init_mesh(pp=run.pp, vpp=run.vpp if run.vpp > 1 else None).coords["pp"]
+        if init_mesh:
+            mesh.init_mesh(pp=run.pp, vpp=run.vpp if run.vpp > 1 else None)
+        rank = ps.get_pipeline_model_parallel_rank()
         config, carry = run.config(pipelined=True), run.patches if run.placement == "pipeline" else 0
         self.encoder = run.encoder()
         self.holds_encoder = run.placement == "replicated" or rank == 0
@@ -106,7 +112,7 @@ class PipelinedTrainer:
         self.optimizer = torch.optim.SGD(params, lr=run.lr)
         self.images, self.batches = run.batches()
 
-    def step(self) -> dict:
+    def step(self, returns_record: bool = True) -> dict | None:
         from l3plugin.megatron import forward_backward_pipelining_flexible
         from l3plugin.megatron.multimodal import image_encoder_placement
 
@@ -122,6 +128,9 @@ class PipelinedTrainer:
             micro_batch_size=run.micro_batch_size)
         if placed is not None:
             placed.finish()
+        if not returns_record:  # timing: no gradient copies
+            self.optimizer.step()
+            return None
         record = {"losses": [d["lm loss"] for d in out], "text": text_grads(self.chunks),
                   "encoder": named_grads(self.encoder.named_parameters()) if self.holds_encoder else {},
                   "frozen_grads": [q.grad for ch in self.chunks for q in ch.module.parameters()
