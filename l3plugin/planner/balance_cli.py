@@ -15,6 +15,9 @@ from .layer_costs import FREEZABLE, KINDS, model_layer_costs
 from .models import PRESETS, load_model
 
 
+SPEC_HINT = "l3plugin.megatron.multimodal.multimodal_block_spec(config, kinds, vp_stage=...)"
+
+
 def add_balance_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "balance", help="split layers of different cost over the pipeline's virtual stages (paper 3.1.2, 3.2)",
@@ -90,11 +93,14 @@ def _run(args) -> int:
     splitter = StageSplitter(layers, schedule, embedding=embedding, head=head, kinds=args.kinds)
     splits = splitter.balance()
     best = splits[0]
-    layout = megatron_layout(best.counts, args.pp) if set(args.kinds) == {"S"} else None
+    # Megatron's layout has one letter for any decoder layer: with cross-attention layers the per-index kinds come
+    # from l3plugin.megatron.multimodal.multimodal_block_spec.
+    layout = megatron_layout(best.counts, args.pp)
     if args.json:
         print(json.dumps({"stages": best.stages(), "chosen": best.name, "pp": args.pp, "vpp": args.vpp,
                           "microbatches": args.microbatches, "group_size": schedule.group_size,
-                          "megatron_layout": layout, "candidates": [s.to_dict() for s in splits]}))
+                          "megatron_layout": layout, "layer_spec": SPEC_HINT if "X" in args.kinds else None,
+                          "candidates": [s.to_dict() for s in splits]}))
     else:
         _print(args, schedule, splits, layout)
     if args.png:
@@ -124,8 +130,7 @@ def _print(args, schedule, splits, layout) -> None:
         rank, chunk = s % args.pp, s // args.pp
         print(f"  virtual stage {s:<3} rank {rank:<3} chunk {chunk}: layers {layer_ids[0]}-{layer_ids[-1]} "
               f"{''.join(args.kinds[i] for i in layer_ids)}")
-    if layout:
-        print(f"Megatron-LM: --pipeline-model-parallel-layout \"{layout}\"")
-    else:
-        print("Megatron-LM's --pipeline-model-parallel-layout has no letter for a cross-attention layer: pass the "
-              "layer lists above (--json: \"stages\") to your model builder")
+    print(f"Megatron-LM: --pipeline-model-parallel-layout \"{layout}\"")
+    if "X" in args.kinds:
+        print(f"  ('t' is any decoder layer: build each chunk's block with {SPEC_HINT}, which gives layer i the kind "
+              f"--kinds[i]; or pass the layer lists above, --json \"stages\", to your own model builder)")

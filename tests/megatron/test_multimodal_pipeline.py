@@ -136,3 +136,16 @@ def test_misuse_is_refused_with_the_fix(ranks):
     }
     for name, start in expected.items():
         assert errors[name] is not None and errors[name].startswith(start), (name, errors[name])
+
+
+def test_replicated_encoder_gradients_are_summed_over_data_parallel_too(ranks):
+    """pp 2 x dp 2, both DP replicas seeing the same images: each encoder replica's gradient is the sum over
+    PP and DP, twice the one-process gradient (doubling is exact in fp32)."""
+    run = run_for(2, 5, 3, "replicated")
+    pipelined = ranks.run(4, train, run, timeout=240)
+    serial = ranks.run(1, train, run, 1, False, timeout=180)[0]
+    for rank, r in enumerate(pipelined):
+        assert r["encoder"].keys() == serial["encoder"].keys(), f"rank {rank}"
+        for name, g in r["encoder"].items():
+            torch.testing.assert_close(g, 2 * serial["encoder"][name], rtol=1e-5, atol=1e-7,
+                                       msg=lambda s, n=name, q=rank: f"rank {q} encoder {n}: {s}")

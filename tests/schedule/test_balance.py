@@ -141,7 +141,12 @@ def test_balance_cli_json_lists_every_layer_in_pipeline_order(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert len(out["stages"]) == 8
     assert [i for stage in out["stages"] for i in stage] == list(range(40))
-    assert out["chosen"] == "balanced" and out["megatron_layout"] is None
+    assert out["chosen"] == "balanced" and "multimodal_block_spec" in out["layer_spec"]
+    # Megatron's layout of the same split ('t' for any layer: the kinds come from the block spec).
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    parsed = PipelineParallelLayerLayout.parse_str_to_list(out["megatron_layout"])
+    assert [sum(t.name == "decoder" for t in stage) for stage in parsed] == [len(s) for s in out["stages"]]
     assert {c["name"] for c in out["candidates"]} >= {"balanced", "count", "grouped"}
     assert png.stat().st_size > 1000
 
