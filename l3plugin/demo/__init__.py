@@ -141,12 +141,18 @@ def run_demo(args) -> int:
     summary = {"options": {k: v for k, v in opts.items() if k != "model"}, "model": MODEL,
                "dtype": args.dtype, "losses": losses, "reference_losses": reference,
                "max_abs_difference": diff, "tolerance": tol, "seconds": time.monotonic() - t0}
-    (results / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    print(f"wrote {', '.join(written + ['summary.json'])} to {results}/ ({time.monotonic() - t0:.0f} s in all)")
-    if diff > tol or not losses[-1] < losses[0]:
-        print("FAILED: the parallel run does not match the single-process run (or did not learn)")
+    return finish(results, "summary.json", summary, written, t0, ok=diff <= tol and losses[-1] < losses[0],
+                  what="4D-parallel")
+
+
+def finish(results: Path, name: str, summary: dict, written: list[str], t0: float, *, ok: bool, what: str) -> int:
+    """Write the summary, say where everything went and whether the run matched its single-process reference."""
+    (results / name).write_text(json.dumps(summary, indent=1, default=str))
+    print(f"wrote {', '.join(written + [name])} to {results}/ ({time.monotonic() - t0:.0f} s in all)")
+    if not ok:
+        print(f"FAILED: the {what} run does not match the single-process run (or did not learn)")
         return 1
-    print("OK: the 4D-parallel run matches the single-process run.")
+    print(f"OK: the {what} run matches the single-process run.")
     return 0
 
 

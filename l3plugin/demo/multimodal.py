@@ -252,12 +252,11 @@ TOLERANCE = 1e-4  # max |mean loss - one-process mean loss| over the steps (fp32
 
 def run_multimodal_demo(args) -> int:
     """``l3plugin demo --multimodal``: train on --pp ranks with the balanced split, compare with one process."""
-    import json
     import os
     from pathlib import Path
 
     from l3plugin import waits
-    from l3plugin.demo import _progress
+    from l3plugin.demo import _progress, finish
     from l3plugin.ranks import RankPool
 
     run = with_balanced_split(MultimodalRun(
@@ -291,10 +290,5 @@ def run_multimodal_demo(args) -> int:
     summary = {"run": dataclasses.asdict(run), "layout": run.layout(), "losses": losses,
                "reference_losses": reference, "max_abs_difference": diff, "tolerance": TOLERANCE,
                "seconds": time.monotonic() - t0}
-    (results / "multimodal_summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"wrote multimodal_summary.json to {results}/ ({time.monotonic() - t0:.0f} s in all)")
-    if diff > TOLERANCE or not losses[-1] < losses[0]:
-        print("FAILED: the pipelined run does not match the one-process run (or did not learn)")
-        return 1
-    print("OK: the pipelined multimodal run matches the one-process run.")
-    return 0
+    return finish(results, "multimodal_summary.json", summary, [], t0,
+                  ok=diff <= TOLERANCE and losses[-1] < losses[0], what="pipelined multimodal")
