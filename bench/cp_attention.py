@@ -448,7 +448,7 @@ def main(argv=None):
     print(f"{load()} at start ({os.cpu_count()} CPUs)\n")
     if args.work_seq:
         work_table(args.work_seq, args.draws)
-    from l3plugin.testing.ranks import RankPool
+    from l3plugin.ranks import RankPool
 
     began = time.perf_counter()
     print(f"== Timed, fwd+bwd, fp32, kernel {KERNEL}: 2 gloo ranks on this CPU, cp 4 and 8 only simulated "

@@ -79,7 +79,7 @@ def simulation_table(settings, latencies):
 
 def real_run(steps, hidden, seq, mbs):
     """4 gloo ranks, pp=4 vpp=2, m=8, k=4: the same model and data under both schedules, alternating."""
-    from l3plugin.testing.ranks import RankPool
+    from l3plugin.ranks import RankPool
 
     print(f"Real CPU run: 4 gloo ranks, pp=4 vpp=2 m=8 k=4, toy model hidden={hidden} seq={seq} "
           f"micro-batch={mbs}, {steps} steps each, alternating")
@@ -349,7 +349,7 @@ def main(argv=None):
             parser.error(f"--vpp {v}: needs vpp >= 2 and --layers ({args.layers}) divisible by 2 x vpp")
     link = wire.enter(PROBE_RATE if args.wire == "auto" else args.wire, "float32")
     if link.inside:
-        from l3plugin.testing.ranks import RankPool
+        from l3plugin.ranks import RankPool
 
         with RankPool(2, preload=("megatron.core",)) as pool:
             wire_run(pool, link, args)

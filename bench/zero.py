@@ -59,7 +59,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from l3plugin.testing import wire  # noqa: E402
-from l3plugin.testing.ranks import RankPool  # noqa: E402
+from l3plugin.ranks import RankPool  # noqa: E402
 
 # name: (stage, l3plugin options or None for stock, overlap_comm, extra DeepSpeed config); "half" = gas // 2
 VARIANTS = {

@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 
 import l3plugin
-from l3plugin.testing.ranks import run_command
+from l3plugin.ranks import run_command
 
 ZERO_TESTS = Path(__file__).resolve().parent / "zero"
 TREE = Path(l3plugin.__file__).resolve().parents[1]  # the checkout under test (PYTHONPATH or the editable install)
