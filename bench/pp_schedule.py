@@ -9,7 +9,7 @@ Prints tables, asserts nothing. Simulation costs: forward 1, backward 2, P2P lat
 "Bubble" is the paper's idle / (forward + backward) time of the worst rank; "in-flight" is the peak
 number of microbatch activations a rank holds (in units of one chunk's activations), worst rank.
 
-On a wire (``--wire RATE|PRESET|auto``, l3plugin/testing/wire.py; ``auto``: the rate at which one activation
+On a wire (``--wire RATE|PRESET|auto``, bench/wire.py; ``auto``: the rate at which one activation
 send alone takes ``--send-share`` of the smallest chunk's forward, from two measurements, printed): 2 gloo
 ranks (one per core), pp=2, for each vpp stock interleaved (k = p) and flexible k = p, 1.5p, 2p, each with
 the wire shaped and unshaped (the namespace's loopback), interleaved over rounds (order reversed every other
@@ -230,7 +230,7 @@ def _activation_send_alone(numel):
     """Wall/CPU seconds of one activation sent rank 0 -> rank 1 alone (wire.time_collectives_alone)."""
     import torch.distributed as dist
 
-    from l3plugin.testing import wire
+    import wire
 
     data = torch.ones(numel)
 
@@ -242,7 +242,7 @@ def _activation_send_alone(numel):
 
 def wire_run(pool, link, args):
     """pp=2 on 2 ranks; per vpp, every contender with the wire on and off, interleaved, in one run."""
-    from l3plugin.testing import wire
+    import wire
 
     p, m, hidden, seq, mbs, layers = WIRE_P, args.microbatches, args.hidden, args.seq, args.mbs, args.layers
     numel = seq * mbs * hidden
@@ -339,7 +339,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="on a wire: timed rounds after a warm-up round")
     parser.add_argument("--send-share", type=float, default=0.25, help="--wire auto: the share of the smallest "
                         "chunk's forward that one activation send alone should take")
-    from l3plugin.testing import wire
+    import wire
 
     wire.add_argument(parser)
     args = parser.parse_args(argv)
