@@ -15,7 +15,7 @@ def gpt_step(cp, cu, dtype, cp_layout="2cp", position_embedding_type="learned_ab
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from l3plugin.cp import sharding
-    from l3plugin.megatron.model import build_chunk
+    from l3plugin.demo.model import build_chunk
     from l3plugin.mesh import init_mesh
 
     mesh = init_mesh(cp=cp, dp=2 // cp)

@@ -80,7 +80,7 @@ def rope_on_cpu():
     chunks of the ``max_seq_len`` it is given, as stock does)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from l3plugin.megatron.model import rope_on_cpu
+    from l3plugin.demo.model import rope_on_cpu
 
     stock = RotaryEmbedding.forward
     RotaryEmbedding.forward = rope_on_cpu

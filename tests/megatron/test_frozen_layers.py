@@ -169,7 +169,7 @@ def test_zero_buckets_and_reduces_only_trainable_parameters(ranks, stage, v):
 
 def gpt_frozen(chunks, frozen_prefix):
     """Freeze the parameters of a GPTModel's chunks whose global name starts with one of ``frozen_prefix``."""
-    from l3plugin.megatron.model import global_name
+    from l3plugin.demo.model import global_name
 
     for chunk in chunks:
         for name, p in chunk.named_parameters():
@@ -178,7 +178,7 @@ def gpt_frozen(chunks, frozen_prefix):
 
 
 def gpt_trainable_grads(chunks):
-    from l3plugin.megatron.model import global_name
+    from l3plugin.demo.model import global_name
 
     return {global_name(ch, n): p.grad.clone() for ch in chunks for n, p in ch.named_parameters() if p.requires_grad}
 

@@ -38,7 +38,7 @@ def tied_zero_train(pp, vpp, tp, sp, per_token, stage, m, k, keep_invariants=Tru
     from megatron.core import parallel_state as ps
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
-    from l3plugin.megatron.model import global_name
+    from l3plugin.demo.model import global_name
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
     from l3plugin.mesh import init_mesh
     from l3plugin.testing.megatron_cpu_shim import sequence_parallel_on_cpu
