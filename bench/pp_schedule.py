@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' toy pipeline and CPU shim
 
 import torch  # noqa: E402
 
@@ -97,8 +98,8 @@ def toy_model(p, v, m, k, layers, hidden, seq, mbs, deallocate_outputs=True):
     """On every rank: (mesh, this rank's model chunks, m microbatches) of the toy pipeline model."""
     from megatron.core.transformer import TransformerConfig
 
+    import toy_pipeline as toy
     from l3plugin.mesh import init_mesh
-    from l3plugin.testing import toy_pipeline as toy
 
     mesh = init_mesh(pp=p, vpp=v)
     config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=1,
@@ -115,8 +116,8 @@ def _timed_steps(steps, hidden, seq, mbs):
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from l3plugin.megatron import forward_backward_pipelining_flexible
-    from l3plugin.testing import toy_pipeline as toy
-    from l3plugin.testing.megatron_cpu_shim import stock_schedules_on_cpu
+    import toy_pipeline as toy
+    from megatron_cpu_shim import stock_schedules_on_cpu
 
     mesh, chunks, batches = toy_model(4, 2, 8, 4, 16, hidden, seq, mbs)
     stock_fn = get_forward_backward_func()
@@ -192,8 +193,8 @@ def _wire_step(v, m, k, stock, layers, hidden, seq, mbs):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
-    from l3plugin.testing import toy_pipeline as toy
-    from l3plugin.testing.megatron_cpu_shim import stock_schedules_on_cpu
+    import toy_pipeline as toy
+    from megatron_cpu_shim import stock_schedules_on_cpu
 
     # Stock frees an output (deallocate_output_tensor) right after starting its isend; on gloo the send may
     # still be reading it, which would corrupt the receiver's input: stock keeps its outputs here.

@@ -17,6 +17,8 @@ import l3plugin
 from l3plugin.ranks import run_command
 
 ZERO_TESTS = Path(__file__).resolve().parent / "zero"
+# Joined to the l3plugin package's __path__ in a child: test-only modules of the package the wheel does not ship.
+PACKAGE_EXTRA = Path(__file__).resolve().parent / "data" / "l3plugin_extra"
 TREE = Path(l3plugin.__file__).resolve().parents[1]  # the checkout under test (PYTHONPATH or the editable install)
 
 # l3plugin_autoload is the hook itself; "l3plugin" and "l3plugin.*" are the package.
@@ -99,7 +101,9 @@ def test_deepspeed_imported_while_another_l3plugin_module_is_half_built(tmp_path
                           "deepspeed.initialize.__name__, ")
     code = code.replace("deepspeed = quiet_deepspeed()", "deferred = [\"l3plugin.deepspeed\" in sys.modules, "
                         "sys.modules[\"deepspeed\"].initialize.__name__]\ndeepspeed = quiet_deepspeed()")
-    out = run("FIRST = 'l3plugin.testing.deepspeed_at_import'\n" + code, tmp_path)
+    join = f"import l3plugin\n    l3plugin.__path__.append({str(PACKAGE_EXTRA)!r})\n"
+    code = code.replace("if FIRST:\n", "if FIRST:\n    " + join)
+    out = run("FIRST = 'l3plugin.deepspeed_at_import'\n" + code, tmp_path)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["deferred"] == [False, "initialize_after_install"]
     assert result["optimizer"] == "DeepSpeedFP32ReduceZero"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from l3plugin.testing import tiny_gpt as gpt
+import tiny_gpt as gpt
 
 SEQ = 16
 LAYOUTS = {"one-document": [0, SEQ], "paper-3-3-8-2": [0, 3, 6, 14, 16], "tiny-docs": [0, 1, 2, 5, 9, 10, 13, 16]}
