@@ -119,7 +119,8 @@ def _timed_steps(steps, hidden, seq, mbs):
     import toy_pipeline as toy
     from megatron_cpu_shim import stock_schedules_on_cpu
 
-    mesh, chunks, batches = toy_model(4, 2, 8, 4, 16, hidden, seq, mbs)
+    m = 8  # pp=4 vpp=2 m=8 k=4, as real_run says
+    mesh, chunks, batches = toy_model(4, 2, m, 4, 16, hidden, seq, mbs)
     stock_fn = get_forward_backward_func()
     out = {"flexible": [], "stock": [], "identical": True}
 
