@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from l3plugin.testing import wire  # noqa: E402
+import wire  # noqa: E402
 
 
 def start_once(env, code="pass") -> float:

@@ -28,7 +28,7 @@ median over rounds of per-round ratios:
   same work-proportional pieces as the all-gather kernel (l3plugin.cp.kernels.query_blocks) cut to
   each visiting chunk, so it skips fully masked key blocks too, and stacks GQA query heads as the
   kernel does (l3plugin.cp.kernels.pack_heads).
-On a wire (``--wire RATE|PRESET|auto``, l3plugin/testing/wire.py: the bench re-executes itself in a network
+On a wire (``--wire RATE|PRESET|auto``, bench/wire.py: the bench re-executes itself in a network
 namespace whose loopback is rate-limited, so traffic costs wall time and little CPU, as on GPUs): cp=2 only,
 all-gather with the "2cp" and "balanced" layouts, each "plain" (overlap=False: one K/V all-gather and
 one dK/dV reduce-scatter, waited at once) and "overlapped" (the default, cp/overlap.py), against the
@@ -346,7 +346,7 @@ def kv_collectives_alone(seq_len):
     import torch.distributed as dist
 
     from l3plugin import comm
-    from l3plugin.testing import wire
+    import wire
 
     group = dist.group.WORLD
     local = torch.randn(2, seq_len // 2, HKV, D)  # K and V of this rank's S/2 tokens
@@ -358,7 +358,7 @@ def kv_collectives_alone(seq_len):
 
 def kv_alone(pool, seq_len):
     """(all-gather wall seconds of the slower rank, printable lines) for S."""
-    from l3plugin.testing import wire
+    import wire
 
     results = pool.run(kv_collectives_alone, seq_len, timeout=600)
     gather = max(r["K/V all-gather"][0] for r in results)
@@ -369,7 +369,7 @@ def pick_rate(pool, link, seq_len, share):
     """--wire auto: the rate at which the K/V all-gather alone takes ``share`` of cp=2 causal attention
     (fwd+bwd, unshaped) at S=seq_len. A tbf transfer costs CPU time plus bytes / rate, so two measurements
     (unshaped and at the probe rate) give the rate; it is measured again after. Returns why, printable."""
-    from l3plugin.testing import wire
+    import wire
 
     probe = link.rate
     link.set_rate(None)
@@ -437,7 +437,7 @@ def main(argv=None):
                         help="on a wire: which masks to time (causal at S=32K is most of the run time)")
     parser.add_argument("--kv-share", type=float, default=0.2, help="--wire auto: the share of cp=2 causal "
                         "attention time the K/V all-gather alone should take at the smallest S")
-    from l3plugin.testing import wire
+    import wire
 
     wire.add_argument(parser)
     args = parser.parse_args(argv)
@@ -448,7 +448,7 @@ def main(argv=None):
     print(f"{load()} at start ({os.cpu_count()} CPUs)\n")
     if args.work_seq:
         work_table(args.work_seq, args.draws)
-    from l3plugin.testing.ranks import RankPool
+    from l3plugin.ranks import RankPool
 
     began = time.perf_counter()
     print(f"== Timed, fwd+bwd, fp32, kernel {KERNEL}: 2 gloo ranks on this CPU, cp 4 and 8 only simulated "

@@ -69,7 +69,7 @@ def planner_estimate(model, tp, cp, seq_len):
 
 
 def main(argv=None):
-    from l3plugin.testing.ranks import RankPool
+    from l3plugin.ranks import RankPool
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -99,7 +99,7 @@ def step(cp, seq_len, census=False):
 
 
 def main(argv=None):
-    from l3plugin.testing.ranks import RankPool
+    from l3plugin.ranks import RankPool
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -9,7 +9,7 @@ Prints tables, asserts nothing. Simulation costs: forward 1, backward 2, P2P lat
 "Bubble" is the paper's idle / (forward + backward) time of the worst rank; "in-flight" is the peak
 number of microbatch activations a rank holds (in units of one chunk's activations), worst rank.
 
-On a wire (``--wire RATE|PRESET|auto``, l3plugin/testing/wire.py; ``auto``: the rate at which one activation
+On a wire (``--wire RATE|PRESET|auto``, bench/wire.py; ``auto``: the rate at which one activation
 send alone takes ``--send-share`` of the smallest chunk's forward, from two measurements, printed): 2 gloo
 ranks (one per core), pp=2, for each vpp stock interleaved (k = p) and flexible k = p, 1.5p, 2p, each with
 the wire shaped and unshaped (the namespace's loopback), interleaved over rounds (order reversed every other
@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' toy pipeline and CPU shim
 
 import torch  # noqa: E402
 
@@ -79,7 +80,7 @@ def simulation_table(settings, latencies):
 
 def real_run(steps, hidden, seq, mbs):
     """4 gloo ranks, pp=4 vpp=2, m=8, k=4: the same model and data under both schedules, alternating."""
-    from l3plugin.testing.ranks import RankPool
+    from l3plugin.ranks import RankPool
 
     print(f"Real CPU run: 4 gloo ranks, pp=4 vpp=2 m=8 k=4, toy model hidden={hidden} seq={seq} "
           f"micro-batch={mbs}, {steps} steps each, alternating")
@@ -97,8 +98,8 @@ def toy_model(p, v, m, k, layers, hidden, seq, mbs, deallocate_outputs=True):
     """On every rank: (mesh, this rank's model chunks, m microbatches) of the toy pipeline model."""
     from megatron.core.transformer import TransformerConfig
 
+    import toy_pipeline as toy
     from l3plugin.mesh import init_mesh
-    from l3plugin.testing import toy_pipeline as toy
 
     mesh = init_mesh(pp=p, vpp=v)
     config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=1,
@@ -115,10 +116,11 @@ def _timed_steps(steps, hidden, seq, mbs):
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from l3plugin.megatron import forward_backward_pipelining_flexible
-    from l3plugin.testing import toy_pipeline as toy
-    from l3plugin.testing.megatron_cpu_shim import stock_schedules_on_cpu
+    import toy_pipeline as toy
+    from megatron_cpu_shim import stock_schedules_on_cpu
 
-    mesh, chunks, batches = toy_model(4, 2, 8, 4, 16, hidden, seq, mbs)
+    m = 8  # pp=4 vpp=2 m=8 k=4, as real_run says
+    mesh, chunks, batches = toy_model(4, 2, m, 4, 16, hidden, seq, mbs)
     stock_fn = get_forward_backward_func()
     out = {"flexible": [], "stock": [], "identical": True}
 
@@ -192,8 +194,8 @@ def _wire_step(v, m, k, stock, layers, hidden, seq, mbs):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
-    from l3plugin.testing import toy_pipeline as toy
-    from l3plugin.testing.megatron_cpu_shim import stock_schedules_on_cpu
+    import toy_pipeline as toy
+    from megatron_cpu_shim import stock_schedules_on_cpu
 
     # Stock frees an output (deallocate_output_tensor) right after starting its isend; on gloo the send may
     # still be reading it, which would corrupt the receiver's input: stock keeps its outputs here.
@@ -230,7 +232,7 @@ def _activation_send_alone(numel):
     """Wall/CPU seconds of one activation sent rank 0 -> rank 1 alone (wire.time_collectives_alone)."""
     import torch.distributed as dist
 
-    from l3plugin.testing import wire
+    import wire
 
     data = torch.ones(numel)
 
@@ -242,7 +244,7 @@ def _activation_send_alone(numel):
 
 def wire_run(pool, link, args):
     """pp=2 on 2 ranks; per vpp, every contender with the wire on and off, interleaved, in one run."""
-    from l3plugin.testing import wire
+    import wire
 
     p, m, hidden, seq, mbs, layers = WIRE_P, args.microbatches, args.hidden, args.seq, args.mbs, args.layers
     numel = seq * mbs * hidden
@@ -339,7 +341,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="on a wire: timed rounds after a warm-up round")
     parser.add_argument("--send-share", type=float, default=0.25, help="--wire auto: the share of the smallest "
                         "chunk's forward that one activation send alone should take")
-    from l3plugin.testing import wire
+    import wire
 
     wire.add_argument(parser)
     args = parser.parse_args(argv)
@@ -349,7 +351,7 @@ def main(argv=None):
             parser.error(f"--vpp {v}: needs vpp >= 2 and --layers ({args.layers}) divisible by 2 x vpp")
     link = wire.enter(PROBE_RATE if args.wire == "auto" else args.wire, "float32")
     if link.inside:
-        from l3plugin.testing.ranks import RankPool
+        from l3plugin.ranks import RankPool
 
         with RankPool(2, preload=("megatron.core",)) as pool:
             wire_run(pool, link, args)

@@ -41,7 +41,7 @@ Everything printed is measured; nothing is computed from a model of the hardware
   and slower; l3plugin/comm.py): ours shows P2P there.
 - where ours waits (a second table): per rank, the median ms per step spent blocked in the optimizer's waits
   (WAITS below). Tells the wire's tail from waiting for a slower peer's compute.
---wire RATE runs everything on an emulated wire (l3plugin/testing/wire.py); --variants picks a subset.
+--wire RATE runs everything on an emulated wire (bench/wire.py); --variants picks a subset.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from l3plugin.testing import wire  # noqa: E402
-from l3plugin.testing.ranks import RankPool  # noqa: E402
+import wire  # noqa: E402
+from l3plugin.ranks import RankPool  # noqa: E402
 
 # name: (stage, l3plugin options or None for stock, overlap_comm, extra DeepSpeed config); "half" = gas // 2
 VARIANTS = {

@@ -170,7 +170,7 @@ CP_ROUTE = PatchSet("l3plugin.megatron (CP from Megatron-LM's flags)", "megatron
 _ROPE = "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding"
 
 ROPE = PatchSet("l3plugin.megatron (RoPE)", "megatron-core", MEGATRON_CHECKED, [
-    Patch(_ROPE, "forward", "l3plugin.megatron.model:rope_on_cpu", instance=True,
+    Patch(_ROPE, "forward", "l3plugin.demo.model:rope_on_cpu", instance=True,
           signature=("self", "max_seq_len", "offset", "packed_seq", "cp_group"),
           why="on a CPU-only machine RotaryEmbedding moves its frequencies to the CUDA device and indexes with a "
               "pinned CUDA tensor; the same result computed where inv_freq is"),
@@ -193,11 +193,11 @@ COLLECTIVES = PatchSet("l3plugin.debug (record_collectives, local_collectives)",
               "DeepSpeed call these functions through both modules)")
     for module in ("torch.distributed", "torch.distributed.distributed_c10d") for op in COLLECTIVE_OPS])
 
-# -- tied embeddings on a CPU-only machine (l3plugin/megatron/model.py builds GPTModel inside TIED_EMBEDDINGS.within())
+# -- tied embeddings on a CPU-only machine (l3plugin/demo/model.py builds GPTModel inside TIED_EMBEDDINGS.within())
 _LANGUAGE_MODULE = "megatron.core.models.common.language_module.language_module:LanguageModule"
 
 TIED_EMBEDDINGS = PatchSet("l3plugin.megatron (tied embeddings on CPU)", "megatron-core", MEGATRON_CHECKED, [
-    Patch(_LANGUAGE_MODULE, "setup_embeddings_and_output_layer", "l3plugin.megatron.model:tied_embeddings_on_cpu",
+    Patch(_LANGUAGE_MODULE, "setup_embeddings_and_output_layer", "l3plugin.demo.model:tied_embeddings_on_cpu",
           wraps=True, signature=("self",),
           why="with tied embeddings at pp > 1 the copy of the first stage's embedding into the last stage moves the "
               "weight to the CUDA device first; on a CPU-only machine the same all-reduce where the weight is"),

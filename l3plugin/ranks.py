@@ -1,5 +1,5 @@
 """Run a function on N CPU ranks (gloo) and get each rank's result back, in rank order (``l3plugin demo``
-starts its ranks with it; the tests and benches too, as ``l3plugin.testing.ranks``).
+starts its ranks with it; the tests and benches too).
 
 Worker processes are spawned once per world size and reused for many calls, because importing
 megatron.core and deepspeed costs seconds per process. Every call has a timeout. When a rank raises,

@@ -6,6 +6,7 @@ The last test builds a regular wheel (with build isolation) and checks it in a f
 
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -13,10 +14,14 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import pytest
+
 import l3plugin
-from l3plugin.testing.ranks import run_command
+from l3plugin.ranks import run_command
 
 ZERO_TESTS = Path(__file__).resolve().parent / "zero"
+# Joined to the l3plugin package's __path__ in a child: test-only modules of the package the wheel does not ship.
+PACKAGE_EXTRA = Path(__file__).resolve().parent / "data" / "l3plugin_extra"
 TREE = Path(l3plugin.__file__).resolve().parents[1]  # the checkout under test (PYTHONPATH or the editable install)
 
 # l3plugin_autoload is the hook itself; "l3plugin" and "l3plugin.*" are the package.
@@ -99,7 +104,9 @@ def test_deepspeed_imported_while_another_l3plugin_module_is_half_built(tmp_path
                           "deepspeed.initialize.__name__, ")
     code = code.replace("deepspeed = quiet_deepspeed()", "deferred = [\"l3plugin.deepspeed\" in sys.modules, "
                         "sys.modules[\"deepspeed\"].initialize.__name__]\ndeepspeed = quiet_deepspeed()")
-    out = run("FIRST = 'l3plugin.testing.deepspeed_at_import'\n" + code, tmp_path)
+    join = f"import l3plugin\n    l3plugin.__path__.append({str(PACKAGE_EXTRA)!r})\n"
+    code = code.replace("if FIRST:\n", "if FIRST:\n    " + join)
+    out = run("FIRST = 'l3plugin.deepspeed_at_import'\n" + code, tmp_path)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["deferred"] == [False, "initialize_after_install"]
     assert result["optimizer"] == "DeepSpeedFP32ReduceZero"
@@ -123,21 +130,46 @@ def test_failed_install_warns_and_deepspeed_still_imports(tmp_path):
 
 # What the wheel is built from (a copy: building in the checkout would leave build/ and *.egg-info there).
 WHEEL_SOURCES = ("pyproject.toml", "setup.py", "README.md", "l3plugin_autoload.py", "l3plugin-autoload.pth", "l3plugin")
+PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
+# Test and bench support lives in tests/ and bench/; none of it may ship (checked by name as well, in case it
+# comes back inside the package).
+SUPPORT = re.compile(r"(^|/)(testing|tests|bench)/|(^|/)(wire|toy_pipeline|tiny_gpt|megatron_cpu_shim|"
+                     r"deepspeed_at_import|deepspeed_mpu)\.py$")
 
 
-def test_wheel_in_a_fresh_virtualenv_installs_the_hook(tmp_path):
-    """A regular wheel built with build isolation (setuptools from the package index), installed with pip into a
-    fresh virtualenv: the .pth lands in its site-packages (listed in the wheel's RECORD, so pip uninstalls it)
-    and the key works with no import. torch and DeepSpeed come from this venv through a path entry."""
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """A regular wheel of the tree under test, built with build isolation (setuptools from the package index)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     source = tmp_path / "source"
     source.mkdir()
     for name in WHEEL_SOURCES:
         copy = shutil.copytree if (TREE / name).is_dir() else shutil.copy
         copy(TREE / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
                                             if (TREE / name).is_dir() else {}))
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
-    run_command([*pip, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(source)], timeout=300, check=True)
-    wheel, = (tmp_path / "dist").glob("l3plugin-*.whl")
+    run_command([*PIP, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(source)], timeout=300, check=True)
+    built, = (tmp_path / "dist").glob("l3plugin-*.whl")
+    return built
+
+
+def test_wheel_holds_only_product_code(wheel):
+    """The wheel holds the package (every module of the tree's l3plugin/, nothing else), the start-up hook and its
+    .pth, and its metadata: no test or bench support."""
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert top == {"l3plugin", "l3plugin_autoload.py", "l3plugin-autoload.pth"}, top
+    shipped = sorted(name for name in names if SUPPORT.search(name))
+    assert not shipped, f"test or bench support in the wheel: {shipped}"
+    tree = {path.relative_to(TREE).as_posix() for path in (TREE / "l3plugin").rglob("*.py")}
+    package = {name for name in names if name.startswith("l3plugin/")}
+    assert package == tree, f"only in the tree: {sorted(tree - package)}; only in the wheel: {sorted(package - tree)}"
+    assert "l3plugin/demo/model.py" in package  # the demo's model is product (`l3plugin demo`)
+
+
+def test_wheel_in_a_fresh_virtualenv_installs_the_hook(wheel, tmp_path):
+    """The wheel installed with pip into a fresh virtualenv: the .pth lands in its site-packages (listed in the
+    wheel's RECORD, so pip uninstalls it) and the key works with no import. torch and DeepSpeed come from this venv
+    through a path entry."""
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         record = archive.read(next(n for n in names if n.endswith(".dist-info/RECORD"))).decode()
@@ -151,7 +183,7 @@ def test_wheel_in_a_fresh_virtualenv_installs_the_hook(tmp_path):
                             timeout=60, check=True).stdout.strip())
     # This venv's packages after the new venv's own (a plain path entry: its .pth files are not run).
     (site / "zz-packages-of-the-test-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    run_command([*pip, "--python", python, "install", "--no-deps", "--no-index", str(wheel)], timeout=300,
+    run_command([*PIP, "--python", python, "install", "--no-deps", "--no-index", str(wheel)], timeout=300,
                 check=True)
     assert (site / "l3plugin-autoload.pth").read_text().strip() == "import l3plugin_autoload"
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from l3plugin.testing import toy_pipeline as toy
+import toy_pipeline as toy
 
 HIDDEN, SEQ, MBS = 8, 4, 2
 
@@ -24,7 +24,7 @@ def run_stock(pp, vpp, num_microbatches, num_layers, group_size=None, use_shim=T
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from l3plugin.mesh import init_mesh
-    from l3plugin.testing.megatron_cpu_shim import stock_schedules_on_cpu
+    from megatron_cpu_shim import stock_schedules_on_cpu
 
     mesh = init_mesh(pp=pp, vpp=vpp)
     config = toy_config(pp, vpp, num_layers, group_size)

@@ -88,10 +88,11 @@ def deepspeed_mpu_report(tp, cp, pp, dp):
     import torch.distributed as dist
     from deepspeed.utils import groups
 
+    from deepspeed_mpu import DeepSpeedMPU
     from l3plugin.mesh import init_mesh
 
     mesh = init_mesh(tp=tp, cp=cp, pp=pp, dp=dp)
-    mpu = mesh.deepspeed_mpu()
+    mpu = DeepSpeedMPU(mesh)
     ranks_of = dist.get_process_group_ranks
     saved, groups.mpu = groups.mpu, mpu
     try:

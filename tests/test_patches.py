@@ -121,7 +121,7 @@ def test_the_check_reads_upstream_under_another_patch(fake_upstream):
 
 
 def test_every_declared_patch_checks_out_against_the_installed_frameworks():
-    import l3plugin.testing.megatron_cpu_shim  # noqa: F401  (declares the test-only sets)
+    import megatron_cpu_shim  # noqa: F401  (declares the test-only sets)
 
     out = io.StringIO()
     assert doctor(out) == 0, out.getvalue()

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from l3plugin.testing.ranks import DistributedTestError, RankPool
+from l3plugin.ranks import DistributedTestError, RankPool
 
 
 def rank_and_sum(offset):
@@ -96,7 +96,7 @@ def test_unpicklable_function_gives_a_clear_error(pool):
 # -- no worker outlives its pool or its parent ------------------------------------------------------------
 def wait_gone(pids, seconds=15.0):
     """The pids among ``pids`` still running after waiting up to ``seconds``."""
-    from l3plugin.testing.ranks import _alive
+    from l3plugin.ranks import _alive
 
     deadline = time.monotonic() + seconds
     while True:
@@ -127,7 +127,7 @@ def test_a_failed_call_kills_the_old_workers(pool):
 PARENT = """
 import os, signal, sys, time
 sys.path.insert(0, {tests!r})
-from l3plugin.testing.ranks import RankPool, RankPools, live_workers
+from l3plugin.ranks import RankPool, RankPools, live_workers
 
 
 def bounded():  # the bounded-wait cases, each of which leaves a rank blocked, then a normal end
@@ -202,7 +202,7 @@ def test_bounded_wait_cases_leave_no_process(tmp_path):
 def test_run_command_leaves_no_process_of_the_tree():
     import subprocess
 
-    from l3plugin.testing.ranks import run_command
+    from l3plugin.ranks import run_command
 
     # A command that ends but leaves a background child: the child is ended with it.
     done = run_command(["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"], timeout=30)

@@ -65,7 +65,7 @@ def named_grads(named_params) -> dict[str, torch.Tensor]:
 
 
 def text_grads(chunks) -> dict[str, torch.Tensor]:
-    from l3plugin.megatron.model import global_name
+    from l3plugin.demo.model import global_name
 
     return {global_name(ch.module, n): q.grad.clone() for ch in chunks for n, q in ch.module.named_parameters()
             if q.grad is not None}

@@ -73,7 +73,7 @@ def build_text_chunk(config, kinds: str, *, pre_process=True, post_process=True,
                      seq_len=16, carry_image_tokens=0, encoder=None):
     """One pipeline chunk of the text model (a ``MultimodalChunk``) with the text frozen: the embedding, the
     self-attention layers, the final norm and the output layer; the cross-attention layers train."""
-    from l3plugin.megatron.model import build_chunk
+    from l3plugin.demo.model import build_chunk
     from l3plugin.megatron.multimodal import MultimodalChunk, multimodal_block_spec
 
     spec = multimodal_block_spec(config, kinds, vp_stage=vp_stage, pp_rank=pp_rank)

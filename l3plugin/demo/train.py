@@ -11,7 +11,6 @@ import warnings
 import torch
 
 from l3plugin.demo import data, model
-from l3plugin.megatron.model import build_chunk
 from l3plugin.waits import group_ranks, resolve_timeout, wait_work
 
 _STATE: dict = {}
@@ -80,7 +79,7 @@ def setup(opts: dict) -> dict:
     c = mesh.coords
     config = model.llama_config(tp=opts["tp"], cp=opts["cp"], pp=opts["pp"], vpp=opts["vpp"],
                                 k=opts["group_size"], layout=opts["layout"], **opts["model"])
-    chunks = [build_chunk(config, vocab=opts["vocab"], seq_len=opts["seq_len"],
+    chunks = [model.build_chunk(config, vocab=opts["vocab"], seq_len=opts["seq_len"],
                                 pre_process=c["pp"] == 0 and v == 0,
                                 post_process=c["pp"] == opts["pp"] - 1 and v == (opts["vpp"] or 1) - 1,
                                 vp_stage=v if opts["vpp"] else None, tp_size=opts["tp"],
@@ -131,8 +130,8 @@ def reference_losses(opts: dict, steps: int) -> list[float]:
     init_mesh()
     alone, _ = dist.new_subgroups(group_size=1)
     config = model.llama_config(**opts["model"])
-    chunk = build_chunk(config, vocab=opts["vocab"], seq_len=opts["seq_len"], pre_process=True,
-                        post_process=True, share_embeddings_and_output_weights=True)
+    chunk = model.build_chunk(config, vocab=opts["vocab"], seq_len=opts["seq_len"], pre_process=True,
+                              post_process=True, share_embeddings_and_output_weights=True)
     zero = megatron_zero([chunk], torch.optim.AdamW(list(chunk.parameters()), lr=opts["lr"], weight_decay=0.0),
                          stage=1, clip_grad=opts["clip"], gradient_scale=1.0, group=alone)
     losses = []

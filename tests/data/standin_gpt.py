@@ -106,7 +106,7 @@ def train_step(args, get_batch):
     and over TP for sequence-parallel ones, as finalize_model_grads does) saved to --standin-result."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from l3plugin.megatron.model import deterministic_init, global_name
+    from l3plugin.demo.model import deterministic_init, global_name
 
     vp = virtual_stages(args)
     parallel_state.destroy_model_parallel()

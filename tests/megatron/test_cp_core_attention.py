@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from l3plugin.testing import tiny_gpt as gpt
+import tiny_gpt as gpt
 
 SEQ = 16
 LAYOUTS = {"one-document": [0, SEQ], "paper-3-3-8-2": [0, 3, 6, 14, 16], "tiny-docs": [0, 1, 2, 5, 9, 10, 13, 16]}
@@ -15,7 +15,7 @@ def gpt_step(cp, cu, dtype, cp_layout="2cp", position_embedding_type="learned_ab
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from l3plugin.cp import sharding
-    from l3plugin.megatron.model import build_chunk
+    from l3plugin.demo.model import build_chunk
     from l3plugin.mesh import init_mesh
 
     mesh = init_mesh(cp=cp, dp=2 // cp)

@@ -38,8 +38,7 @@ def run_standin(argv, out_dir, launcher=True):
     from megatron.core import parallel_state
 
     from l3plugin.megatron import launch, uninstall
-    from l3plugin.testing.megatron_cpu_shim import (sequence_parallel_norm_on_cpu, stock_attention_on_cpu,
-                                                    stock_schedules_on_cpu)
+    from megatron_cpu_shim import sequence_parallel_norm_on_cpu, stock_attention_on_cpu, stock_schedules_on_cpu
 
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     sys.path.insert(0, str(STANDIN))
@@ -80,7 +79,7 @@ def rope_on_cpu():
     chunks of the ``max_seq_len`` it is given, as stock does)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from l3plugin.megatron.model import rope_on_cpu
+    from l3plugin.demo.model import rope_on_cpu
 
     stock = RotaryEmbedding.forward
     RotaryEmbedding.forward = rope_on_cpu
@@ -299,7 +298,7 @@ def boundaries_over_tp_from_0_18():
     from megatron.core import utils as core_utils  # read at call time: the patched function
 
     from l3plugin.megatron.cp_route import install_cp_route, uninstall_cp_route
-    from l3plugin.testing.megatron_cpu_shim import stock_attention_on_cpu
+    from megatron_cpu_shim import stock_attention_on_cpu
 
     sys.path.insert(0, str(STANDIN))
     try:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from l3plugin.testing import toy_pipeline as toy
+import toy_pipeline as toy
 
 HIDDEN, SEQ, MBS = 8, 4, 2
 
@@ -24,7 +24,7 @@ def run_pipeline(pp, vpp, m, k, num_layers, layers_per_stage=None, stock=False, 
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.mesh import init_mesh
-    from l3plugin.testing.megatron_cpu_shim import stock_schedules_on_cpu
+    from megatron_cpu_shim import stock_schedules_on_cpu
 
     mesh = init_mesh(pp=pp, vpp=vpp if vpp > 1 else None)
     config = toy_config(pp, vpp, num_layers, k)
@@ -209,7 +209,7 @@ def run_with_param_sync(p, v, m, k, stock):
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.mesh import init_mesh
-    from l3plugin.testing.megatron_cpu_shim import stock_schedules_on_cpu
+    from megatron_cpu_shim import stock_schedules_on_cpu
 
     mesh = init_mesh(pp=p, vpp=v if v > 1 else None)
     layers = 2 * p * v

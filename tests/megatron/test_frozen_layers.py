@@ -4,7 +4,7 @@ run bit for bit, frozen parameters get no .grad, and a frozen prefix runs no bac
 import pytest
 import torch
 
-from l3plugin.testing import toy_pipeline as toy
+import toy_pipeline as toy
 from reduce_scatter_census import bytes_handed_to_reduce_scatter
 from test_flexible_pipeline import HIDDEN, MBS, SEQ, toy_config
 
@@ -169,7 +169,7 @@ def test_zero_buckets_and_reduces_only_trainable_parameters(ranks, stage, v):
 
 def gpt_frozen(chunks, frozen_prefix):
     """Freeze the parameters of a GPTModel's chunks whose global name starts with one of ``frozen_prefix``."""
-    from l3plugin.megatron.model import global_name
+    from l3plugin.demo.model import global_name
 
     for chunk in chunks:
         for name, p in chunk.named_parameters():
@@ -178,7 +178,7 @@ def gpt_frozen(chunks, frozen_prefix):
 
 
 def gpt_trainable_grads(chunks):
-    from l3plugin.megatron.model import global_name
+    from l3plugin.demo.model import global_name
 
     return {global_name(ch, n): p.grad.clone() for ch in chunks for n, p in ch.named_parameters() if p.requires_grad}
 
@@ -191,7 +191,7 @@ def gpt_frozen_step(p, v, m, k):
     attention frozen: stages 0 and 1 are a frozen prefix, stage 2 the first trainable one."""
     from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.mesh import init_mesh
-    from l3plugin.testing import tiny_gpt as gpt
+    import tiny_gpt as gpt
 
     mesh = init_mesh(pp=p, vpp=v)
     r = mesh.coords["pp"]
@@ -212,7 +212,7 @@ def gpt_frozen_step(p, v, m, k):
 
 def gpt_frozen_serial(m):
     from l3plugin.mesh import init_mesh
-    from l3plugin.testing import tiny_gpt as gpt
+    import tiny_gpt as gpt
 
     init_mesh(dp=2)  # both ranks compute the same serial reference; no communication
     model = gpt.build_gpt(gpt.gpt_config(4), seq_len=16)

@@ -2,8 +2,8 @@
 
 import pytest
 
+import tiny_gpt as gpt
 from l3plugin.debug.numerics import assert_bitwise_equal
-from l3plugin.testing import tiny_gpt as gpt
 
 SEQ, MBS = 16, 2
 

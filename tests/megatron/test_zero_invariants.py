@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from l3plugin.testing import tiny_gpt as gpt
+import tiny_gpt as gpt
 
 SEQ, MBS, LAYERS, LR, CLIP, STEPS = 16, 2, 4, 0.1, 0.5, 3
 TIED_COPY = "output_layer.weight"
@@ -38,10 +38,10 @@ def tied_zero_train(pp, vpp, tp, sp, per_token, stage, m, k, keep_invariants=Tru
     from megatron.core import parallel_state as ps
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
-    from l3plugin.megatron.model import global_name
+    from l3plugin.demo.model import global_name
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
     from l3plugin.mesh import init_mesh
-    from l3plugin.testing.megatron_cpu_shim import sequence_parallel_on_cpu
+    from megatron_cpu_shim import sequence_parallel_on_cpu
 
     mesh = init_mesh(tp=tp, pp=pp, vpp=vpp)
     r, v = mesh.coords["pp"], vpp or 1

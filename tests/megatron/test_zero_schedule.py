@@ -4,7 +4,7 @@ ZeRO-1 once per step, both in fp32; the updated parameters match a serial run.""
 import pytest
 import torch
 
-from l3plugin.testing import toy_pipeline as toy
+import toy_pipeline as toy
 
 HIDDEN, SEQ, MBS = 8, 4, 2
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ds_models import ds_config, engine_for, train
-from l3plugin.testing.ranks import DistributedTestError
+from l3plugin.ranks import DistributedTestError
 
 TIMEOUT = 180
 

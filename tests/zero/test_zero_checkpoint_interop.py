@@ -22,7 +22,7 @@ import torch
 from ds_models import ds_config, engine_for, train
 from stock_bugs import SKIP_IF_STOCK_ZERO_STEP_FAILS
 
-from l3plugin.testing.ranks import run_command
+from l3plugin.ranks import run_command
 
 ON = {"fp32_reduce_zero": True}
 TIMEOUT = 180

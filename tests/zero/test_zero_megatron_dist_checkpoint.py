@@ -18,7 +18,7 @@ def _setup():
 
     from l3plugin.megatron.zero import megatron_zero
     from l3plugin.mesh import init_mesh
-    from l3plugin.testing.tiny_gpt import build_gpt, gpt_config
+    from tiny_gpt import build_gpt, gpt_config
 
     init_mesh(dp=dist.get_world_size())
     model = build_gpt(gpt_config(num_layers=2, hidden=32))
@@ -30,7 +30,7 @@ def _setup():
 def _train(model, zero, steps, seed):
     import torch.distributed as dist
 
-    from l3plugin.testing.tiny_gpt import forward_step, microbatches
+    from tiny_gpt import forward_step, microbatches
 
     data = iter(microbatches(2 * steps, 2, 16, seed=seed + dist.get_rank()))
     for _ in range(steps):

@@ -224,7 +224,10 @@ def isend_a_private_copy():
 
 
 def sequence_parallel_norm():
-    from l3plugin.testing.megatron_cpu_shim import SEQUENCE_PARALLEL, SEQUENCE_PARALLEL_NORM
+    # The test-only patch sets of the l3plugin checkout this tool is in (tests/megatron_cpu_shim.py): l3plugin's
+    # package does not ship them. Appended, so nothing there shadows an installed module.
+    sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests"))
+    from megatron_cpu_shim import SEQUENCE_PARALLEL, SEQUENCE_PARALLEL_NORM
 
     SEQUENCE_PARALLEL.apply()
     SEQUENCE_PARALLEL_NORM.apply()

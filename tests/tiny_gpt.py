@@ -1,5 +1,5 @@
 """A tiny Megatron-Core GPTModel on CPU (local layer spec + l3plugin's CP attention, learned positions)
-with name-keyed weights (l3plugin/megatron/model.py, as the demo's), so any CP/PP split holds the same
+with name-keyed weights (l3plugin/demo/model.py, as the demo's), so any CP/PP split holds the same
 numbers as one piece.
 """
 
@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from l3plugin.megatron.model import build_chunk, global_name
+from l3plugin.demo.model import build_chunk, global_name
 
 VOCAB = 64
 

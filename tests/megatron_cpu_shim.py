@@ -8,7 +8,9 @@ Inside ``stock_schedules_on_cpu()`` those two modules see a ``torch`` whose "cud
 Megatron's local DotProductAttention takes its score buffer from the global memory buffer, allocated at
 torch.cuda.current_device() (megatron/core/utils.py:631), and runs its dropout under the CUDA RNG
 tracker's fork (dot_product_attention.py:217): ``stock_attention_on_cpu()`` redirects the first like the
-schedules and makes the fork a no-op (for attention_dropout=0 only). Nothing else changes. l3plugin's own code never needs this; product code must not import it.
+schedules and makes the fork a no-op (for attention_dropout=0 only). Nothing else changes. l3plugin's own code
+never needs this; the package does not ship it (the tests, bench/pp_schedule.py and examples/megatron/cpu_check
+take it from here).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class _CpuTorch:
 
 
 CPU_TORCH = _CpuTorch()
+_HERE = __name__  # the rows name this module's objects by the name it was imported under
 
 
 def no_fork_tensor_parallel(module, _attribute):
@@ -65,28 +68,28 @@ def no_fork_tensor_parallel(module, _attribute):
 
 
 # Declared with l3plugin's patch registry (l3plugin/patches.py), like every patch of an upstream object.
-STOCK_SCHEDULES = PatchSet("l3plugin.testing (stock schedules on CPU; TEST-ONLY)", "megatron-core",
+STOCK_SCHEDULES = PatchSet("tests/megatron_cpu_shim.py (stock schedules on CPU; TEST-ONLY)", "megatron-core",
                            MEGATRON_CHECKED, [
-    Patch(f"megatron.core.pipeline_parallel.{module}", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
+    Patch(f"megatron.core.pipeline_parallel.{module}", "torch", f"{_HERE}:CPU_TORCH",
           why='the stock schedules and P2P code allocate on device="cuda" and call torch.cuda')
     for module in ("schedules", "p2p_communication")])
-STOCK_ATTENTION = PatchSet("l3plugin.testing (stock attention on CPU; TEST-ONLY)", "megatron-core",
+STOCK_ATTENTION = PatchSet("tests/megatron_cpu_shim.py (stock attention on CPU; TEST-ONLY)", "megatron-core",
                            MEGATRON_CHECKED, [
-    Patch("megatron.core.utils", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
+    Patch("megatron.core.utils", "torch", f"{_HERE}:CPU_TORCH",
           why="the global memory buffer is allocated at torch.cuda.current_device()"),
     Patch("megatron.core.transformer.dot_product_attention", "tensor_parallel",
-          "l3plugin.testing.megatron_cpu_shim:no_fork_tensor_parallel", wraps=True,
+          f"{_HERE}:no_fork_tensor_parallel", wraps=True,
           why="dropout runs under the CUDA RNG tracker's fork (a no-op here, for attention_dropout=0 only)"),
 ])
 
 
-SEQUENCE_PARALLEL = PatchSet("l3plugin.testing (sequence parallel on CPU; TEST-ONLY)", "megatron-core",
+SEQUENCE_PARALLEL = PatchSet("tests/megatron_cpu_shim.py (sequence parallel on CPU; TEST-ONLY)", "megatron-core",
                            MEGATRON_CHECKED, [
-    Patch(f"megatron.core.{module}", "torch", "l3plugin.testing.megatron_cpu_shim:CPU_TORCH",
+    Patch(f"megatron.core.{module}", "torch", f"{_HERE}:CPU_TORCH",
           why="the sequence-parallel gathers and scatters allocate at torch.cuda.current_device()")
     for module in ("utils", "tensor_parallel.mappings", "tensor_parallel.layers")
 ] + [
-    Patch(f"megatron.core.{module}", "tensor_parallel", "l3plugin.testing.megatron_cpu_shim:no_fork_tensor_parallel",
+    Patch(f"megatron.core.{module}", "tensor_parallel", f"{_HERE}:no_fork_tensor_parallel",
           wraps=True, why="with sequence parallelism the embedding's dropout and the block run under the CUDA RNG "
                           "tracker's fork (a no-op here, for hidden_dropout=0 only)")
     for module in ("models.common.embeddings.language_model_embedding", "transformer.transformer_block")])
@@ -105,11 +108,11 @@ def fused_layer_norm_by_torch(self, input):
 
 _FUSED_LN = "megatron.core.fusions.fused_layer_norm"
 # Megatron-Core's local spec, without apex, takes WrappedTorchNorm, which refuses sequence parallelism.
-SEQUENCE_PARALLEL_NORM = PatchSet("l3plugin.testing (sequence-parallel layer norm on CPU; TEST-ONLY)",
+SEQUENCE_PARALLEL_NORM = PatchSet("tests/megatron_cpu_shim.py (sequence-parallel layer norm on CPU; TEST-ONLY)",
                                   "megatron-core", MEGATRON_CHECKED, [
-    Patch(_FUSED_LN, "HAVE_FUSED_LAYER_NORM", "l3plugin.testing.megatron_cpu_shim:HAVE_FUSED_LAYER_NORM",
+    Patch(_FUSED_LN, "HAVE_FUSED_LAYER_NORM", f"{_HERE}:HAVE_FUSED_LAYER_NORM",
           why="Megatron's FusedLayerNorm needs apex (GPU); its torch equivalent below stands in"),
-    Patch(f"{_FUSED_LN}:FusedLayerNorm", "forward", "l3plugin.testing.megatron_cpu_shim:fused_layer_norm_by_torch",
+    Patch(f"{_FUSED_LN}:FusedLayerNorm", "forward", f"{_HERE}:fused_layer_norm_by_torch",
           signature=("self", "input"), why="apex's fused layer norm, computed by torch.nn.functional.layer_norm"),
     Patch("megatron.core.models.backends", "LNImpl", f"{_FUSED_LN}:FusedLayerNorm",
           why="without apex the local spec takes WrappedTorchNorm, which refuses sequence parallelism"),
