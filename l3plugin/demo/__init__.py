@@ -141,8 +141,13 @@ def run_demo(args) -> int:
     summary = {"options": {k: v for k, v in opts.items() if k != "model"}, "model": MODEL,
                "dtype": args.dtype, "losses": losses, "reference_losses": reference,
                "max_abs_difference": diff, "tolerance": tol, "seconds": time.monotonic() - t0}
-    return finish(results, "summary.json", summary, written, t0, ok=diff <= tol and losses[-1] < losses[0],
+    return finish(results, "summary.json", summary, written, t0, ok=diff <= tol and learned(losses),
                   what="4D-parallel")
+
+
+def learned(losses) -> bool:
+    """The loss went down (one step shows nothing either way)."""
+    return len(losses) < 2 or losses[-1] < losses[0]
 
 
 def finish(results: Path, name: str, summary: dict, written: list[str], t0: float, *, ok: bool, what: str) -> int:
