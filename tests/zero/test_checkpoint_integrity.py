@@ -1,4 +1,4 @@
-"""Checkpoint faults give clear errors on EVERY rank, before the model is touched (issue 16 parts 1-2).
+"""Checkpoint faults give clear errors on EVERY rank, before the model is touched.
 
 A 2-rank DeepSpeed engine with the "l3plugin" key saves one checkpoint; each test copies it, injects one fault
 (bytes flipped inside a tensor, partitions swapped, a partition cut short, a file replaced by text or by
