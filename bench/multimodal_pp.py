@@ -22,6 +22,7 @@ Prints tables, asserts nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -175,6 +176,8 @@ def add_real_parser(subparsers) -> None:
     parser.add_argument("--encoder-width", type=int, default=256)
     parser.add_argument("--encoder-depths", type=int, nargs=2, default=[2, 8])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after a warm-up round (default 5)")
+    parser.add_argument("--png", metavar="FOLDER", help="also draw one measured step of the balanced and the count "
+                        "split (replicated, first depth) as timelines")
     parser.add_argument("--json", action="store_true")
     parser.set_defaults(func=run_real)
 
@@ -210,21 +213,48 @@ def _build_trainers(runs) -> None:
         _TRAINERS[name] = PipelinedTrainer(run, init_mesh=False)
 
 
-def _timed_step(name) -> dict:
-    """On every rank: one training step of a contender: wall (barrier to barrier), this rank's busy time (its
-    own part of the step minus the time its pipeline receives and sends waited)."""
+def _timed_step(name, timeline=False) -> dict:
+    """On every rank: one training step of a contender: wall (barrier to barrier) and this rank's CPU seconds
+    (its compute, plus the CPU its gloo traffic costs on loopback; waiting costs none). ``timeline``: also the
+    rank's forward / backward step calls, labelled by its plan (bench/measured_timeline.py)."""
     import torch.distributed as dist
-    from pp_schedule import CHANNEL_WAITS, timed_channel_waits
+    from megatron.core import parallel_state as ps
 
-    waits = {label: 0.0 for _, label in CHANNEL_WAITS}
-    with timed_channel_waits(waits):
+    import measured_timeline
+    from l3plugin.megatron.pipeline import trainable_stages
+    from l3plugin.schedule.plan import build_schedule, with_trainable_stages
+
+    calls = []
+    with measured_timeline.record_steps(calls) if timeline else contextlib.nullcontext():
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         _TRAINERS[name].step(returns_record=False)
-        own = time.perf_counter() - start
+        busy = time.process_time() - cpu
         dist.barrier()
         wall = time.perf_counter() - start
-    return {"wall": wall, "busy": own - sum(waits.values())}
+    result = {"wall": wall, "busy": busy}
+    if timeline:
+        trainer, run = _TRAINERS[name], _TRAINERS[name].run
+        flags = trainable_stages(trainer.chunks, ps.get_pipeline_model_parallel_group(), torch.device("cpu"))
+        schedule = with_trainable_stages(build_schedule(run.pp, run.vpp, run.microbatches, run.group_size), flags)
+        result["actions"] = measured_timeline.label(schedule, ps.get_pipeline_model_parallel_rank(), calls)
+        result["schedule"] = schedule
+    return result
+
+
+def _draw_timelines(pool, names, folder) -> list[str]:
+    """One measured step of each named contender drawn as a timeline PNG in ``folder``."""
+    import measured_timeline
+    from l3plugin.schedule.timeline import render_png
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in names:
+        ranks = pool.run(_timed_step, name, True, timeout=900)
+        path = str(Path(folder) / f"multimodal_{name.replace(' ', '_')}.png")
+        render_png(measured_timeline.timeline(ranks[0]["schedule"], [r["actions"] for r in ranks]), path)
+        written.append(path)
+    return written
 
 
 def _backward_ratio(hidden, heads, seq, repeats=7) -> dict:
@@ -272,7 +302,9 @@ def real(args) -> dict:
                 result = pool.run(_timed_step, name, timeout=900)
                 if round_id:  # round 0 warms up
                     record[name].append(result)
-        ratio = pool.run(_backward_ratio, args.hidden, args.heads, args.text_seq, timeout=900)[0]
+        pictures = _draw_timelines(pool, [f"replicated depth {args.encoder_depths[0]}", "count split"],
+                                   args.png) if args.png else []
+        ratio = pool.run(_backward_ratio, args.hidden, args.heads, args.text_seq, timeout=900)[0]  # a new mesh
 
     def wall(name):
         return [max(r["wall"] for r in ranks) for ranks in record[name]]
@@ -290,7 +322,7 @@ def real(args) -> dict:
                      "busy_s": busy, "busy_max_over_min": max(busy) / min(busy),
                      "step_vs_baseline": per_round_ratio(name, baseline[name]), "baseline": baseline[name]})
     return {"setup": {k: v for k, v in vars(args).items() if k != "func"}, "kinds": REAL_KINDS, "rows": rows,
-            "backward_over_forward": ratio}
+            "backward_over_forward": ratio, "pictures": pictures}
 
 
 def print_real(result: dict) -> None:
@@ -308,6 +340,8 @@ def print_real(result: dict) -> None:
     ratio = result["backward_over_forward"]
     print(f"Self-attention layer backward / forward, one process: trainable {ratio['trainable']:.2f}, frozen "
           f"(input gradients only) {ratio['frozen']:.2f}")
+    for path in result["pictures"]:
+        print(f"wrote {path}")
 
 
 def run_real(args) -> int:
