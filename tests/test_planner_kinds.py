@@ -172,3 +172,26 @@ def test_kinds_override_the_model_layer_count_not_its_shapes():
     model = ModelSpec("m", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=2)
     req = PlanRequest(model=model, gpus=2, seq_len=32, global_batch_tokens=32 * 8, kinds="SSXSSX", image_tokens=16)
     assert req.model == replace(model, num_layers=6)
+
+
+def test_keep_tp_pp_is_refused_with_cross_attention():
+    from l3plugin.planner import Base, staged_plan
+
+    req = PlanRequest(**dict(MM, seq_len=8192, global_batch_tokens=8192 * 16))
+    with pytest.raises(ValueError, match="--keep-tp-pp"):
+        staged_plan(req, Base(tp=1, pp=2, vpp=1, source="test"))
+
+
+def test_emit_megatron_for_a_one_chunk_balanced_split():
+    from megatron.core.transformer import pipeline_parallel_layer_layout as megatron_layout
+
+    from l3plugin.planner.report import megatron_args
+
+    req = PlanRequest(**MM, frozen="SEH")
+    layers = (7, 11, 12, 10)  # middle stages differ: --decoder-first/last-pipeline-num-layers cannot say it
+    ev = evaluate(req, Layout(1, 1, 4, 4, 1, 8, 8, layers, "balanced"), cache=ScheduleCache())
+    text = megatron_args(ev)
+    assert "--decoder-first-pipeline-num-layers" not in text and "multimodal_block_spec" in text
+    layout = text.split("--pipeline-model-parallel-layout ")[1].split()[0].strip("'")
+    stages = megatron_layout.PipelineParallelLayerLayout.parse_str_to_list(layout)
+    assert [[t.name for t in stage].count("decoder") for stage in stages] == list(layers)
