@@ -16,7 +16,7 @@ from fractions import Fraction
 
 from .balance_cli import SPEC_HINT
 from .costs import GIB
-from .layer_costs import KINDS
+from .layer_report import layers_text, stage_lines, stage_lists
 from .machine import assumptions
 from .search import (Evaluation, NoPlanFits, PlanRequest, ScheduleCache, bubble_lower_bound, enumerate_layouts,
                      evaluate, memory_lower_bound, plan)
@@ -77,22 +77,6 @@ def to_record(ev: Evaluation, rank: int | None, best: Evaluation | None = None) 
         "cp_policy": req.cp_policy,
         **({"stages": stage_lists(L)} if req.kinds is not None else {}),
     }
-
-
-def stage_lists(layout) -> list[list[int]]:
-    """Layer indices (0..L-1, model order) of each virtual stage s (chunk s // pp on rank s % pp)."""
-    out, start = [], 0
-    for n in layout.layers:
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
-def layers_text(req: PlanRequest) -> str:
-    """The --kinds summary: '32 S + 8 X layers, frozen SEH, 1600 image tokens per sample'."""
-    text = " + ".join(f"{req.kinds.count(k)} {k}" for k in KINDS if k in req.kinds) + " layers"
-    text += f", frozen {req.frozen}" if req.frozen else ", all trainable"
-    return text + (f", {req.image_tokens} image tokens per sample" if req.cross_attention else "")
 
 
 STEP_TERMS = ("compute", "bubble", "tp_exposed", "cp_exposed", "dp_exposed")
@@ -480,29 +464,14 @@ def _text(req, results, cache, rule, rank, answer_is_staged: bool) -> None:
             print(f"  - {line}")
         print()
     if req.kinds is not None:
-        for line in stage_lines(rule.evaluation if answer_is_staged else best):
+        answer = rule.evaluation if answer_is_staged else best
+        for line in stage_lines(answer, layout_string(answer.layout.layers)):
             print(line)
         print()
     print("Assumptions (step time = busiest PP rank's compute and exposed TP/CP collectives x (1 + simulated bubble) "
           "+ exposed DP traffic; details in l3plugin/planner/costs.py and machine.py):")
     for line in assumptions(req.hardware, req.gpus_per_node, req.hbm_gb):
         print(f"  - {line}")
-
-
-def stage_lines(ev: Evaluation) -> list[str]:
-    """The answer's layers per virtual stage, by kind, and the Megatron-LM layout that places them."""
-    L, req = ev.layout, ev.request
-    out = [f"Layers per virtual stage ({L.split} split; stage s runs as chunk s // {L.pp} on PP rank s % {L.pp}):"]
-    for s, ids in enumerate(stage_lists(L)):
-        span = f"layers {ids[0]}-{ids[-1]} {''.join(req.kinds[i] for i in ids)}" if ids else "no layers"
-        ends = " + embedding" * (s == 0) + " + output layer" * (s == len(L.layers) - 1)
-        out.append(f"  virtual stage {s:<3} rank {s % L.pp:<3} chunk {s // L.pp}: {span}{ends}")
-    if L.pp > 1:
-        out.append(f"Megatron-LM: --pipeline-model-parallel-layout \"{layout_string(L.layers)}\"")
-    if req.cross_attention:
-        out.append(f"  ('t' is any decoder layer: build each chunk's block with {SPEC_HINT}, which gives layer i "
-                   f"the kind --kinds[i]; or pass the layer lists above, --json \"stages\", to your own model builder)")
-    return out
 
 
 def _cp_alternative(best, cache):
