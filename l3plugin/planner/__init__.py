@@ -5,6 +5,7 @@
     schedules.py  cached schedule builds/simulations search.py   enumeration and best-first ranking
     machine.py    the machine as flags, presets, assumptions  staged.py  the paper's long-context stage rule
     report.py     what ``l3plugin plan`` prints: table, reasons, JSON, Megatron-LM and DeepSpeed configs
+    layer_profile.py, layer_report.py   layers that differ (--kinds, --frozen): costs, balanced split, report
     cli.py        ``add_plan_parser`` for ``l3plugin plan``
 """
 

@@ -7,6 +7,7 @@ import math
 
 from l3plugin.cli_args import positive_int
 
+from .layer_costs import FREEZABLE, KINDS
 from .machine import CP_KV_MODES, MACHINE_NODES, MACHINES
 from .models import PRESETS
 
@@ -79,6 +80,17 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                         help="sequence length of the short-context stage for --keep-tp-pp, in tokens (default 8192, the "
                              "paper's short-context stage)")
 
+    layers = parser.add_argument_group(
+        "layers that differ (as `l3plugin balance` takes them): cost layers by kind, count frozen parameters "
+        "without fp32 gradients / optimizer state, and add the cost-balanced split of each layout")
+    layers.add_argument("--kinds", default=None,
+                        help="one letter per layer in model order (their number replaces the model's num_layers; "
+                             "--model gives the shapes): " + ", ".join(f"{k} = {v}" for k, v in KINDS.items()))
+    layers.add_argument("--frozen", default="", help="letters of what is frozen: " + ", ".join(
+        f"{k} = {v}" for k, v in FREEZABLE.items()) + " (e.g. SEH: a frozen text model)")
+    layers.add_argument("--image-tokens", type=int, default=0,
+                        help="image tokens per sample I, read by every cross-attention (X) layer")
+
     machine = parser.add_argument_group(
         "machine (defaults: the h100 preset, H100 SXM datasheet figures; assumptions are printed)")
     machine.add_argument("--machine", choices=sorted(MACHINES), default="h100",
@@ -131,7 +143,8 @@ def request_from_args(args):
                        global_batch_tokens=args.global_batch_tokens,
                        gpus_per_node=args.gpus_per_node or per_node, hbm_gb=args.hbm_gb or memory,
                        micro_batch_size=args.micro_batch_size, hardware=hardware, cp_policy=args.cp_policy,
-                       tp=args.tp, pp=args.pp, cp=args.cp)
+                       tp=args.tp, pp=args.pp, cp=args.cp, kinds=args.kinds, frozen=args.frozen,
+                       image_tokens=args.image_tokens)
 
 
 def run_plan(args) -> int:

@@ -46,6 +46,14 @@ Time of one step (seconds; only comparisons between layouts are meant to be trus
 Links: a group whose ranks all sit in one node uses NVLink bandwidth, otherwise the network: TP larger
 than a node (allowed, the paper's "expensive cross-host TP") runs its per-layer collectives at the
 network rate; CP is next outward, so TP x CP > GPUs per node puts CP on the network.
+
+Layers that differ (``profile``, a layer_profile.LayerProfile from --kinds / --frozen / --image-tokens): each
+stage sums its own layers' FLOPs and saved activations (layer_costs.py: a cross-attention layer also reads the
+image tokens; a frozen layer's backward is one forward, none in a frozen prefix, which also keeps no
+activations), P in the gradient, optimizer and DP terms counts only trainable parameters (frozen ones keep
+their bf16 weights), and a layer without a backward has no backward TP / CP collectives. A cross-attention
+layer's TP collectives are those of the text tokens (image tokens are replicated over TP); CP > 1 is not
+planned for cross-attention models (search.py).
 """
 
 from __future__ import annotations
@@ -102,8 +110,8 @@ class LayoutCosts:
     """Everything about a layout that does not need the schedule."""
 
     def __init__(self, model: ModelSpec, layout: Layout, seq_len: int, micro_batch_size: int,
-                 gpus_per_node: int, hw: Hardware):
-        self.model, self.layout, self.hw = model, layout, hw
+                 gpus_per_node: int, hw: Hardware, profile=None):
+        self.model, self.layout, self.hw, self.profile = model, layout, hw, profile
         L, m, h = layout, model, model.hidden_size
         self.num_stages = L.pp * L.vpp
         last = self.num_stages - 1
@@ -121,7 +129,11 @@ class LayoutCosts:
         self.stage_params = [(L.layers[s] * m.layer_params + (m.embedding_params if s == 0 else 0)
                               + (m.output_params if s == last else 0)) / L.tp
                              for s in range(self.num_stages)]
+        self.stage_trainable = self.stage_params  # parameters with fp32 gradients and optimizer state
+        if profile is not None:
+            self._per_layer_memory(profile, tokens)
         self.rank_params = [sum(self.stage_params[s] for s in L.stages_of(r)) for r in range(L.pp)]
+        self.rank_trainable = [sum(self.stage_trainable[s] for s in L.stages_of(r)) for r in range(L.pp)]
         self.grad_group = L.dp * L.cp
         # --- links: a group inside one node uses NVLink, otherwise the network (see the docstring)
         intra, inter = hw.intra_node_gbps * 1e9, hw.inter_node_gbps * 1e9
@@ -154,6 +166,12 @@ class LayoutCosts:
                           for s in range(self.num_stages)]
         self.stage_bwd = [self.stage_compute[s] + self.stage_tp[s] + self.stage_cp[s] - self.stage_fwd[s]
                           for s in range(self.num_stages)]
+        # TP and CP collectives per microbatch of each stage (both directions)
+        self.stage_tp_count = [2 * (4 * L.layers[s] + (s == last)) for s in range(self.num_stages)]
+        self.stage_cp_count = [L.layers[s] * (self.cp_fwd_collectives + self.cp_bwd_collectives)
+                               for s in range(self.num_stages)]
+        if profile is not None:
+            self._per_layer_time(profile, rate)
 
         def per_rank(values):
             return [L.microbatches * sum(values[s] for s in L.stages_of(r)) for r in range(L.pp)]
@@ -164,11 +182,59 @@ class LayoutCosts:
         self.mean_fwd = sum(self.stage_fwd) / self.num_stages
         self.mean_bwd = sum(self.stage_bwd) / self.num_stages
 
+    # ---- layers that differ (--kinds, --frozen: a LayerProfile) ----------------------------------
+    def _stage_layers(self):
+        start = 0
+        for n in self.layout.layers:
+            yield range(start, start + n)
+            start += n
+
+    def _per_layer_memory(self, profile, tokens: float) -> None:
+        """Activations and parameters summed over each stage's own layers: a layer keeps what layer_costs
+        says (nothing in a frozen prefix), frozen parameters keep only their bf16 weights."""
+        L, m, last = self.layout, self.model, self.num_stages - 1
+        shard = L.tp * L.cp
+        gathered = self.gathered_kv if L.cp > 1 and self.hw.cp_kv == "keep" else 0.0
+        trained = [profile.trainable(kind) for kind in profile.kinds]
+        self.stage_act, self.stage_params, self.stage_trainable = [], [], []
+        for s, ids in enumerate(self._stage_layers()):
+            saved = [profile.layers[i].activation for i in ids]
+            self.stage_act.append(sum(saved) / shard + sum(a > 0 for a in saved) * gathered
+                                  + (profile.head.activation / shard if s == last else 0.0))
+            ends = [(m.embedding_params, profile.trainable("E"))] * (s == 0) \
+                + [(m.output_params, profile.trainable("H"))] * (s == last)
+            self.stage_params.append((len(ids) * m.layer_params + sum(n for n, _ in ends)) / L.tp)
+            self.stage_trainable.append((sum(trained[i] for i in ids) * m.layer_params
+                                         + sum(n for n, t in ends if t)) / L.tp)
+
+    def _per_layer_time(self, profile, rate: float) -> None:
+        """Stage forward / backward from the layers' FLOPs; a layer without a backward (frozen, nothing
+        trainable before it) runs none of its backward TP / CP collectives either."""
+        last = self.num_stages - 1
+        tp_s, cp_s = self.tp_collective_s, self.cp_collective_s
+        cp_f, cp_b = self.cp_fwd_collectives, self.cp_bwd_collectives
+        self.stage_fwd, self.stage_bwd, self.stage_tp_count, self.stage_cp_count = [], [], [], []
+        self.stage_compute, self.stage_tp, self.stage_cp = [], [], []
+        for s, ids in enumerate(self._stage_layers()):
+            parts = [profile.layers[i] for i in ids] + [profile.embedding] * (s == 0) + [profile.head] * (s == last)
+            flops_f, flops_b = sum(c.forward for c in parts), sum(c.backward for c in parts)
+            n_b = sum(profile.layers[i].backward > 0 for i in ids)
+            head_b = s == last and profile.head.backward > 0
+            tp_f, tp_b = 4 * len(ids) + (s == last), 4 * n_b + head_b
+            self.stage_tp_count.append(tp_f + tp_b)
+            self.stage_cp_count.append(len(ids) * cp_f + n_b * cp_b)
+            self.stage_compute.append((flops_f + flops_b) / rate)
+            self.stage_tp.append((tp_f + tp_b) * tp_s)
+            self.stage_cp.append(self.stage_cp_count[-1] * cp_s)
+            self.stage_fwd.append(flops_f / rate + tp_f * tp_s + len(ids) * cp_f * cp_s)
+            self.stage_bwd.append(flops_b / rate + tp_b * tp_s + n_b * cp_b * cp_s)
+
     # ---- memory ---------------------------------------------------------------------------------
     def class_weights(self, rank: int) -> tuple[float, float, float]:
-        """Activation bytes per in-flight microbatch of the rank's chunk classes (see chunk_class)."""
+        """Activation bytes per in-flight microbatch of the rank's chunk classes (see chunk_class). With
+        layers that differ the middle chunks differ too: the smallest of them (a lower bound)."""
         stages = self.layout.stages_of(rank)
-        middle = self.stage_act[stages[1]] if len(stages) > 2 else 0.0
+        middle = min(self.stage_act[s] for s in stages[1:-1]) if len(stages) > 2 else 0.0
         return (self.stage_act[stages[0]], middle, self.stage_act[stages[-1]])
 
     def activation_bytes(self, rank: int, frontier) -> float:
@@ -177,13 +243,14 @@ class LayoutCosts:
         return max(n0 * w[0] + n1 * w[1] + n2 * w[2] for n0, n1, n2 in frontier)
 
     def static_bytes(self, rank: int, zero_stage: int) -> dict[str, float]:
-        P, g = self.rank_params[rank], self.grad_group
+        """bf16 weights of every parameter; fp32 gradients and optimizer state of the trainable ones."""
+        P, g = self.rank_trainable[rank], self.grad_group
         if zero_stage == 1:
             grads = FP32 * P
         else:
-            largest_chunk = max(self.stage_params[s] for s in self.layout.stages_of(rank))
+            largest_chunk = max(self.stage_trainable[s] for s in self.layout.stages_of(rank))
             grads = FP32 * min(P, 2 * largest_chunk) + FP32 * P / g
-        return {"weights": BF16 * P, "gradients": grads, "optimizer": 3 * FP32 * P / g}
+        return {"weights": BF16 * self.rank_params[rank], "gradients": grads, "optimizer": 3 * FP32 * P / g}
 
     # ---- communication --------------------------------------------------------------------------
     def reduce_scatters(self, zero_stage: int) -> int:
@@ -194,15 +261,12 @@ class LayoutCosts:
     def comm_bytes(self, rank: int, zero_stage: int) -> dict[str, float]:
         """Bytes each GPU of PP rank ``rank`` sends per step, per dimension."""
         L, last = self.layout, self.num_stages - 1
-        layers = sum(L.layers[s] for s in L.stages_of(rank))
-        has_head = last in L.stages_of(rank)
-        tp = L.microbatches * (8 * layers + 2 * has_head) * self.tp_bytes_per_collective
-        cp = (L.microbatches * (self.cp_fwd_collectives + self.cp_bwd_collectives) * layers
-              * self.cp_bytes_per_collective)
+        tp = L.microbatches * sum(self.stage_tp_count[s] for s in L.stages_of(rank)) * self.tp_bytes_per_collective
+        cp = L.microbatches * sum(self.stage_cp_count[s] for s in L.stages_of(rank)) * self.cp_bytes_per_collective
         sends = sum((s != last) + (s != 0) for s in L.stages_of(rank)) if L.pp > 1 else 0
         pp = L.microbatches * sends * self.p2p_bytes
         g = self.grad_group
-        dp = (g - 1) / g * self.rank_params[rank] * (FP32 * self.reduce_scatters(zero_stage) + BF16)
+        dp = (g - 1) / g * self.rank_trainable[rank] * (FP32 * self.reduce_scatters(zero_stage) + BF16)
         return {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
 
     def dp_seconds(self, rank: int, zero_stage: int) -> tuple[float, float]:
@@ -210,11 +274,13 @@ class LayoutCosts:
         g = self.grad_group
         if g == 1:
             return 0.0, 0.0
-        P = self.rank_params[rank]
+        P = self.rank_trainable[rank]  # frozen parameters are neither reduced nor re-gathered
+        if not P:
+            return 0.0, 0.0
         gather = ring_seconds(g, (g - 1) / g * P * BF16, self.dp_bw, self.hw.latency_s)
         scatter = ring_seconds(g, (g - 1) / g * P * FP32, self.dp_bw, self.hw.latency_s)
         total = gather + self.reduce_scatters(zero_stage) * scatter
-        share = max(self.stage_params[s] for s in self.layout.stages_of(rank)) / P if P else 0.0
+        share = max(self.stage_trainable[s] for s in self.layout.stages_of(rank)) / P
         return total, (gather + scatter) * share
 
     def step_seconds(self, bubble_ratio: float, zero_stage: int) -> dict[str, float]:

@@ -14,7 +14,9 @@ import shlex
 from dataclasses import replace
 from fractions import Fraction
 
+from .balance_cli import SPEC_HINT
 from .costs import GIB
+from .layer_report import layers_text, stage_lines, stage_lists
 from .machine import assumptions
 from .search import (Evaluation, NoPlanFits, PlanRequest, ScheduleCache, bubble_lower_bound, enumerate_layouts,
                      evaluate, memory_lower_bound, plan)
@@ -32,6 +34,8 @@ def model_tflops_per_gpu(ev: Evaluation) -> float:
     comparable to the paper's measured 400 (8K) and 380 (131K) TFLOPs per GPU."""
     req, m = ev.request, ev.request.model
     per_sequence = 3 * (m.num_layers * m.layer_forward_flops(req.seq_len) + m.output_forward_flops(req.seq_len))
+    if req.profile is not None:  # what the layers compute (a frozen layer's backward is one forward, or none)
+        per_sequence = req.profile.flops() / req.micro_batch_size
     return req.sequences * per_sequence / ev.step_seconds / req.gpus / 1e12
 
 
@@ -71,6 +75,7 @@ def to_record(ev: Evaluation, rank: int | None, best: Evaluation | None = None) 
         "model_tflops_per_gpu": round(model_tflops_per_gpu(ev), 1),
         "comm_gb_per_step": {k: round(v / 1e9, 3) for k, v in comm.items()},
         "cp_policy": req.cp_policy,
+        **({"stages": stage_lists(L)} if req.kinds is not None else {}),
     }
 
 
@@ -82,7 +87,9 @@ def request_record(req: PlanRequest) -> dict:
             "global_batch_tokens": req.global_batch_tokens, "sequences": req.sequences,
             "micro_batch_size": req.micro_batch_size, "gpus_per_node": req.gpus_per_node,
             "gpu_memory_gb": req.hbm_gb, "usable_memory_gb": round(req.usable_bytes / GIB, 3),
-            "cp_policy": req.cp_policy, "pinned": {"tp": req.tp, "pp": req.pp, "cp": req.cp}}
+            "cp_policy": req.cp_policy, "pinned": {"tp": req.tp, "pp": req.pp, "cp": req.cp},
+            **({"kinds": req.kinds, "frozen": req.frozen, "image_tokens": req.image_tokens}
+               if req.kinds is not None else {})}
 
 
 def format_table(req: PlanRequest, results: list[Evaluation], best: Evaluation | None = None,
@@ -115,7 +122,8 @@ def header(req: PlanRequest) -> str:
     return (f"{req.model.name} ({req.model.total_params / 1e9:.1f}B parameters, {req.model.num_layers} layers) "
             f"on {req.gpus} GPUs ({req.gpus_per_node} per node, {req.hbm_gb:g} GiB each, "
             f"{req.usable_bytes / GIB:.1f} GiB usable after {req.hardware.headroom_text()}); "
-            f"seq {req.seq_len}, {req.global_batch_tokens} tokens = {req.sequences} sequences per step")
+            f"seq {req.seq_len}, {req.global_batch_tokens} tokens = {req.sequences} sequences per step"
+            + (f"; {layers_text(req)}" if req.kinds is not None else ""))
 
 
 def trade_off(ev: Evaluation, best: Evaluation, rank: int, what: str) -> str:
@@ -242,7 +250,10 @@ def _pipeline_reasons(ev: Evaluation, cache: ScheduleCache) -> list[str]:
     balance = (f"per-rank peak memory {min(memory):.1f}-{max(memory):.1f} GiB, least busy rank at "
                f"{min(busy) / max(busy):.0%} of the busiest")
     other, exists = _best_other_split(ev, cache)
-    if L.split != "even":
+    if L.split == "balanced":
+        text = (f"Balanced split (StageSplitter: shortest simulated step with each layer's cost, rank 0's "
+                f"activations breaking ties), layers per virtual stage {' '.join(map(str, L.layers))}; {balance}.")
+    elif L.split != "even":
         text = (f"Uneven split ({L.split}): the first virtual stage holds {L.layers[0]} layer(s) plus the "
                 f"embedding, the last {L.layers[-1]} plus the output layer, since rank 0 keeps the most "
                 f"microbatches in flight and the output layer costs compute; {balance}.")
@@ -313,6 +324,8 @@ def megatron_args(ev: Evaluation) -> str:
             # splits need Megatron-Core's layout string (virtual stage order, E = embedding, L = loss).
             args.append(("--pipeline-model-parallel-layout", layout_string(L.layers)))
             notes.append("# uneven virtual stages: the layout lists stages 0..pp*vpp-1 (t = one layer)")
+        elif not even and len(set(L.layers[1:-1])) > 1:  # a balanced split: middle stages differ
+            args.append(("--pipeline-model-parallel-layout", layout_string(L.layers)))
         elif not even:
             args += [("--decoder-first-pipeline-num-layers", L.layers[0]),
                      ("--decoder-last-pipeline-num-layers", L.layers[-1])]
@@ -323,6 +336,12 @@ def megatron_args(ev: Evaluation) -> str:
              ("--accumulate-allreduce-grads-in-fp32", None)]
     if ev.zero_stage == 2:
         notes.append("# ZeRO-2: reduce-scatter fp32 gradients after every round of k microbatches (l3plugin)")
+    if req.cross_attention:
+        notes.append(f"# cross-attention layers: 't' is any decoder layer; build each chunk's block with {SPEC_HINT} "
+                     f"(layer i gets kind --kinds[i] = {req.kinds})")
+    if req.frozen:
+        notes.append(f"# frozen ({req.frozen}): set requires_grad=False on those parameters before building the "
+                     f"optimizer (the plan gives them no gradients or optimizer state)")
     parts = [name if value is None else f"{name} {shlex.quote(str(value))}" for name, value in args]
     return "\n".join(notes + [" \\\n".join(parts)])
 
@@ -443,6 +462,11 @@ def _text(req, results, cache, rule, rank, answer_is_staged: bool) -> None:
               f"ZeRO-{best.zero_stage}):")
         for line in reasons(best, results, cache, _cp_alternative(best, cache)):
             print(f"  - {line}")
+        print()
+    if req.kinds is not None:
+        answer = rule.evaluation if answer_is_staged else best
+        for line in stage_lines(answer, layout_string(answer.layout.layers)):
+            print(line)
         print()
     print("Assumptions (step time = busiest PP rank's compute and exposed TP/CP collectives x (1 + simulated bubble) "
           "+ exposed DP traffic; details in l3plugin/planner/costs.py and machine.py):")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from l3plugin.schedule.plan import FORWARD, build_schedule
-from l3plugin.schedule.simulate import simulate
+from l3plugin.schedule.plan import FORWARD, build_schedule, with_trainable_stages
+from l3plugin.schedule.simulate import Replay, simulate
 
 from .costs import chunk_class
 
@@ -27,6 +27,7 @@ class ScheduleCache:
 
     def __init__(self, keep_built: int = 8):
         self._frontiers, self._idle, self._built, self._keep = {}, {}, {}, keep_built
+        self._replays = {}
 
     def _schedule(self, p: int, v: int, m: int, k: int):
         """Built schedules are large: keep the last few, enough for one layout's memory and bubble."""
@@ -83,6 +84,54 @@ class ScheduleCache:
                     idle = [self._idle_time(p, v, m, k_sched, b, lat)]
             self._idle[key] = idle[0] / (m * v * (1.0 + b))
         return self._idle[key]
+
+
+    # ---- stages of different cost (layers that differ: a LayerProfile) ----------------------------
+    def _replay(self, p, v, m, k, first_grad_stage: int) -> Replay:
+        key = (p, v, m, k, first_grad_stage)
+        replay = self._replays.pop(key, None)
+        if replay is None:
+            schedule = self._schedule(p, v, m, k)
+            if first_grad_stage:  # a frozen prefix exchanges no gradients
+                schedule = with_trainable_stages(schedule, [s >= first_grad_stage for s in range(p * v)])
+            replay = Replay(schedule)
+        self._replays[key] = replay  # most recent last
+        while len(self._replays) > 4 * self._keep:
+            self._replays.pop(next(iter(self._replays)))
+        return replay
+
+    def staged_makespan(self, p, v, m, k, stage_times, latency: float, first_grad_stage: int = 0) -> float:
+        """Simulated step with ``stage_times`` [(forward, backward)] per virtual stage. More than
+        SHORTEN_AFTER rounds of 1F1B: timed after 4, 5 and 6 rounds and extrapolated when the step grows by
+        the same time per round (steady state), else timed in full."""
+        p, v, m, k = self._canonical(p, v, m, k)
+        if p == 1:
+            return m * sum(f + b for f, b in stage_times)
+        lengths = self.simulated_lengths(p, m, k)
+        spans = [self._replay(p, v, n, k, first_grad_stage).makespan(stage_times, latency) for n in lengths]
+        if len(spans) == 1:
+            return spans[0]
+        step = spans[2] - spans[1]
+        if abs(step - (spans[1] - spans[0])) <= 1e-9 * max(1.0, abs(spans[2])):
+            return spans[2] + step * (math.ceil(m / k) - 6)
+        return self._replay(p, v, m, k, first_grad_stage).makespan(stage_times, latency)
+
+    def stage_peaks(self, p, v, m, k, stage_act) -> tuple[list[float], int]:
+        """Per rank, the most activation bytes in flight (a forward holds its stage's ``stage_act`` until
+        its backward), and the most chunk-microbatches in flight on any rank (the same schedule length
+        as frontier())."""
+        p, v, m, k = self._canonical(p, v, m, k)
+        schedule = self._schedule(p, v, self.simulated_lengths(p, m, k)[-1], k)
+        peaks, most = [], 0
+        for plan in schedule.ranks:
+            held = peak = 0.0
+            for action in plan.actions:
+                size = stage_act[schedule.stage_of(plan.rank, action.chunk)]
+                held += size if action.op == FORWARD else -size
+                peak = max(peak, held)
+            peaks.append(peak)
+            most = max(most, plan.peak_inflight())
+        return peaks, most
 
 
 def _pareto(actions, vpp: int) -> tuple[tuple[int, int, int], ...]:

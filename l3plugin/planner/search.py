@@ -23,6 +23,14 @@ chunk, middle, last chunk) since only stage 0 and the last stage differ in activ
 
 ``tp``, ``pp``, ``cp`` pin a dimension (staged planning pins TP and PP, see staged.py). Schedules are
 built and simulated through schedules.ScheduleCache.
+
+Layers that differ (``kinds``, ``frozen``, ``image_tokens``; the flags of ``l3plugin balance``): the length of
+``kinds`` is the layer count (the model gives the shapes), costs come per layer (layer_profile.py, costs.py),
+and, unless every layer costs the same, each (p, v, m, k) also gets StageSplitter's balanced split (named
+"balanced"), every layout's bubble is simulated with its own stage times and its activations walked stage
+by stage, and the best-first bound drops the ideal bubble (with unequal stages the busiest rank may idle
+less than (p-1)/(m v)). CP > 1 is not planned with cross-attention layers (the image tokens' sharding over
+CP is not modelled).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from l3plugin.checks import check_int
 from l3plugin.schedule.layers import layers_per_virtual_stage
 
 from .costs import GIB, Layout, LayoutCosts
+from .layer_profile import LayerProfile, balanced_counts, check_layer_flags
 from .machine import Hardware
 from .models import ModelSpec, load_model
 from .schedules import ScheduleCache, warmup_inflight
@@ -63,9 +72,18 @@ class PlanRequest:
     tp: int | None = None  # pinned sizes (None: searched)
     pp: int | None = None
     cp: int | None = None
+    kinds: str | None = None  # one letter per layer (S / X), see layer_costs.py; None: uniform layers
+    frozen: str = ""  # letters of what is frozen (S, X, E, H)
+    image_tokens: int = 0  # per sample, read by every X layer
 
     def __post_init__(self):
         object.__setattr__(self, "model", load_model(self.model))
+        check_layer_flags(self.kinds, self.frozen, self.image_tokens)
+        if self.kinds is not None and len(self.kinds) != self.model.num_layers:
+            object.__setattr__(self, "model", replace(self.model, num_layers=len(self.kinds)))
+        if self.cross_attention and self.cp and self.cp > 1:
+            raise ValueError(f"--cp={self.cp} is not planned for cross-attention layers (X in --kinds): how CP "
+                             f"would shard the image tokens is not modelled; use --cp 1 or leave it out")
         for name in ("gpus", "seq_len", "global_batch_tokens", "gpus_per_node", "micro_batch_size"):
             check_int("--" + name.replace("_", "-"), getattr(self, name))
         for name in ("tp", "pp", "cp"):
@@ -139,9 +157,25 @@ class PlanRequest:
     def usable_bytes(self) -> float:
         return self.hardware.usable_bytes(self.hbm_gb)
 
+    @property
+    def cross_attention(self) -> bool:
+        return self.kinds is not None and "X" in self.kinds
+
+    @cached_property
+    def profile(self) -> LayerProfile | None:
+        if self.kinds is None:
+            return None
+        return LayerProfile.build(self.model, self.kinds, self.frozen, self.image_tokens, self.seq_len,
+                                  self.micro_batch_size)
+
+    @property
+    def heterogeneous(self) -> bool:
+        """Layers of different cost: balanced splits, per-stage simulation (see the module docstring)."""
+        return self.profile is not None and not self.profile.uniform
+
     def costs(self, layout: Layout) -> LayoutCosts:
         return LayoutCosts(self.model, layout, self.seq_len, self.micro_batch_size, self.gpus_per_node,
-                           self.hardware)
+                           self.hardware, self.profile)
 
 
 # ---- enumeration ------------------------------------------------------------------------------
@@ -195,7 +229,7 @@ def enumerate_layouts(req: PlanRequest):
         for cp in divisors(n // tp):
             if req.cp and cp != req.cp:
                 continue
-            if cp > 1 and (not req.cp_allowed or req.seq_len % (2 * cp)):
+            if cp > 1 and (not req.cp_allowed or req.seq_len % (2 * cp) or req.cross_attention):
                 continue
             for pp in divisors(n // tp // cp):
                 if req.pp and pp != req.pp:
@@ -204,9 +238,23 @@ def enumerate_layouts(req: PlanRequest):
                 if pp > model.num_layers + 2 or req.sequences % (dp * req.micro_batch_size):
                     continue
                 m = req.sequences // (dp * req.micro_batch_size)
-                for vpp, layers, split in layer_splits(model.num_layers, pp):
+                splits = list(layer_splits(model.num_layers, pp))
+                for vpp, layers, split in splits:
                     for k in group_sizes(pp, vpp, m):
                         yield Layout(tp, cp, pp, dp, vpp, k, m, layers, split)
+                if req.heterogeneous and pp > 1:
+                    yield from _balanced_layouts(req, (tp, cp, pp, dp), m, splits)
+
+
+def _balanced_layouts(req: PlanRequest, sizes, m: int, splits):
+    """StageSplitter's split for each (vpp, k) the count splits have, unless it is one of them."""
+    tp, cp, pp, dp = sizes
+    for vpp in sorted({vpp for vpp, _, _ in splits if pp * vpp <= req.model.num_layers}):
+        known = {layers for v, layers, _ in splits if v == vpp}
+        for k in group_sizes(pp, vpp, m):
+            counts = balanced_counts(req.profile, pp, vpp, m, k)
+            if counts not in known:
+                yield Layout(tp, cp, pp, dp, vpp, k, m, counts, "balanced")
 
 
 # ---- evaluation -------------------------------------------------------------------------------
@@ -256,19 +304,34 @@ def evaluate(req: PlanRequest, layout: Layout, zero_stage: int | None = None,
     cache = cache or ScheduleCache()
     costs = req.costs(layout)
     L = layout
-    frontier = cache.frontier(L.pp, L.vpp, L.microbatches, L.group_size)
-    activations = [costs.activation_bytes(r, frontier[r]) for r in range(L.pp)]
-    inflight = max(sum(point) for rank in frontier for point in rank)
+    if req.heterogeneous:  # every stage's activations differ: walk the schedule
+        activations, inflight = cache.stage_peaks(L.pp, L.vpp, L.microbatches, L.group_size, costs.stage_act)
+    else:
+        frontier = cache.frontier(L.pp, L.vpp, L.microbatches, L.group_size)
+        activations = [costs.activation_bytes(r, frontier[r]) for r in range(L.pp)]
+        inflight = max(sum(point) for rank in frontier for point in rank)
     for stage in ((zero_stage,) if zero_stage else (1, 2)):
         memory = [dict(costs.static_bytes(r, stage), activations=activations[r]) for r in range(L.pp)]
         ev = Evaluation(req, layout, costs, stage, memory, inflight)
         if ev.fits:
             break
     if with_time and (ev.fits or zero_stage):
-        ev.bubble_ratio = cache.bubble(L.pp, L.vpp, L.microbatches, L.group_size,
-                                       costs.mean_bwd / costs.mean_fwd, costs.p2p_s / costs.mean_fwd)
+        if req.heterogeneous:
+            ev.bubble_ratio = staged_bubble(costs, cache)
+        else:
+            ev.bubble_ratio = cache.bubble(L.pp, L.vpp, L.microbatches, L.group_size,
+                                           costs.mean_bwd / costs.mean_fwd, costs.p2p_s / costs.mean_fwd)
         ev.times = costs.step_seconds(ev.bubble_ratio, ev.zero_stage)
     return ev
+
+
+def staged_bubble(costs: LayoutCosts, cache: ScheduleCache) -> float:
+    """The busiest rank's idle / busy in the schedule simulated with each stage's own times."""
+    L = costs.layout
+    first = next((s for s, b in enumerate(costs.stage_bwd) if b > 0), costs.num_stages)
+    makespan = cache.staged_makespan(L.pp, L.vpp, L.microbatches, L.group_size,
+                                     list(zip(costs.stage_fwd, costs.stage_bwd)), costs.p2p_s, first)
+    return max(0.0, makespan / max(costs.rank_busy) - 1.0)
 
 
 def memory_lower_bound(costs: LayoutCosts) -> float:
@@ -281,8 +344,9 @@ def memory_lower_bound(costs: LayoutCosts) -> float:
     return worst
 
 
-def bubble_lower_bound(layout: Layout) -> float:
-    return (layout.pp - 1) / (layout.microbatches * layout.vpp)
+def bubble_lower_bound(layout: Layout, heterogeneous: bool = False) -> float:
+    """(p-1)/(m v) for equal stages; with unequal stages only the busiest rank's busy time bounds the step."""
+    return 0.0 if heterogeneous else (layout.pp - 1) / (layout.microbatches * layout.vpp)
 
 
 class NoPlanFits(ValueError):
@@ -316,7 +380,7 @@ def plan(req: PlanRequest, top: int | None = 5, cache: ScheduleCache | None = No
         lower = memory_lower_bound(costs)
         candidates.append((lower, next(counter), layout))
         if lower <= req.usable_bytes:
-            bound = costs.step_seconds(bubble_lower_bound(layout), 1)["step"]
+            bound = costs.step_seconds(bubble_lower_bound(layout, req.heterogeneous), 1)["step"]
             heapq.heappush(queue, (bound, next(counter), layout, None))
     results = []
     while queue and (top is None or len(results) < top):

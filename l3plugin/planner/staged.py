@@ -103,6 +103,9 @@ class StagedPlan:
 
 def staged_plan(req: PlanRequest, base: Base, cache: ScheduleCache | None = None) -> StagedPlan:
     cache = cache or ScheduleCache()
+    if req.cross_attention:
+        raise ValueError("--keep-tp-pp / --from trade DP for CP, which is not planned for cross-attention layers "
+                         "(X in --kinds): plan without them")
     tp, pp, n, model = base.tp, base.pp, req.gpus, req.model
     if base.model and base.model != model.name:
         raise ValueError(f"{base.source} was planned for model {base.model}, this request is for {model.name}: "
