@@ -10,7 +10,7 @@ also be used alone: ``enable_context_parallel(model, group)`` (model.py).
 
 from l3plugin.huggingface.attention import ATTENTION_NAME, cp_attention_forward
 from l3plugin.huggingface.batch import cu_seqlens_from_position_ids
-from l3plugin.huggingface.model import context_parallel_group, disable_context_parallel, enable_context_parallel
+from l3plugin.huggingface.context_parallel import context_parallel_group, disable_context_parallel, enable_context_parallel
 
 __all__ = ["ATTENTION_NAME", "context_parallel_group", "cp_attention_forward", "cu_seqlens_from_position_ids",
            "disable_context_parallel", "enable_context_parallel"]

@@ -198,7 +198,7 @@ def _initialize_with_cp(stock, call: inspect.BoundArguments, where: str, config:
     out = stock(**arguments)
     model = out[0].module
     if hasattr(model, "set_attn_implementation") and hasattr(model, "config"):
-        from l3plugin.huggingface.model import enable_context_parallel
+        from l3plugin.huggingface.context_parallel import enable_context_parallel
 
         enable_context_parallel(model, arguments["mpu"].get_sequence_parallel_group(), options.cp_layout)
     return out
