@@ -16,19 +16,20 @@ it (encoder compute on the critical path / step) for the three encoder placement
 0 per micro-batch), broadcast (rank 0 before and after the pipeline) and replicated (every PP rank encodes
 ceil(B/P) images). Encoder: ViT-H/14-like (width 1280, MLP 5120) with Llama 3's 40 layers, trainable.
 Times: FLOPs / (--peak-tflops x --mfu); communication: bytes / --bandwidth-gbps (0: free).
-Prints tables, asserts nothing.
+Prints tables, asserts nothing; --json (either section): every figure as JSON on stdout, the tables on stderr
+(bench/harness.py; bench/docs_tables.py renders docs/pipeline.md's simulated tables from it).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import harness  # noqa: E402
 
 from l3plugin.planner.encoder_costs import (  # noqa: E402
     PLACEMENTS,
@@ -68,7 +69,7 @@ def add_simulated_parser(subparsers) -> None:
     parser.add_argument("--bandwidth-gbps", type=float, default=Hardware.inter_node_gbps,
                         help="GB/s per GPU for P2P and the encoder's collectives over PP (default the network's "
                              "50; 0: communication free)")
-    parser.add_argument("--json", action="store_true", help="print every figure as JSON instead of tables")
+    harness.add_json_argument(parser)
     parser.set_defaults(func=run_simulated)
 
 
@@ -151,9 +152,8 @@ def run_simulated(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(result))
-    else:
+    with harness.json_output(args.json, "multimodal_pp", args.argv) as figures:
+        figures.update(result)
         print_simulated(result)
     return 0
 
@@ -175,7 +175,7 @@ def add_real_parser(subparsers) -> None:
     parser.add_argument("--encoder-width", type=int, default=256)
     parser.add_argument("--encoder-depths", type=int, nargs=2, default=[2, 8])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after a warm-up round (default 5)")
-    parser.add_argument("--json", action="store_true")
+    harness.add_json_argument(parser)
     parser.set_defaults(func=run_real)
 
 
@@ -213,24 +213,19 @@ def _build_trainers(runs) -> None:
 def _timed_step(name) -> dict:
     """On every rank: one training step of a contender: wall (barrier to barrier), this rank's busy time (its
     own part of the step minus the time its pipeline receives and sends waited)."""
-    import torch.distributed as dist
     from pp_schedule import CHANNEL_WAITS, timed_channel_waits
 
-    waits = {label: 0.0 for _, label in CHANNEL_WAITS}
+    waits = dict.fromkeys(CHANNEL_WAITS, 0.0)
     with timed_channel_waits(waits):
-        dist.barrier()
-        start = time.perf_counter()
-        _TRAINERS[name].step(returns_record=False)
-        own = time.perf_counter() - start
-        dist.barrier()
-        wall = time.perf_counter() - start
-    return {"wall": wall, "busy": own - sum(waits.values())}
+        timing, _ = harness.barrier_timed(lambda: _TRAINERS[name].step(returns_record=False))
+    return {"wall": timing["wall"], "busy": timing["own"] - sum(waits.values())}
 
 
 def _backward_ratio(hidden, heads, seq, repeats=7) -> dict:
     """In one process: backward / forward seconds of a self-attention layer, trainable and frozen (input
     gradients only), medians of interleaved repeats on the same input."""
     import statistics
+    import time
 
     from l3plugin.demo import multimodal_model as mm
     from l3plugin.mesh import init_mesh
@@ -263,22 +258,17 @@ def real(args) -> dict:
 
     runs = real_runs(args)
     names = list(runs)
-    record = {name: [] for name in names}
     with RankPool(2, preload=("megatron.core",), keep_state=True) as pool:
         pool.run(_build_trainers, runs, timeout=900)
-        for round_id in range(args.rounds + 1):
-            order = names if round_id % 2 else names[::-1]  # rotate: no contender always first
-            for name in order:
-                result = pool.run(_timed_step, name, timeout=900)
-                if round_id:  # round 0 warms up
-                    record[name].append(result)
+        record = harness.interleaved_rounds(names, lambda name: pool.run(_timed_step, name, timeout=900),
+                                            args.rounds)
         ratio = pool.run(_backward_ratio, args.hidden, args.heads, args.text_seq, timeout=900)[0]
 
     def wall(name):
         return [max(r["wall"] for r in ranks) for ranks in record[name]]
 
     def per_round_ratio(a, b):
-        return statistics.median(x / y for x, y in zip(wall(a), wall(b)))
+        return harness.ratio_stats(wall(a), wall(b))["median"]
 
     depth0 = args.encoder_depths[0]
     baseline = {name: (f"replicated depth {name.split()[-1]}" if "depth" in name else f"replicated depth {depth0}")
@@ -289,7 +279,8 @@ def real(args) -> dict:
         rows.append({"contender": name, "counts": list(runs[name].counts), "step_s": statistics.median(wall(name)),
                      "busy_s": busy, "busy_max_over_min": max(busy) / min(busy),
                      "step_vs_baseline": per_round_ratio(name, baseline[name]), "baseline": baseline[name]})
-    return {"setup": {k: v for k, v in vars(args).items() if k != "func"}, "kinds": REAL_KINDS, "rows": rows,
+    return {"setup": {k: v for k, v in vars(args).items() if k not in ("func", "argv", "json")},
+            "kinds": REAL_KINDS, "rows": rows,
             "backward_over_forward": ratio}
 
 
@@ -311,11 +302,9 @@ def print_real(result: dict) -> None:
 
 
 def run_real(args) -> int:
-    result = real(args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_real(result)
+    with harness.json_output(args.json, "multimodal_pp", args.argv) as figures:
+        figures.update(real(args))
+        print_real(figures)
     return 0
 
 
@@ -329,6 +318,7 @@ def main(argv=None) -> int:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "simulated")
     args = parser.parse_args(argv)
+    args.argv = argv
     return args.func(args)
 
 
