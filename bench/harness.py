@@ -157,13 +157,22 @@ def run_record(bench: str, figures: dict, argv=None) -> dict:
 @contextlib.contextmanager
 def json_output(enabled: bool, bench: str, argv=None):
     """Yields the dict a bench fills with every figure it prints. With ``enabled`` (--json), what the block
-    prints goes to stderr and, when it ends without an error, run_record(...) goes to stdout as one line."""
+    prints goes to stderr (file descriptor 1 too, so worker processes started in it print there) and, when it
+    ends without an error, run_record(...) goes to stdout as one line."""
     figures: dict = {}
     if not enabled:
         yield figures
         return
     stdout = sys.stdout
-    with contextlib.redirect_stdout(sys.stderr):
-        yield figures
+    stdout.flush()
+    saved_fd = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield figures
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
     stdout.write(json.dumps(run_record(bench, figures, argv)) + "\n")
     stdout.flush()
