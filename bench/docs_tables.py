@@ -7,6 +7,9 @@
     .venv/bin/python bench/cp_memory.py --json > mem.json
     .venv/bin/python bench/docs_tables.py cp-memory mem.json --check docs/cp.md
 
+    .venv/bin/python bench/pp_schedule.py --no-real --json > pp.json
+    .venv/bin/python bench/docs_tables.py pp-simulated pp.json --check docs/benchmarks.md
+
 Tables (TABLES below): the bench that writes the JSON, the doc that holds the table, and the renderer.
 --check DOC: exit 1, naming the lines, unless every line of the rendered table stands in DOC, in order (a
 run with fewer rows, e.g. `cp_memory.py --cp 2 --seq 4096`, checks those rows).
@@ -50,10 +53,34 @@ def cp_memory(figures: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# docs/benchmarks.md's selected rows of the simulated schedules: (p, v, m, k) and the name the docs give the row.
+PP_ROWS = (((16, 1, 48, 16), "1F1B"), ((16, 1, 48, 1), "all-forward-all-backward (GPipe)"),
+           ((16, 4, 48, 16), "Megatron interleaved, k = p = 16"), ((16, 4, 48, 24), "flexible k = 1.5p = 24"),
+           ((16, 4, 48, 32), "flexible k = 2p = 32"), ((16, 4, 32, 24), "flexible k = 1.5p = 24 (last group 8 < p)"),
+           ((16, 4, 32, 8), "flexible k = p/2 = 8 (AFAB)"), ((4, 1, 9, 4), "1F1B"),
+           ((4, 2, 9, 4), "interleaved k = p = 4 (last group 1)"), ((4, 2, 9, 6), "flexible k = 6 (last group 3)"),
+           ((4, 3, 10, 6), "flexible k = 6"))
+
+
+def pp_simulated(figures: dict) -> str:
+    """docs/benchmarks.md's table of simulated pipeline schedules (the rows of PP_ROWS)."""
+    rows = {}
+    for row in figures["paper_settings"] + figures["small_settings"]:
+        rows.setdefault((row["p"], row["v"], row["m"], row["k"]), row)  # v = 1 rows repeat per v: equal
+    lines = ["| p | v | m | schedule | stock | bubble, lat 0 | bubble, lat 0.1 | in-flight |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, name in PP_ROWS:
+        row = rows[key]
+        lines.append(f"| {row['p']} | {row['v']} | {row['m']} | {name} | {'yes' if row['stock_accepts'] else 'no'} "
+                     f"| {row['bubble']['0.0']:.3f} | {row['bubble']['0.1']:.3f} | {row['inflight']} |")
+    return "\n".join(lines) + "\n"
+
+
 # name: (the bench whose --json it reads, the doc holding the table, renderer)
 TABLES = {
     "multimodal-simulated": ("multimodal_pp", "docs/pipeline.md", multimodal_simulated),
     "cp-memory": ("cp_memory", "docs/cp.md", cp_memory),
+    "pp-simulated": ("pp_schedule", "docs/benchmarks.md", pp_simulated),
 }
 
 

@@ -7,6 +7,7 @@
   round compares runs made under the same load).
 - ``barrier_timed``: one step on a rank between two barriers: wall (barrier to barrier, what the slowest rank
   sets), own (this rank's step alone) and busy (this process's CPU seconds in it).
+- ``timed_methods``: the seconds a step spends blocked in chosen methods (a pipeline receive, a collective's wait).
 - ``enter_wire`` / ``calibrate_wire``: ``--wire auto`` (bench/wire.py) enters at PROBE_RATE, then picks the rate
   at which one transfer takes a target time, from its time unshaped and at the probe rate.
 - ``json_output``: ``--json``: the tables go to stderr and every printed figure, with the command line, a UTC

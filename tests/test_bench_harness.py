@@ -161,20 +161,23 @@ def run_bench(*argv, timeout=120):
 
 
 def json_run(tmp_path, *argv, timeout=120):
-    """Run a bench with --json; the saved file and its record."""
+    """Run a bench with --json; the saved file and its record (stdout holds only that, the tables go to stderr)."""
     done = run_bench(*argv, "--json", timeout=timeout)
     saved = tmp_path / "run.json"
     saved.write_text(done.stdout)
-    return saved, json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(done.stdout.splitlines()) == 1 and done.stderr, f"{argv}: stdout {done.stdout[:2000]}"
+    return saved, json.loads(done.stdout)
 
 
 @pytest.mark.parametrize("table, argv", [
     ("multimodal-simulated", ["bench/multimodal_pp.py", "simulated"]),  # the docs' whole table, defaults
     ("cp-memory", ["bench/cp_memory.py", "--cp", "2", "--seq", "4096"]),  # one row of it (cp 2 and 4: ~2 min)
+    ("pp-simulated", ["bench/pp_schedule.py", "--no-real"]),  # the docs' selected rows of every simulated one
 ])
 def test_docs_table_is_what_a_run_made_now_renders(tmp_path, table, argv):
     saved, record = json_run(tmp_path, *argv)
-    _, doc, _ = docs_tables.TABLES[table]
+    bench, doc, _ = docs_tables.TABLES[table]
+    assert record["bench"] == bench and record["command"] == [*argv, "--json"]
     rendered = docs_tables.render(table, record)
     assert len(rendered.splitlines()) >= 3
     assert docs_tables.missing_lines(rendered, (ROOT / doc).read_text()) == []

@@ -1,7 +1,7 @@
 """Tiny runs of the benches on bench/harness.py, with --json: each runs to the end, prints only its JSON record
 on stdout (its tables on stderr) and that record holds the figures it printed. Sizes are far too small for the
-timings to mean anything; no timing is asserted. (multimodal_pp simulated and cp_memory: test_bench_harness.py,
-against the docs; zero.py and hf_cp.py take longer than a smoke test may: run by hand.)"""
+timings to mean anything; no timing is asserted. (multimodal_pp simulated, cp_memory and pp_schedule's simulation:
+test_bench_harness.py, against the docs; zero.py and hf_cp.py take longer than a smoke test may: run by hand.)"""
 
 import json
 import os
@@ -23,19 +23,6 @@ def json_run(*argv, timeout=300):
     assert record["command"] == [str(argv[0]), *map(str, argv[1:]), "--json"]
     assert record["machine"]["cpu_count"] == os.cpu_count()
     return record, done.stderr
-
-
-def test_pp_schedule_simulation_tables():
-    record, tables = json_run("bench/pp_schedule.py", "--no-real")
-    paper, small = record["figures"]["paper_settings"], record["figures"]["small_settings"]
-    assert {(r["p"], r["m"]) for r in paper} == {(16, m) for m in (16, 32, 48)}
-    assert {r["v"] for r in paper} == {1, 2, 4, 8} and {r["p"] for r in small} == {4}
-    assert len(tables.splitlines()) > len(paper) + len(small)  # the tables went to stderr
-    # The row the docs quote: flexible k = 1.5p at p=16, v=4, m=48 (bubble 0.078 / 0.083, 103 in flight).
-    row = next(r for r in paper if (r["v"], r["m"], r["k"]) == (4, 48, 24))
-    assert (round(row["bubble"]["0.0"], 3), round(row["bubble"]["0.1"], 3), row["inflight"]) == (0.078, 0.083, 103)
-    assert f"{row['inflight']:>9}" in next(line for line in tables.splitlines() if "flexible k=1.5p=24" in line
-                                           and line.split()[:3] == ["16", "4", "48"])
 
 
 def test_cp_attention_timed_rows():
