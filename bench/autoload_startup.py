@@ -4,9 +4,9 @@
     .venv/bin/python bench/autoload_startup.py --rounds 100 --deepspeed-rounds 0
 
 Contenders, interleaved (bench/harness.py: each round runs both, the order alternating; warm-up rounds first)
-and summarised by the median over rounds of per-round ratios and differences: "no hook" puts a directory holding an empty l3plugin_autoload.py
-first on PYTHONPATH, so the installed l3plugin-autoload.pth imports that instead (everything else about
-start-up, sys.path and the .pth files read, is the same); "hook" is
+and summarised by the median over rounds of per-round ratios and differences: "no hook" puts a directory
+holding an empty l3plugin_autoload.py first on PYTHONPATH, so the installed l3plugin-autoload.pth imports
+that instead (everything else about start-up, sys.path and the .pth files read, is the same); "hook" is
 - installed: the installed l3plugin_autoload, found as this venv finds it (an editable install through
   setuptools' finder, after every sys.path entry missed), bytecode as this environment leaves it;
 - copy, compiled / copy, cached: a copy of it first on PYTHONPATH, with PYTHONDONTWRITEBYTECODE=1 and no

@@ -15,10 +15,10 @@ Contenders, on 2 gloo ranks (one thread each, the 2 cores):
 - cp=2: the two ranks are one CP group ("balanced" layout, K/V regathered for the backward, the default):
   each holds S/2 tokens.
 Rounds interleave the contenders (bench/harness.py: each round runs both, the order alternating; a warm-up
-round of each first, not counted); the table
-gives each one's median step time (cp=1: the mean of its ranks; cp=2: the slowest rank) and the median over
-rounds of the per-round ratio cp2 / cp1, of wall times and of busy (CPU) times. Other processes on the machine stretch wall times: the load average
-is printed with the figures.
+round of each first, not counted); the table gives each one's median step time (cp=1: the mean of its
+ranks; cp=2: the slowest rank) and the median over rounds of the per-round ratio cp2 / cp1, of wall times and
+of busy (CPU) times. Other processes on the machine stretch wall times: the load average is printed with the
+figures.
 
 Memory: one forward per contender under l3plugin.debug.SavedTensorCensus (torch's saved-tensor hooks):
 "peak" is the most bytes autograd's saved tensors held at once during the forward, "held" what they hold

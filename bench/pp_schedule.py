@@ -14,9 +14,9 @@ On a wire (``--wire RATE|PRESET|auto``, bench/wire.py; ``auto``: the rate at whi
 send alone takes ``--send-share`` of the smallest chunk's forward, from two measurements, printed): 2 gloo
 ranks (one per core), pp=2, for each vpp stock interleaved (k = p) and flexible k = p, 1.5p, 2p, each with
 the wire shaped and unshaped (the namespace's loopback), interleaved over rounds (bench/harness.py: the order
-rotating by one contender per round; a warm-up round first). Printed: one chunk's forward and one activation send alone; per contender the
-step time (slowest rank, median) off and on the wire, the medians of per-round ratios wire / no wire and
-wire / stock on the wire (range), CPU-busy, the peak bytes autograd holds for backward (a census through
+rotating by one contender per round; a warm-up round first). Printed: one chunk's forward and one activation
+send alone; per contender the step time (slowest rank, median) off and on the wire, the medians of per-round
+ratios wire / no wire and wire / stock on the wire (range), CPU-busy, the peak bytes autograd holds for backward (a census through
 saved_tensors_hooks, larger rank; in-flight activations), the simulated peak in-flight, whether every run's
 gradients are identical, and where the flexible executor blocks (seconds in its receive and send calls).
 Stock runs with deallocate_pipeline_outputs off: it frees an output right after starting its isend, which
