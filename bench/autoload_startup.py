@@ -3,17 +3,18 @@
     .venv/bin/python bench/autoload_startup.py            # 40 + 5 rounds, about a minute
     .venv/bin/python bench/autoload_startup.py --rounds 100 --deepspeed-rounds 0
 
-Contenders, interleaved (each round runs both, the order alternating) and summarised by the median over
-rounds of per-round ratios and differences: "no hook" puts a directory holding an empty l3plugin_autoload.py
-first on PYTHONPATH, so the installed l3plugin-autoload.pth imports that instead (everything else about
-start-up, sys.path and the .pth files read, is the same); "hook" is
+Contenders, interleaved (bench/harness.py: each round runs both, the order alternating; warm-up rounds first)
+and summarised by the median over rounds of per-round ratios and differences: "no hook" puts a directory
+holding an empty l3plugin_autoload.py first on PYTHONPATH, so the installed l3plugin-autoload.pth imports
+that instead (everything else about start-up, sys.path and the .pth files read, is the same); "hook" is
 - installed: the installed l3plugin_autoload, found as this venv finds it (an editable install through
   setuptools' finder, after every sys.path entry missed), bytecode as this environment leaves it;
 - copy, compiled / copy, cached: a copy of it first on PYTHONPATH, with PYTHONDONTWRITEBYTECODE=1 and no
   cache (every start compiles it) / with its bytecode cached (as a regular install precompiles it).
 Then what the hook adds to `import deepspeed` (it imports l3plugin.deepspeed and patches the engines):
 `python -c "import deepspeed"` with and without L3PLUGIN_NO_AUTOLOAD=1, interleaved the same way.
-Prints tables; asserts nothing about the timings (only that its own set-up is right).
+Prints tables; asserts nothing about the timings (only that its own set-up is right). --json: every figure as
+JSON on stdout, the tables on stderr.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import harness  # noqa: E402
 import wire  # noqa: E402
 
 
@@ -39,30 +41,37 @@ def start_once(env, code="pass") -> float:
     return time.perf_counter() - t
 
 
-def interleaved(rounds, a_env, b_env, code="pass"):
-    """Per-contender times; each round runs both, the order alternating between rounds."""
-    a, b = [], []
-    for r in range(rounds):
-        pair = [(a, a_env), (b, b_env)]
-        for times, env in pair if r % 2 else pair[::-1]:
-            times.append(start_once(env, code))
-    return a, b
+def interleaved(rounds, a_env, b_env, code="pass", warmup=1):
+    """Per-contender start times (a, b): harness.interleaved_rounds of the two environments."""
+    envs = {"a": a_env, "b": b_env}
+    times = harness.interleaved_rounds(envs, lambda name: start_once(envs[name], code), rounds, warmup)
+    return times["a"], times["b"]
 
 
 def row(label, a, b, unit=1e3):
-    ratio = statistics.median(x / y for x, y in zip(a, b))
-    added = statistics.median(x - y for x, y in zip(a, b))
-    print(f"{label:<22} {statistics.median(b) * unit:>10.1f} {statistics.median(a) * unit:>8.1f} {ratio:>13.3f} "
-          f"{added * unit:>9.2f}")
+    """Print a row; return its figures (seconds)."""
+    figures = {"label": label, "without_s": statistics.median(b), "with_s": statistics.median(a),
+               "ratio": harness.ratio_stats(a, b), "added_s": statistics.median(x - y for x, y in zip(a, b))}
+    print(f"{label:<22} {figures['without_s'] * unit:>10.1f} {figures['with_s'] * unit:>8.1f} "
+          f"{figures['ratio']['median']:>13.3f} {figures['added_s'] * unit:>9.2f}")
+    return figures
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--deepspeed-rounds", type=int, default=5, help="0 skips the import deepspeed table")
     wire.add_argument(parser)
-    args = parser.parse_args()
+    harness.add_json_argument(parser)
+    args = parser.parse_args(argv)
     link = wire.enter(args.wire)
+    with harness.json_output(args.json, "autoload_startup", argv) as figures:
+        tables(args, link, figures)
+    return 0
+
+
+def tables(args, link, figures):
+    """Both tables; figures: what they print."""
     print(f"{link.describe()}\n  (this bench starts interpreters and sends nothing: the wire changes nothing here; "
           "collectives alone: none)")
     import l3plugin_autoload
@@ -75,6 +84,8 @@ def main() -> None:
             (d / "l3plugin_autoload.py").write_text(text)
         base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "L3PLUGIN_NO_AUTOLOAD")}
         cached = os.path.exists(importlib.util.cache_from_source(l3plugin_autoload.__file__))
+        figures.update(installed_hook=l3plugin_autoload.__file__, bytecode_cached=cached, rounds=args.rounds,
+                       startup=[], deepspeed_rounds=args.deepspeed_rounds)
         print(f"python {sys.version.split()[0]}, installed hook {l3plugin_autoload.__file__} (bytecode cached: "
               f"{cached}, PYTHONDONTWRITEBYTECODE={base.get('PYTHONDONTWRITEBYTECODE', '')!r}), {args.rounds} rounds")
         print(f"{'hook':<22} {'no hook ms':>10} {'hook ms':>8} {'hook/no hook':>13} {'added ms':>9}")
@@ -83,19 +94,17 @@ def main() -> None:
         for label, env, hook_path in (("installed", base, nothing_dir), ("copy, compiled", no_cache, hook_dir),
                                       ("copy, cached", with_cache, hook_dir)):
             hook_env, plain_env = {**env, "PYTHONPATH": str(hook_path)}, {**env, "PYTHONPATH": str(empty_dir)}
-            for _ in range(3):  # warm-up (and, for "cached", writes __pycache__ in the two temp dirs)
-                start_once(hook_env), start_once(plain_env)
+            # Three warm-up rounds (for "cached" they write __pycache__ in the two temp dirs).
+            times = interleaved(args.rounds, hook_env, plain_env, warmup=3)
             if hook_path == hook_dir:
                 assert bool(list(hook_dir.glob("__pycache__/*.pyc"))) == (env is with_cache), label
-            row(label, *interleaved(args.rounds, hook_env, plain_env))
+            figures["startup"].append(row(label, *times))
         if args.deepspeed_rounds:
             print(f"\nimport deepspeed, {args.deepspeed_rounds} rounds")
             print(f"{'':<22} {'off ms':>10} {'on ms':>8} {'on/off':>13} {'added ms':>9}")
-            code = "import deepspeed"
-            start_once(base, code)  # warm-up
-            row("hook on / off", *interleaved(args.deepspeed_rounds, base, {**base, "L3PLUGIN_NO_AUTOLOAD": "1"},
-                                              code))
+            figures["import_deepspeed"] = row("hook on / off", *interleaved(
+                args.deepspeed_rounds, base, {**base, "L3PLUGIN_NO_AUTOLOAD": "1"}, "import deepspeed"))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

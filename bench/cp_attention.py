@@ -6,7 +6,8 @@ layouts, and a ring-attention baseline (written for this benchmark) on the same 
     .venv/bin/python bench/cp_attention.py --wire auto      # on an emulated wire, S = 8K/16K/32K (~15 min)
     .venv/bin/python bench/cp_attention.py --wire auto --seq 8192 16384 --rounds 2 --work-seq   # ~5 min
 
-Prints tables, asserts nothing. fp32, one packed sequence, heads_q=8, heads_kv=2 (GQA), head_dim=64,
+Prints tables, asserts nothing; --json: every figure as JSON on stdout, the tables on stderr (bench/harness.py,
+which also holds the rounds, the ratios and the wire calibration). fp32, one packed sequence, heads_q=8, heads_kv=2 (GQA), head_dim=64,
 forward + backward, kernel "cpu-flash" (torch's CPU flash-attention ops, the CPU default).
 
 Work tables (analytic, "simulated from work counts", nothing timed): attention work per CP rank is the
@@ -57,8 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+import harness  # noqa: E402
+import ring_attention  # noqa: E402
+
 from l3plugin.cp.layout import imbalance, make_layout, rank_work  # noqa: E402
-from l3plugin.cp.sharding import document_metadata, shard_indices  # noqa: E402
+from l3plugin.cp.sharding import shard_indices  # noqa: E402
 
 HQ, HKV, D = 8, 2, 64
 KERNEL = "cpu-flash"
@@ -85,6 +89,8 @@ def pairs(cu, causal=True):
 
 # ---- analytic work ---------------------------------------------------------------------------------
 def work_table(seqs, draws):
+    """Print the table; return its rows."""
+    rows = []
     print(f"== Attention work per CP rank, Llama-like documents, {draws} draws per row "
           f"(simulated from work counts) ==")
     print(f"{'S':>7} {'cp':>3} | {'2cp max/min mean, worst':>24} {'speedup':>8} | "
@@ -101,9 +107,14 @@ def work_table(seqs, draws):
                     speedups.append(sum(work) / max(work))
             cells = [f"{statistics.mean(r):>16.3f}, {max(r):>6.3f} {statistics.mean(p):>8.2f}"
                      for r, p in stats.values()]
+            rows.append({"seq": s, "cp": cp, **{layout: {"max_over_min_mean": statistics.mean(r),
+                                                         "max_over_min_worst": max(r),
+                                                         "speedup_mean": statistics.mean(p)}
+                                                for layout, (r, p) in stats.items()}})
             print(f"{s:>7} {cp:>3} | {cells[0]} | {cells[1]:>38}")
     print("speedup: total work / busiest rank's work (cp is the ideal). Causal, one document: both layouts "
           "max/min 1.000.\n")
+    return rows
 
 
 # ---- rank functions (run on every rank of the pool) ----------------------------------------------------
@@ -117,12 +128,9 @@ def _inputs(seq_len, seed=0):
 
 
 def _timed(step, keep):
-    import torch.distributed as dist
-
-    dist.barrier()
-    wall, busy = time.perf_counter(), time.process_time()
-    result = step()
-    out = {"wall": time.perf_counter() - wall, "busy": time.process_time() - busy}
+    """wall: this rank's own time from the opening barrier; busy: its CPU seconds (harness.barrier_timed)."""
+    timing, result = harness.barrier_timed(step)
+    out = {"wall": timing["own"], "busy": timing["busy"]}
     if keep:
         out["out"], out["grads"] = result
     return out
@@ -148,97 +156,12 @@ def all_gather_run(seq_len, cp, cu, causal, layout, overlap=True, cp_kv="keep", 
 
 
 def ring_run(seq_len, cp, cu, keep=False):
-    """Causal ring attention over the 2cp layout (see the module docstring)."""
+    """Causal ring attention over the 2cp layout (bench/ring_attention.py; see the module docstring)."""
     import torch.distributed as dist
 
-    from l3plugin.cp.kernels import pack_heads, query_blocks, unpack_heads
-
     rank = dist.get_rank()
-    nxt, prv = (rank + 1) % cp, (rank - 1) % cp
-    doc = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.diff(torch.tensor(cu)))
     q, k, v, g = (t[shard_indices(seq_len, cp, rank)] for t in _inputs(seq_len))
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    rep = HQ // HKV  # GQA as in the kernel: query heads of one K/V head stacked along the rows
-    c = q.size(0) // 2
-    metas = document_metadata(cu, seq_len, cp, rank, causal=True)
-
-    def heads_first(kv):  # [2, s, hkv, d] -> two [1, hkv, s, d]
-        return [t.transpose(0, 1)[None].contiguous() for t in kv]
-
-    def rotate(t, tag):
-        buf = torch.empty_like(t)
-        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, nxt, tag=tag),
-                                       dist.P2POp(dist.irecv, buf, prv, tag=tag)])
-        return reqs, buf
-
-    def pieces(s):
-        """(local q rows, visiting kv rows, additive mask or None) with work in them, at ring step s."""
-        owner = (rank - s) % cp
-        for a, meta in enumerate(metas):
-            for b in query_blocks(meta, c, causal=True):
-                pos_q = torch.arange(meta.start + b.q_lo, meta.start + b.q_hi)
-                for j, (k0, k1) in enumerate(make_layout("2cp", seq_len, cp).rank_ranges(owner)):
-                    lo, hi = max(b.k_lo, k0), min(b.k_hi, k1)
-                    if lo >= hi:
-                        continue
-                    pos_k = torch.arange(lo, hi)
-                    allowed = (doc[pos_q][:, None] == doc[pos_k][None, :]) & (pos_k[None, :] <= pos_q[:, None])
-                    mask = None if bool(allowed.all()) else torch.zeros(allowed.shape).masked_fill(
-                        ~allowed, float("-inf")).repeat(rep, 1)
-                    yield (slice(a * c + b.q_lo, a * c + b.q_hi), slice(j * c + lo - k0, j * c + hi - k0), mask)
-
-    def step():
-        plans = [list(pieces(s)) for s in range(cp)]  # masks built once, kept for the backward
-        kv = torch.stack([k, v]).contiguous()
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:2], float("-inf"))
-        for s in range(cp):
-            reqs, incoming = rotate(kv, 1) if s < cp - 1 else ([], None)
-            kb, vb = heads_first(kv)
-            for rows, cols, mask in plans[s]:
-                o, l = flash(pack_heads(q[rows], rep), kb[:, :, cols], vb[:, :, cols], attn_mask=mask)
-                o, l = unpack_heads(o, rep), unpack_heads(l, rep)
-                new = torch.logaddexp(lse[rows], l)
-                out[rows] = out[rows] * (lse[rows] - new).exp()[..., None] + o * (l - new).exp()[..., None]
-                lse[rows] = new
-            for r in reqs:
-                r.wait()
-            kv = incoming
-        # Backward: K/V travel the ring again. A chunk's owner keeps its own part of the chunk's dK/dV;
-        # the accumulator starts at the next rank and follows the chunk one hop behind, waited only after
-        # the next step's compute, then goes home: cp - 1 hops, the last one exposed.
-        kv = torch.stack([k, v]).contiguous()
-        dq = torch.zeros_like(q)
-        d_reqs, dkv_in = [], None
-        for s in range(cp):
-            reqs, incoming = rotate(kv, 1) if s < cp - 1 else ([], None)
-            kb, vb = heads_first(kv)
-            dkv = torch.zeros_like(kv)  # this step's part of the visiting chunk's dK/dV
-            for rows, cols, mask in plans[s]:
-                gq, gk, gv = flash_bwd(pack_heads(g[rows], rep), pack_heads(q[rows], rep), kb[:, :, cols],
-                                       vb[:, :, cols], pack_heads(out[rows], rep), pack_heads(lse[rows], rep),
-                                       0.0, False, attn_mask=mask)
-                dq[rows] += unpack_heads(gq, rep)
-                dkv[0, cols] += gk[0].transpose(0, 1)
-                dkv[1, cols] += gv[0].transpose(0, 1)
-            if s == 0:
-                own = dkv
-            else:
-                for r in d_reqs:
-                    r.wait()
-                if s > 1:
-                    dkv += dkv_in  # what the ranks before on the ring added to this chunk
-                d_reqs, dkv_in = rotate(dkv, 2)  # to the chunk's next visitor, or home after the last
-            for r in reqs:
-                r.wait()
-            kv = incoming
-        for r in d_reqs:
-            r.wait()
-        dkv = own + dkv_in if cp > 1 else own
-        return out, [dq, dkv[0], dkv[1]]
-
-    return _timed(step, keep)
+    return _timed(ring_attention.ring_step(q, k, v, g, cu, seq_len, cp, rank), keep)
 
 
 # ---- timed table ------------------------------------------------------------------------------------
@@ -269,31 +192,35 @@ def timed_rows(pool, runs, rounds, checks, warm_up=True):
     kept = {n: pool.run(runs[n][0], *runs[n][1], keep=True, timeout=3600) for n in dict.fromkeys(sum(checks, ()))}
     diff = {(x, y): max(max_diff(a, b) for a, b in zip(kept[x], kept[y])) for x, y in checks}
     del kept
-    times = {n: [] for n in names}  # per round: [per-rank {"wall", "busy"}]
-    for r in range(rounds + warm_up):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for n in order:
-            result = pool.run(runs[n][0], *runs[n][1], timeout=3600)
-            if r or not warm_up:
-                times[n].append(result)
+    times = harness.interleaved_rounds(names, lambda n: pool.run(runs[n][0], *runs[n][1], timeout=3600), rounds,
+                                       warmup=int(warm_up))  # per round: [per-rank {"wall", "busy"}]
     return times, diff
 
 
 def report(s, cu_docs, times, diff):
+    """Print the timed table of one S; return its figures."""
     def per_round(name, key):  # cp1: both ranks run the whole sequence (their mean); cp2: the slowest rank
         pick = statistics.mean if name.startswith("cp1") else max
         return [pick(rank[key] for rank in ranks) for ranks in times[name]]
 
     def ratio(a, b, key):  # median over rounds of per-round ratios
-        return statistics.median(x / y for x, y in zip(per_round(a, key), per_round(b, key)))
+        return harness.ratio_stats(per_round(a, key), per_round(b, key))["median"]
+
+    ratios = {}
 
     def both(a, b, scale=1.0):
-        return f"wall {ratio(a, b, 'wall') / scale:>6.3f}  busy {ratio(a, b, 'busy') / scale:>6.3f}"
+        pair = ratios[f"{a} / {b}" + (f" / {scale:.3f}" if scale != 1.0 else "")] = {
+            "wall": ratio(a, b, "wall") / scale, "busy": ratio(a, b, "busy") / scale}
+        return f"wall {pair['wall']:>6.3f}  busy {pair['busy']:>6.3f}"
 
     pair_ratio = pairs(cu_docs) / pairs([0, s])
+    figures = {"seq": s, "load_average": os.getloadavg()[0], "documents": len(cu_docs) - 1,
+               "pairs_of_causal": pair_ratio, "contenders": {}, "ratios": ratios,
+               "ring_vs_all_gather_max_abs_difference": max(diff.values())}
     print(f"S={s}  ({load()}; documents: {len(cu_docs) - 1}, pairs {pair_ratio:.3f} of causal)")
     for n in times:
         busy = [statistics.median(ranks[r]["busy"] for ranks in times[n]) for r in range(2)]
+        figures["contenders"][n] = {"wall_s": statistics.median(per_round(n, "wall")), "busy_s": busy}
         print(f"  {n:<18} wall {statistics.median(per_round(n, 'wall')):>7.3f} s   busy rank0 {busy[0]:>7.3f} s"
               f"  rank1 {busy[1]:>7.3f} s")
     print(f"  causal / non-causal (cp1):          {both('cp1 causal', 'cp1 non-causal')}"
@@ -316,12 +243,12 @@ def report(s, cu_docs, times, diff):
     if above:
         # Both cp=1 ranks run the same work: how far apart they are is the noise of one measurement.
         spread = max(abs(ranks[0]["busy"] / ranks[1]["busy"] - 1) for n in above for ranks in times[n])
+        figures["cp1_rank_spread"] = spread
         print(f"  note: a speedup above 2.0 is more than 2 cores give for the same attention calls; this row's "
               f"noise: the two cp=1 ranks, doing identical work, differ by up to {100 * spread:.0f}% (busy)")
+    return figures
 
 # ---- on the emulated wire ---------------------------------------------------------------------------
-PROBE_RATE = "2gbit"  # --wire auto: the rate first entered, from which the final one is derived
-
 
 def wire_contenders(s, cu_docs, masks):
     """name -> (rank function, args): cp=2 all-gather (both layouts for documents), each with its
@@ -368,29 +295,28 @@ def kv_alone(pool, seq_len):
 def pick_rate(pool, link, seq_len, share):
     """--wire auto: the rate at which the K/V all-gather alone takes ``share`` of cp=2 causal attention
     (fwd+bwd, unshaped) at S=seq_len. A tbf transfer costs CPU time plus bytes / rate, so two measurements
-    (unshaped and at the probe rate) give the rate; it is measured again after. Returns why, printable."""
+    (unshaped and at the probe rate) give the rate; it is measured again after. Returns (why, printable;
+    the figures)."""
     import wire
 
-    probe = link.rate
-    link.set_rate(None)
-    attention = [max(r["wall"] for r in pool.run(all_gather_run, seq_len, 2, [0, seq_len], True, "2cp", False,
-                                                   timeout=3600)) for _ in range(2)][-1]
-    unshaped = kv_alone(pool, seq_len)[0]
-    link.set_rate(probe)
-    probed = kv_alone(pool, seq_len)[0]
-    target = share * attention
-    rate = wire.rate_for_time(target, unshaped, probed, probe)
-    link.set_rate(rate)
-    now = kv_alone(pool, seq_len)[0]
+    def target():  # attention fwd+bwd on the unshaped wire, the second of two runs
+        return share * [max(r["wall"] for r in pool.run(all_gather_run, seq_len, 2, [0, seq_len], True, "2cp",
+                                                          False, timeout=3600)) for _ in range(2)][-1]
+
+    picked = harness.calibrate_wire(link, lambda: kv_alone(pool, seq_len)[0], target)
+    attention, unshaped, probed = picked["target"] / share, picked["unshaped"], picked["probed"]
+    probe, rate = picked["probe_rate"], picked["rate"]
+    now = picked["all_gather_at_rate_s"] = kv_alone(pool, seq_len)[0]
     return (f"rate picked so that the K/V all-gather alone takes {share:.0%} of cp=2 causal attention "
             f"(fwd+bwd) at S={seq_len}: attention {attention:.2f} s unshaped; the all-gather alone "
             f"{1000 * unshaped:.0f} ms unshaped, {1000 * probed:.0f} ms at {wire.rate_text(probe)} -> "
             f"{wire.rate_text(rate)}, where it takes {1000 * now:.0f} ms ({now / attention:.1%}). The all-gather "
             f"is O(S), causal attention O(S^2): at 2S its share halves. Under documents attention is "
-            f"O(S x document length): its share stays about the same with S.")
+            f"O(S x document length): its share stays about the same with S."), picked
 
 
 def wire_report(s, cu_docs, times, diff, gather_alone):
+    """Print the wire table of one S; return its figures."""
     def per_round(name, key):  # the slowest rank (ranks wait for each other)
         return [max(rank[key] for rank in ranks) for ranks in times[name]]
 
@@ -398,17 +324,23 @@ def wire_report(s, cu_docs, times, diff, gather_alone):
         return [sum(rank["busy"] for rank in ranks) / (2 * max(rank["wall"] for rank in ranks))
                 for ranks in times[name]]
 
+    ratios = {}
+
     def ratio(a, b):  # median over rounds of per-round ratios, and their range
-        ratios = [x / y for x, y in zip(per_round(a, "wall"), per_round(b, "wall"))]
-        return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+        stats = ratios[f"{a} / {b}"] = harness.ratio_stats(per_round(a, "wall"), per_round(b, "wall"))
+        return harness.ratio_text(stats)
 
     pair_ratio = pairs(cu_docs) / pairs([0, s])
+    figures = {"seq": s, "load_average": os.getloadavg()[0], "documents": len(cu_docs) - 1,
+               "pairs_of_causal": pair_ratio, "all_gather_alone_s": gather_alone, "contenders": {},
+               "wall_ratios": ratios, "max_abs_difference": {f"{a} vs {b}": d for (a, b), d in diff.items()}}
     print(f"S={s}  ({load()}; documents: {len(cu_docs) - 1}, pairs {pair_ratio:.3f} of causal)")
     print(f"  {'contender':<36} {'wall s':>7} {'busy r0 s':>9} {'busy r1 s':>9} {'CPU-busy':>8} "
           f"{'all-gather alone / wall':>23}")
     for n in times:
         wall = statistics.median(per_round(n, "wall"))
         busy = [statistics.median(ranks[r]["busy"] for ranks in times[n]) for r in range(2)]
+        figures["contenders"][n] = {"wall_s": wall, "busy_s": busy, "cpu_busy": statistics.median(busy_share(n))}
         print(f"  {n:<36} {wall:>7.3f} {busy[0]:>9.3f} {busy[1]:>9.3f} {statistics.median(busy_share(n)):>8.2f} "
               f"{gather_alone / wall:>23.1%}")
     for ag in [n for n in times if n.startswith("all-gather")]:
@@ -422,6 +354,7 @@ def wire_report(s, cu_docs, times, diff, gather_alone):
         print(f"  {ag + ' / keep:':<52} {ratio(ag, keep)}   (above 1: what the backward's second all-gather costs)")
     for (a, b), d in diff.items():
         print(f"  max abs difference (out and grads), {a} vs {b}: {d:.1e}")
+    return figures
 
 
 def main(argv=None):
@@ -440,28 +373,41 @@ def main(argv=None):
     import wire
 
     wire.add_argument(parser)
+    harness.add_json_argument(parser)
     args = parser.parse_args(argv)
     on_wire = args.wire != "off"
     args.seq = args.seq or ([8192, 16384, 32768] if on_wire else [2048, 4096, 8192])
     args.rounds = args.rounds or (3 if on_wire else 5)
-    link = wire.enter(PROBE_RATE if args.wire == "auto" else args.wire, "float32")
-    print(f"{load()} at start ({os.cpu_count()} CPUs)\n")
-    if args.work_seq:
-        work_table(args.work_seq, args.draws)
+    link = harness.enter_wire(args.wire, "float32")
+    with harness.json_output(args.json, "cp_attention", argv) as figures:
+        figures.update(heads_q=HQ, heads_kv=HKV, head_dim=D, kernel=KERNEL, rounds=args.rounds)
+        print(f"{load()} at start ({os.cpu_count()} CPUs)\n")
+        if args.work_seq:
+            figures["work"] = work_table(args.work_seq, args.draws)
+        timed(args, link, on_wire, figures)
+    return 0
+
+
+def timed(args, link, on_wire, figures):
+    """The timed tables (on loopback or on the wire); figures["timed"]: one entry per S."""
     from l3plugin.ranks import RankPool
 
     began = time.perf_counter()
     print(f"== Timed, fwd+bwd, fp32, kernel {KERNEL}: 2 gloo ranks on this CPU, cp 4 and 8 only simulated "
           f"above; median of {args.rounds} interleaved rounds ==")
     print(link.describe(), flush=True)
+    figures["timed"] = []
     with RankPool(2) as pool:
         if args.wire == "auto":
-            print("  " + pick_rate(pool, link, min(args.seq), args.kv_share), flush=True)
+            why, figures["calibration"] = pick_rate(pool, link, min(args.seq), args.kv_share)
+            print("  " + why, flush=True)
+        figures["rate_bits"] = link.rate
         for s in args.seq:
             cu_docs = document_lengths(s, torch.Generator().manual_seed(s))
             if not on_wire:
                 checks = (("cp2 causal", "ring causal"), ("cp2 docs 2cp", "ring docs"))
-                report(s, cu_docs, *timed_rows(pool, contenders(s, cu_docs), args.rounds, checks))
+                figures["timed"].append(report(s, cu_docs, *timed_rows(pool, contenders(s, cu_docs), args.rounds,
+                                                                       checks)))
                 continue
             gather, lines = kv_alone(pool, s)
             print(f"S={s}, K/V of {s // 2} tokens per rank, {HKV} heads of {D}, fp32:\n{lines}", flush=True)
@@ -471,10 +417,9 @@ def main(argv=None):
                     checks += [(f"all-gather {m} plain", f"all-gather {m} overlapped"),
                                (f"all-gather {m} overlapped", f"ring {m.split()[0]}"),
                                (f"all-gather {m} overlapped", f"all-gather {m} overlapped regather")]
-            wire_report(s, cu_docs, *timed_rows(pool, wire_contenders(s, cu_docs, args.masks), args.rounds,
-                                                checks, warm_up=False), gather)
+            figures["timed"].append(wire_report(s, cu_docs, *timed_rows(
+                pool, wire_contenders(s, cu_docs, args.masks), args.rounds, checks, warm_up=False), gather))
     print(f"\n{load()} at the end; timed part {time.perf_counter() - began:.0f} s")
-    return 0
 
 
 if __name__ == "__main__":

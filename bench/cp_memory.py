@@ -14,7 +14,8 @@ the figures do not depend on the machine's load.
 
 Planner columns (l3plugin/planner/costs.py, LayoutCosts for the same model, TP, CP and S):
 ``attention_saved`` (Q, K, V, the attention output, fp32 softmax statistics per head, + the other ranks'
-K/V with --cp-kv keep) and ``gathered_kv`` (what keep adds). Asserts nothing; prints the table.
+K/V with --cp-kv keep) and ``gathered_kv`` (what keep adds). Asserts nothing; prints the table; --json: every
+figure as JSON on stdout (bench/harness.py), from which bench/docs_tables.py renders docs/cp.md's table.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+
+import harness  # noqa: E402
 
 from l3plugin.planner.costs import Layout, LayoutCosts  # noqa: E402
 from l3plugin.planner.machine import Hardware  # noqa: E402
@@ -69,8 +72,6 @@ def planner_estimate(model, tp, cp, seq_len):
 
 
 def main(argv=None):
-    from l3plugin.ranks import RankPool
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
@@ -78,12 +79,23 @@ def main(argv=None):
     parser.add_argument("--model", default="llama3-405b", help="a planner preset or ModelSpec JSON")
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--doc-len", type=int, default=1500)
+    harness.add_json_argument(parser)
     args = parser.parse_args(argv)
     model = load_model(args.model)
     if model.num_attention_heads % args.tp or model.num_kv_heads % args.tp:
         parser.error(f"--tp {args.tp} must divide the heads of {model.name} ({model.num_attention_heads} query, "
                      f"{model.num_kv_heads} K/V)")
     hq, hkv, d = model.num_attention_heads // args.tp, model.num_kv_heads // args.tp, model.head_dim
+    with harness.json_output(args.json, "cp_memory", argv) as figures:
+        figures.update(model=model.name, tp=args.tp, heads_q=hq, heads_kv=hkv, head_dim=d, doc_len=args.doc_len,
+                       dtype="bfloat16", micro_batch=1, rows=[], skipped=[])
+        table(args, model, hq, hkv, d, figures)
+
+
+def table(args, model, hq, hkv, d, figures):
+    """Measure and print every (cp, S) row; the figures go to ``figures`` (bytes)."""
+    from l3plugin.ranks import RankPool
+
     print(f"Saved for the backward by one CP attention layer, per GPU: {model.name} at TP {args.tp} "
           f"({hq} query heads, {hkv} K/V heads, head dim {d}), bf16, micro-batch 1, {args.doc_len}-token "
           f"documents. Measured: saved-tensor census after the forward (largest rank). MiB.")
@@ -95,12 +107,17 @@ def main(argv=None):
         with RankPool(cp) as pool:
             for seq_len in args.seq:
                 if seq_len % (2 * cp):
+                    figures["skipped"].append({"cp": cp, "seq": seq_len,
+                                               "why": f"S must be divisible by 2 x cp = {2 * cp}"})
                     print(f"{cp:>3} {seq_len:>6} | skipped: S must be divisible by 2 x cp = {2 * cp}")
                     continue
                 ranks = pool.run(saved_per_layer, seq_len, hq, hkv, d, args.doc_len, timeout=1800)
                 keep = max(r["keep"] for r in ranks)
                 regather = max(r["regather"] for r in ranks)
                 p_regather, p_keep, p_gathered = planner_estimate(model, args.tp, cp, seq_len)
+                figures["rows"].append({"cp": cp, "seq": seq_len, "keep": keep, "regather": regather,
+                                        "planner_keep": p_keep, "planner_regather": p_regather,
+                                        "planner_gathered_kv": p_gathered})
                 ratios = f"{keep / p_keep:.3f} / {regather / p_regather:.3f} / {(keep - regather) / p_gathered:.3f}"
                 print(f"{cp:>3} {seq_len:>6} | {keep / MIB:>8.2f} {regather / MIB:>8.2f} {(keep - regather) / MIB:>8.2f} "
                       f"| {p_keep / MIB:>12.2f} {p_regather / MIB:>8.2f} {p_gathered / MIB:>11.2f} | {ratios:>16}")

@@ -14,14 +14,16 @@ Contenders, on 2 gloo ranks (one thread each, the 2 cores):
   no [S, S] mask; HF's SDPA would build one), so both cores are busy as under cp=2 and only CP differs;
 - cp=2: the two ranks are one CP group ("balanced" layout, K/V regathered for the backward, the default):
   each holds S/2 tokens.
-Rounds interleave the contenders (A, B, A, B, ...; a warm-up step of each first, not counted); the table
-gives each one's median step time (cp=1: the mean of its ranks; cp=2: the slowest rank) and the median over
-rounds of the per-round ratio cp2 / cp1, of wall times and of busy (CPU) times. Other processes on the machine stretch wall times: the load average
-is printed with the figures.
+Rounds interleave the contenders (bench/harness.py: each round runs both, the order alternating; a warm-up
+round of each first, not counted); the table gives each one's median step time (cp=1: the mean of its
+ranks; cp=2: the slowest rank) and the median over rounds of the per-round ratio cp2 / cp1, of wall times and
+of busy (CPU) times. Other processes on the machine stretch wall times: the load average is printed with the
+figures.
 
 Memory: one forward per contender under l3plugin.debug.SavedTensorCensus (torch's saved-tensor hooks):
 "peak" is the most bytes autograd's saved tensors held at once during the forward, "held" what they hold
 when it ends (what the backward needs); the largest rank. Not timed, independent of load. Asserts nothing.
+--json: every figure as JSON on stdout, the table on stderr.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+
+import harness  # noqa: E402
 
 MIB = 2**20
 _MODELS = {}  # per worker: cp -> the model with CP enabled (built once, reused by every round)
@@ -73,11 +76,9 @@ def packed_row(seq_len, seed=0):
 
 
 def step(cp, seq_len, census=False):
-    """One forward + backward on this rank: {"wall", "busy"} seconds (busy: this process's CPU time, which other
-    processes on the machine hardly stretch; time blocked in a collective is not busy) or, with census, the
-    saved-tensor bytes."""
-    import torch.distributed as dist
-
+    """One forward + backward on this rank: {"wall", "busy"} seconds (wall: this rank's own, from a barrier;
+    busy: this process's CPU time, which other processes on the machine hardly stretch; time blocked in a
+    collective is not busy) or, with census, the saved-tensor bytes."""
     from l3plugin.debug.saved_tensors import SavedTensorCensus
 
     torch.set_num_threads(1)
@@ -91,21 +92,26 @@ def step(cp, seq_len, census=False):
         held, peak = tally.held_bytes(), tally.peak
         del loss
         return {"held": held, "peak": peak}
-    dist.barrier()
-    start, cpu = time.perf_counter(), time.process_time()
-    loss = model(input_ids=ids, position_ids=positions, labels=ids).loss
-    loss.backward()
-    return {"wall": time.perf_counter() - start, "busy": time.process_time() - cpu}
+    timing, _ = harness.barrier_timed(lambda: model(input_ids=ids, position_ids=positions, labels=ids).loss.backward())
+    return {"wall": timing["own"], "busy": timing["busy"]}
 
 
 def main(argv=None):
-    from l3plugin.ranks import RankPool
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--rounds", type=int, default=4)
+    harness.add_json_argument(parser)
     args = parser.parse_args(argv)
+    with harness.json_output(args.json, "hf_cp", argv) as figures:
+        figures["rows"] = table(args)
+
+
+def table(args):
+    """Print the table; return its rows (seconds, bytes)."""
+    from l3plugin.ranks import RankPool
+
+    rows = []
     print(f"transformers Llama (2 layers, hidden 256, 8 query / 2 K/V heads), fp32, one packed row, forward + "
           f"backward, 2 gloo ranks x 1 thread; load average at start {os.getloadavg()[0]:.2f}")
     header = (f"{'S':>6} {'docs':>5} | {'cp1 s':>7} {'cp2 s':>7} {'cp2/cp1':>8} {'(range)':>13} {'busy':>6} | "
@@ -116,25 +122,30 @@ def main(argv=None):
         for seq_len in args.seq:
             docs = packed_row(seq_len)[2]
             memory = {cp: pool.run(step, cp, seq_len, True, timeout=3600) for cp in (1, 2)}
-            for cp in (1, 2):  # warm-up, not counted
-                pool.run(step, cp, seq_len, timeout=3600)
-            walls, busy = {1: [], 2: []}, {1: [], 2: []}
-            for _ in range(args.rounds):
-                for cp in (1, 2):
-                    ranks = pool.run(step, cp, seq_len, timeout=3600)
-                    pick = statistics.mean if cp == 1 else max  # cp=1: ranks run alone; cp=2: they wait
-                    walls[cp].append(pick(r["wall"] for r in ranks))
-                    busy[cp].append(pick(r["busy"] for r in ranks))
-            ratios = [b / a for a, b in zip(walls[1], walls[2])]
-            busy_ratio = statistics.median(b / a for a, b in zip(busy[1], busy[2]))
+            runs = harness.interleaved_rounds((1, 2), lambda cp: pool.run(step, cp, seq_len, timeout=3600),
+                                              args.rounds)  # a warm-up round first, not counted
+            walls, busy = {}, {}
+            for cp, results in runs.items():
+                pick = statistics.mean if cp == 1 else max  # cp=1: ranks run alone; cp=2: they wait
+                walls[cp] = [pick(r["wall"] for r in ranks) for ranks in results]
+                busy[cp] = [pick(r["busy"] for r in ranks) for ranks in results]
+            ratio = harness.ratio_stats(walls[2], walls[1])
+            busy_ratio = harness.ratio_stats(busy[2], busy[1])["median"]
             peak = {cp: max(r["peak"] for r in memory[cp]) for cp in (1, 2)}
             held = {cp: max(r["held"] for r in memory[cp]) for cp in (1, 2)}
+            rows.append({"seq": seq_len, "documents": docs, "step_s": {str(cp): statistics.median(walls[cp])
+                                                                        for cp in (1, 2)},
+                         "cp2_over_cp1": ratio, "busy_cp2_over_cp1": busy_ratio, "load_average": os.getloadavg()[0],
+                         "peak_bytes": {str(cp): peak[cp] for cp in (1, 2)},
+                         "held_bytes": {str(cp): held[cp] for cp in (1, 2)}})
+            spread = f"{ratio['min']:.2f}..{ratio['max']:.2f}"
             print(f"{seq_len:>6} {docs:>5} | {statistics.median(walls[1]):>7.3f} {statistics.median(walls[2]):>7.3f} "
-                  f"{statistics.median(ratios):>8.3f} {f'{min(ratios):.2f}..{max(ratios):.2f}':>13} {busy_ratio:>6.3f} | "
+                  f"{ratio['median']:>8.3f} {spread:>13} {busy_ratio:>6.3f} | "
                   f"{peak[1] / MIB:>12.1f} {peak[2] / MIB:>7.1f} {peak[2] / peak[1]:>6.3f} | "
                   f"{held[1] / MIB:>12.1f} {held[2] / MIB:>7.1f} {held[2] / held[1]:>6.3f}", flush=True)
     print(f"load average at end {os.getloadavg()[0]:.2f}; cp2/cp1: median of per-round ratios of wall times (ideal "
           "0.5: half the tokens per rank), busy: the same for CPU times; memory: largest rank")
+    return rows
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ it (encoder compute on the critical path / step) for the three encoder placement
 0 per micro-batch), broadcast (rank 0 before and after the pipeline) and replicated (every PP rank encodes
 ceil(B/P) images). Encoder: ViT-H/14-like (width 1280, MLP 5120) with Llama 3's 40 layers, trainable.
 Times: FLOPs / (--peak-tflops x --mfu); communication: bytes / --bandwidth-gbps (0: free).
-Prints tables, asserts nothing.
+Prints tables, asserts nothing; --json (either section): every figure as JSON on stdout, the tables on stderr
+(bench/harness.py; bench/docs_tables.py renders docs/pipeline.md's simulated tables from it).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import harness  # noqa: E402
 
 from l3plugin.planner.encoder_costs import (  # noqa: E402
     PLACEMENTS,
@@ -69,7 +70,7 @@ def add_simulated_parser(subparsers) -> None:
     parser.add_argument("--bandwidth-gbps", type=float, default=Hardware.inter_node_gbps,
                         help="GB/s per GPU for P2P and the encoder's collectives over PP (default the network's "
                              "50; 0: communication free)")
-    parser.add_argument("--json", action="store_true", help="print every figure as JSON instead of tables")
+    harness.add_json_argument(parser)
     parser.set_defaults(func=run_simulated)
 
 
@@ -152,9 +153,8 @@ def run_simulated(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(result))
-    else:
+    with harness.json_output(args.json, "multimodal_pp", args.argv) as figures:
+        figures.update(result)
         print_simulated(result)
     return 0
 
@@ -178,7 +178,7 @@ def add_real_parser(subparsers) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after a warm-up round (default 5)")
     parser.add_argument("--png", metavar="FOLDER", help="also draw one measured step of the balanced and the count "
                         "split (replicated, first depth) as timelines")
-    parser.add_argument("--json", action="store_true")
+    harness.add_json_argument(parser)
     parser.set_defaults(func=run_real)
 
 
@@ -217,7 +217,6 @@ def _timed_step(name, timeline=False) -> dict:
     """On every rank: one training step of a contender: wall (barrier to barrier) and this rank's CPU seconds
     (its compute, plus the CPU its gloo traffic costs on loopback; waiting costs none). ``timeline``: also the
     rank's forward / backward step calls, labelled by its plan (bench/measured_timeline.py)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     import measured_timeline
@@ -226,13 +225,8 @@ def _timed_step(name, timeline=False) -> dict:
 
     calls = []
     with measured_timeline.record_steps(calls) if timeline else contextlib.nullcontext():
-        dist.barrier()
-        start, cpu = time.perf_counter(), time.process_time()
-        _TRAINERS[name].step(returns_record=False)
-        busy = time.process_time() - cpu
-        dist.barrier()
-        wall = time.perf_counter() - start
-    result = {"wall": wall, "busy": busy}
+        timing, _ = harness.barrier_timed(lambda: _TRAINERS[name].step(returns_record=False))
+    result = {"wall": timing["wall"], "busy": timing["busy"]}
     if timeline:
         trainer, run = _TRAINERS[name], _TRAINERS[name].run
         flags = trainable_stages(trainer.chunks, ps.get_pipeline_model_parallel_group(), torch.device("cpu"))
@@ -261,6 +255,7 @@ def _backward_ratio(hidden, heads, seq, repeats=7) -> dict:
     """In one process: backward / forward seconds of a self-attention layer, trainable and frozen (input
     gradients only), medians of interleaved repeats on the same input."""
     import statistics
+    import time
 
     from l3plugin.demo import multimodal_model as mm
     from l3plugin.mesh import init_mesh
@@ -293,15 +288,10 @@ def real(args) -> dict:
 
     runs = real_runs(args)
     names = list(runs)
-    record = {name: [] for name in names}
     with RankPool(2, preload=("megatron.core",), keep_state=True) as pool:
         pool.run(_build_trainers, runs, timeout=900)
-        for round_id in range(args.rounds + 1):
-            order = names if round_id % 2 else names[::-1]  # rotate: no contender always first
-            for name in order:
-                result = pool.run(_timed_step, name, timeout=900)
-                if round_id:  # round 0 warms up
-                    record[name].append(result)
+        record = harness.interleaved_rounds(names, lambda name: pool.run(_timed_step, name, timeout=900),
+                                            args.rounds)
         pictures = _draw_timelines(pool, [f"replicated depth {args.encoder_depths[0]}", "count split"],
                                    args.png) if args.png else []
         ratio = pool.run(_backward_ratio, args.hidden, args.heads, args.text_seq, timeout=900)[0]  # a new mesh
@@ -310,7 +300,7 @@ def real(args) -> dict:
         return [max(r["wall"] for r in ranks) for ranks in record[name]]
 
     def per_round_ratio(a, b):
-        return statistics.median(x / y for x, y in zip(wall(a), wall(b)))
+        return harness.ratio_stats(wall(a), wall(b))["median"]
 
     depth0 = args.encoder_depths[0]
     baseline = {name: (f"replicated depth {name.split()[-1]}" if "depth" in name else f"replicated depth {depth0}")
@@ -321,8 +311,8 @@ def real(args) -> dict:
         rows.append({"contender": name, "counts": list(runs[name].counts), "step_s": statistics.median(wall(name)),
                      "busy_s": busy, "busy_max_over_min": max(busy) / min(busy),
                      "step_vs_baseline": per_round_ratio(name, baseline[name]), "baseline": baseline[name]})
-    return {"setup": {k: v for k, v in vars(args).items() if k != "func"}, "kinds": REAL_KINDS, "rows": rows,
-            "backward_over_forward": ratio, "pictures": pictures}
+    return {"setup": {k: v for k, v in vars(args).items() if k not in ("func", "argv", "json")},
+            "kinds": REAL_KINDS, "rows": rows, "backward_over_forward": ratio, "pictures": pictures}
 
 
 def print_real(result: dict) -> None:
@@ -331,7 +321,7 @@ def print_real(result: dict) -> None:
           f"micro-batch 1 sample: {setup['text_seq']} text tokens, one image of {setup['image_tokens']} tokens "
           f"(every 5th micro-batch, j % 5 == 1, without); text hidden {setup['hidden']}, layers {result['kinds']} "
           f"(S frozen); ViT width {setup['encoder_width']}; medians of {setup['rounds']} interleaved rounds")
-    print(f"  {'contender':<22} {'layers per stage':<16} {'step s':>7} {'rank busy s':>13} {'busy max/min':>12} "
+    print(f"  {'contender':<22} {'layers per stage':<16} {'step s':>7} {'rank CPU s':>13} {'CPU max/min':>12} "
           f"{'step / baseline (per-round median)':>34}")
     for row in result["rows"]:
         busy = "/".join(f"{b:.3f}" for b in row["busy_s"])
@@ -345,11 +335,9 @@ def print_real(result: dict) -> None:
 
 
 def run_real(args) -> int:
-    result = real(args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_real(result)
+    with harness.json_output(args.json, "multimodal_pp", args.argv) as figures:
+        figures.update(real(args))
+        print_real(figures)
     return 0
 
 
@@ -363,6 +351,7 @@ def main(argv=None) -> int:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "simulated")
     args = parser.parse_args(argv)
+    args.argv = argv
     return args.func(args)
 
 

@@ -5,17 +5,18 @@ CPU run timing l3plugin's flexible schedule against Megatron-Core's stock interl
     .venv/bin/python bench/pp_schedule.py --no-real    # simulation tables only (seconds)
     .venv/bin/python bench/pp_schedule.py --wire auto  # 2 ranks, pp=2, vpp 2..4 on an emulated wire (~8 min)
 
-Prints tables, asserts nothing. Simulation costs: forward 1, backward 2, P2P latency 0 or 0.1 forward.
+Prints tables, asserts nothing; --json: every figure as JSON on stdout, the tables on stderr (bench/harness.py).
+Simulation costs: forward 1, backward 2, P2P latency 0 or 0.1 forward.
 "Bubble" is the paper's idle / (forward + backward) time of the worst rank; "in-flight" is the peak
 number of microbatch activations a rank holds (in units of one chunk's activations), worst rank.
 
 On a wire (``--wire RATE|PRESET|auto``, bench/wire.py; ``auto``: the rate at which one activation
 send alone takes ``--send-share`` of the smallest chunk's forward, from two measurements, printed): 2 gloo
 ranks (one per core), pp=2, for each vpp stock interleaved (k = p) and flexible k = p, 1.5p, 2p, each with
-the wire shaped and unshaped (the namespace's loopback), interleaved over rounds (order reversed every other
-round; a warm-up round first). Printed: one chunk's forward and one activation send alone; per contender the
-step time (slowest rank, median) off and on the wire, the medians of per-round ratios wire / no wire and
-wire / stock on the wire (range), CPU-busy, the peak bytes autograd holds for backward (a census through
+the wire shaped and unshaped (the namespace's loopback), interleaved over rounds (bench/harness.py: the order
+rotating by one contender per round; a warm-up round first). Printed: one chunk's forward and one activation
+send alone; per contender the step time (slowest rank, median) off and on the wire, the medians of per-round
+ratios wire / no wire and wire / stock on the wire (range), CPU-busy, the peak bytes autograd holds for backward (a census through
 saved_tensors_hooks, larger rank; in-flight activations), the simulated peak in-flight, whether every run's
 gradients are identical, and where the flexible executor blocks (seconds in its receive and send calls).
 Stock runs with deallocate_pipeline_outputs off: it frees an output right after starting its isend, which
@@ -25,7 +26,6 @@ gloo may still be reading (a known trap on gloo; NCCL's stream ordering makes it
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' toy pipeline and CPU shim
 
 import torch  # noqa: E402
+
+import harness  # noqa: E402
 
 from l3plugin.debug.saved_tensors import SavedTensorCensus  # noqa: E402
 from l3plugin.schedule.plan import build_schedule  # noqa: E402
@@ -63,6 +65,8 @@ def variants(p, v, m):
 
 
 def simulation_table(settings, latencies):
+    """Print the table; return its rows as dicts."""
+    rows = []
     header = (f"{'p':>3} {'v':>2} {'m':>3}  {'schedule':<30} {'stock?':>6} "
               + " ".join(f"{'bubble@lat=' + str(lat):>14}" for lat in latencies) + f" {'in-flight':>9}")
     print(header)
@@ -73,13 +77,17 @@ def simulation_table(settings, latencies):
             bubbles = [simulate(sched, 1.0, 2.0, lat).bubble_ratio for lat in latencies]
             inflight = max(plan.peak_inflight() for plan in sched.ranks)
             ok = "yes" if stock_accepts(p, vv, m, k) else "NO"
+            rows.append({"p": p, "v": vv, "m": m, "k": k, "schedule": name, "stock_accepts": ok == "yes",
+                         "bubble": dict(zip(map(str, latencies), bubbles)), "inflight": inflight})
             print(f"{p:>3} {vv:>2} {m:>3}  {name:<30} {ok:>6} "
                   + " ".join(f"{b:>14.3f}" for b in bubbles) + f" {inflight:>9}")
         print()
+    return rows
 
 
 def real_run(steps, hidden, seq, mbs):
-    """4 gloo ranks, pp=4 vpp=2, m=8, k=4: the same model and data under both schedules, alternating."""
+    """4 gloo ranks, pp=4 vpp=2, m=8, k=4: the same model and data under both schedules, alternating.
+    Returns the printed figures."""
     from l3plugin.ranks import RankPool
 
     print(f"Real CPU run: 4 gloo ranks, pp=4 vpp=2 m=8 k=4, toy model hidden={hidden} seq={seq} "
@@ -91,7 +99,10 @@ def real_run(steps, hidden, seq, mbs):
     f_med, s_med = statistics.median(flex), statistics.median(stock)
     print(f"  median step time  flexible {f_med * 1e3:8.1f} ms   stock {s_med * 1e3:8.1f} ms   "
           f"ratio flexible/stock {f_med / s_med:.3f}")
-    print(f"  identical gradients: {all(rank['identical'] for rank in times)}")
+    identical = all(rank["identical"] for rank in times)
+    print(f"  identical gradients: {identical}")
+    return {"steps": steps, "hidden": hidden, "seq": seq, "micro_batch": mbs, "flexible_step_s": f_med,
+            "stock_step_s": s_med, "flexible_over_stock": f_med / s_med, "identical_gradients": identical}
 
 
 def toy_model(p, v, m, k, layers, hidden, seq, mbs, deallocate_outputs=True):
@@ -113,7 +124,6 @@ def toy_model(p, v, m, k, layers, hidden, seq, mbs, deallocate_outputs=True):
 
 def _timed_steps(steps, hidden, seq, mbs):
     import torch
-    import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from l3plugin.megatron import forward_backward_pipelining_flexible
     import toy_pipeline as toy
@@ -121,64 +131,39 @@ def _timed_steps(steps, hidden, seq, mbs):
 
     m = 8  # pp=4 vpp=2 m=8 k=4, as real_run says
     mesh, chunks, batches = toy_model(4, 2, m, 4, 16, hidden, seq, mbs)
-    stock_fn = get_forward_backward_func()
-    out = {"flexible": [], "stock": [], "identical": True}
+    schedules = {"flexible": forward_backward_pipelining_flexible, "stock": get_forward_backward_func()}
 
-    def step(fn):
+    def step(name):
         for c in chunks:
             c.zero_grad(set_to_none=True)
-        dist.barrier(group=mesh.pp_group)
-        start = time.perf_counter()
-        fn(forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks],
-           model=chunks, num_microbatches=m, seq_length=seq, micro_batch_size=mbs)
-        dist.barrier(group=mesh.pp_group)
-        return time.perf_counter() - start, {lid: g[0] for c in chunks for lid, g in c.grads().items()}
+        timing, _ = harness.barrier_timed(lambda: schedules[name](
+            forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
+            num_microbatches=m, seq_length=seq, micro_batch_size=mbs), group=mesh.pp_group)
+        return timing["wall"], {lid: g[0] for c in chunks for lid, g in c.grads().items()}
 
     with stock_schedules_on_cpu():
-        for i in range(steps + 1):  # the first pair warms up and is not counted
-            tf, gf = step(forward_backward_pipelining_flexible)
-            ts, gs = step(stock_fn)
-            out["identical"] &= all(torch.equal(gf[lid], gs[lid]) for lid in gf)
-            if i:
-                out["flexible"].append(tf)
-                out["stock"].append(ts)
-    return out
+        runs = harness.interleaved_rounds(schedules, step, steps)  # a warm-up round first, not counted
+    identical = all(torch.equal(gf[lid], gs[lid]) for (_, gf), (_, gs) in zip(runs["flexible"], runs["stock"])
+                    for lid in gf)
+    return {"flexible": [t for t, _ in runs["flexible"]], "stock": [t for t, _ in runs["stock"]],
+            "identical": identical}
 
 
 # ---- on the emulated wire: 2 ranks, pp=2 ----------------------------------------------------------------
 WIRE_P = 2
-PROBE_RATE = "2gbit"  # --wire auto: the rate first entered, from which the final one is derived
 
 
 # Where the flexible executor blocks (l3plugin/schedule/comm.py), timed per step: a receive returns when its
 # message is here; a send only posts (and completes finished sends); wait_sent / finish block on sends.
-CHANNEL_WAITS = (("recv", "recv"), ("send", "send"), ("wait_sent", "wait_sent"), ("finish", "finish"))
+CHANNEL_WAITS = ("recv", "send", "wait_sent", "finish")
 
 
-@contextlib.contextmanager
 def timed_channel_waits(seconds):
     """Within the block, add the seconds spent in each CHANNEL_WAITS method of PipelineChannels to
-    ``seconds[label]`` (the stock schedule does not use them: its entries stay 0)."""
+    ``seconds[method]`` (the stock schedule does not use them: its entries stay 0)."""
     from l3plugin.schedule.comm import PipelineChannels
 
-    originals = {method: getattr(PipelineChannels, method) for method, _ in CHANNEL_WAITS}
-
-    def timed(method, label):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return originals[method](*args, **kwargs)
-            finally:
-                seconds[label] += time.perf_counter() - start
-        return wrapper
-
-    for method, label in CHANNEL_WAITS:
-        setattr(PipelineChannels, method, timed(method, label))
-    try:
-        yield
-    finally:
-        for method, original in originals.items():
-            setattr(PipelineChannels, method, original)
+    return harness.timed_methods(PipelineChannels, CHANNEL_WAITS, seconds)
 
 
 def wire_contenders(v):
@@ -190,7 +175,6 @@ def wire_contenders(v):
 
 def _wire_step(v, m, k, stock, layers, hidden, seq, mbs):
     """On every rank: one timed training step (wall, CPU busy, peak saved-activation bytes, grads)."""
-    import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
@@ -202,17 +186,13 @@ def _wire_step(v, m, k, stock, layers, hidden, seq, mbs):
     mesh, chunks, batches = toy_model(WIRE_P, v, m, k, layers, hidden, seq, mbs, deallocate_outputs=not stock)
     census = SavedTensorCensus()
     fn = get_forward_backward_func() if stock else forward_backward_pipelining_flexible
-    waits = {label: 0.0 for _, label in CHANNEL_WAITS}
+    waits = dict.fromkeys(CHANNEL_WAITS, 0.0)
     with stock_schedules_on_cpu(), census.hooks, timed_channel_waits(waits):
-        dist.barrier(group=mesh.pp_group)
-        start, cpu = time.perf_counter(), time.process_time()
-        fn(forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks],
-           model=chunks, num_microbatches=m, seq_length=seq, micro_batch_size=mbs)
-        busy = time.process_time() - cpu
-        dist.barrier(group=mesh.pp_group)
-        wall = time.perf_counter() - start
+        timing, _ = harness.barrier_timed(lambda: fn(
+            forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
+            num_microbatches=m, seq_length=seq, micro_batch_size=mbs), group=mesh.pp_group)
     grads = {lid: g[0] for c in chunks for lid, g in c.grads().items()}
-    return {"wall": wall, "busy": busy, "peak": census.peak, "grads": grads, "waits": waits}
+    return {"wall": timing["wall"], "busy": timing["busy"], "peak": census.peak, "grads": grads, "waits": waits}
 
 
 def _chunk_forward_seconds(v, layers, hidden, seq, mbs, repeats=5):
@@ -243,9 +223,11 @@ def _activation_send_alone(numel):
 
 
 def wire_run(pool, link, args):
-    """pp=2 on 2 ranks; per vpp, every contender with the wire on and off, interleaved, in one run."""
+    """pp=2 on 2 ranks; per vpp, every contender with the wire on and off, interleaved, in one run. Returns the
+    printed figures."""
     import wire
 
+    figures = {}
     p, m, hidden, seq, mbs, layers = WIRE_P, args.microbatches, args.hidden, args.seq, args.mbs, args.layers
     numel = seq * mbs * hidden
     chunk_fwd = {v: max(pool.run(_chunk_forward_seconds, v, layers, hidden, seq, mbs)) for v in args.vpp}
@@ -253,40 +235,44 @@ def wire_run(pool, link, args):
           f"Linear({hidden})+tanh, fp32, activation [seq {seq}, mbs {mbs}, hidden {hidden}] = "
           f"{numel * 4 / 1e6:.2f} MB; one chunk's forward on one microbatch (unshaped, measured): "
           + ", ".join(f"vpp {v} ({layers // (p * v)} layers) {1000 * t:.1f} ms" for v, t in chunk_fwd.items()))
+    figures["chunk_forward_s"] = {str(v): t for v, t in chunk_fwd.items()}
+    figures["activation_bytes"] = numel * 4
     if args.wire == "auto":
-        smallest = chunk_fwd[max(args.vpp)]
-        probe = link.rate
-        link.set_rate(None)
-        unshaped = max(r["activation send, one way"][0] for r in pool.run(_activation_send_alone, numel))
-        link.set_rate(probe)
-        probed = max(r["activation send, one way"][0] for r in pool.run(_activation_send_alone, numel))
-        link.set_rate(wire.rate_for_time(args.send_share * smallest, unshaped, probed, probe))
+        def send_alone():
+            return max(r["activation send, one way"][0] for r in pool.run(_activation_send_alone, numel))
+
+        figures["calibration"] = picked = harness.calibrate_wire(link, send_alone,
+                                                                 args.send_share * chunk_fwd[max(args.vpp)])
         print(f"  rate picked so that one activation send alone takes {args.send_share:.0%} of the smallest "
-              f"chunk's forward (vpp {max(args.vpp)}): {1000 * unshaped:.1f} ms unshaped, {1000 * probed:.1f} ms "
-              f"at {wire.rate_text(probe)} -> {wire.rate_text(link.rate)}")
-    rate = link.rate
+              f"chunk's forward (vpp {max(args.vpp)}): {1000 * picked['unshaped']:.1f} ms unshaped, "
+              f"{1000 * picked['probed']:.1f} ms at {wire.rate_text(picked['probe_rate'])} -> "
+              f"{wire.rate_text(link.rate)}")
+    rate = figures["rate_bits"] = link.rate
     alone = pool.run(_activation_send_alone, numel)
-    send = max(r["activation send, one way"][0] for r in alone)
+    send = figures["activation_send_alone_s"] = max(r["activation send, one way"][0] for r in alone)
     print(link.describe())
     print(wire.collectives_alone_text(alone, numel))
     print("  activation send alone / one chunk's forward: "
           + ", ".join(f"vpp {v} {send / t:.0%}" for v, t in chunk_fwd.items()), flush=True)
     for v in args.vpp:
-        runs = [(name, k, stock, wired) for name, k, stock in wire_contenders(v) for wired in (False, True)]
-        times = {(name, wired): [] for name, _, _, wired in runs}
-        reference, differ = None, set()  # grads of the first run; who ever differed from them
-        for round_id in range(args.rounds + 1):  # round 0 warms up and is not counted
-            order = runs if round_id % 2 else runs[::-1]
-            for name, k, stock, wired in order:
-                link.set_rate(rate if wired else None)
-                result = pool.run(_wire_step, v, m, k, stock, layers, hidden, seq, mbs, timeout=1800)
-                reference = reference or [r["grads"] for r in result]
-                if not all(all(torch.equal(a[lid], r["grads"][lid]) for lid in a) for a, r in zip(reference, result)):
-                    differ.add(f"{name}{' on the wire' if wired else ''}")
-                if round_id:
-                    times[(name, wired)].append(result)
+        runs = {(name, wired): (k, stock) for name, k, stock in wire_contenders(v) for wired in (False, True)}
+        reference, differ = [], set()  # grads of the first run; who ever differed from them
+
+        def run(key):
+            (name, wired), (k, stock) = key, runs[key]
+            link.set_rate(rate if wired else None)
+            result = pool.run(_wire_step, v, m, k, stock, layers, hidden, seq, mbs, timeout=1800)
+            reference[:] = reference or [r["grads"] for r in result]
+            if not all(all(torch.equal(a[lid], r["grads"][lid]) for lid in a) for a, r in zip(reference, result)):
+                differ.add(f"{name}{' on the wire' if wired else ''}")
+            for r in result:
+                del r["grads"]
+            return result
+
+        times = harness.interleaved_rounds(runs, run, args.rounds)  # a warm-up round first, not counted
         link.set_rate(rate)
-        wire_table(v, m, times, differ)
+        figures[f"vpp {v}"] = wire_table(v, m, times, differ)
+    return figures
 
 
 def wire_table(v, m, times, differ):
@@ -296,9 +282,9 @@ def wire_table(v, m, times, differ):
         return [max(r["wall"] for r in ranks) for ranks in times[key]]
 
     def ratio(a, b):  # median of per-round ratios (range)
-        rs = [x / y for x, y in zip(walls(a), walls(b))]
-        return f"{statistics.median(rs):.3f} ({min(rs):.3f}-{max(rs):.3f})"
+        return harness.ratio_stats(walls(a), walls(b))
 
+    table = {"microbatches": m, "rows": [], "identical_gradients": not differ, "differ": sorted(differ)}
     stock = f"stock interleaved k={p}"
     print(f"\npp={p} vpp={v} m={m}: step ms (slowest rank, median), CPU-busy (both ranks' CPU / (2 cores x wall)), "
           f"peak saved activations (census, larger rank) and simulated peak in-flight (chunk-microbatches)")
@@ -310,22 +296,30 @@ def wire_table(v, m, times, differ):
                                  for ranks in times[(name, True)])
         peak = max(max(r["peak"] for r in ranks) for ranks in times[(name, True)]) / 1e6
         inflight = max(plan.peak_inflight() for plan in build_schedule(p, v, m, k).ranks)
-        print(f"  {name:<24} {1000 * off:>10.0f} {1000 * on:>9.0f} {ratio((name, True), (name, False)):>20} "
-              f"{ratio((name, True), (stock, True)):>20} {busy:>13.2f} {peak:>8.1f} {inflight:>9}")
+        row = {"schedule": name, "k": k, "no_wire_ms": 1000 * off, "wire_ms": 1000 * on,
+               "wire_over_no_wire": ratio((name, True), (name, False)),
+               "wire_over_stock_wire": ratio((name, True), (stock, True)), "cpu_busy_wire": busy,
+               "saved_mb": peak, "inflight": inflight}
+        table["rows"].append(row)
+        print(f"  {name:<24} {1000 * off:>10.0f} {1000 * on:>9.0f} {harness.ratio_text(row['wire_over_no_wire']):>20} "
+              f"{harness.ratio_text(row['wire_over_stock_wire']):>20} {busy:>13.2f} {peak:>8.1f} {inflight:>9}")
     print(f"  gradients identical in every run: {'yes' if not differ else 'NO, ' + ', '.join(sorted(differ))}")
     print("  where the flexible executor blocks, ms per step, median, rank 0 / rank 1 (no wire -> wire): "
-          + ", ".join(label for _, label in CHANNEL_WAITS))
+          + ", ".join(CHANNEL_WAITS))
+    table["waits_ms"] = {}
     for name, _, stock in wire_contenders(v):
         if stock:
             continue
-        cells = []
-        for _, label in CHANNEL_WAITS:
+        cells, table["waits_ms"][name] = [], {}
+        for label in CHANNEL_WAITS:
             per_rank = [[statistics.median(1000 * ranks[r]["waits"][label] for ranks in times[(name, w)])
                          for r in range(p)] for w in (False, True)]
+            table["waits_ms"][name][label] = {"no_wire": per_rank[0], "wire": per_rank[1]}
             cells.append(f"{label} {'/'.join(f'{x:.0f}' for x in per_rank[0])} -> "
                          f"{'/'.join(f'{x:.0f}' for x in per_rank[1])}")
         print(f"    {name:<22} " + "; ".join(cells))
     sys.stdout.flush()
+    return table
 
 
 def main(argv=None):
@@ -344,25 +338,29 @@ def main(argv=None):
     import wire
 
     wire.add_argument(parser)
+    harness.add_json_argument(parser)
     args = parser.parse_args(argv)
     args.hidden, args.seq = args.hidden or 512, args.seq or (128 if args.wire == "off" else 256)
     for v in args.vpp:
         if v < 2 or args.layers % (WIRE_P * v):
             parser.error(f"--vpp {v}: needs vpp >= 2 and --layers ({args.layers}) divisible by 2 x vpp")
-    link = wire.enter(PROBE_RATE if args.wire == "auto" else args.wire, "float32")
-    if link.inside:
-        from l3plugin.ranks import RankPool
+    link = harness.enter_wire(args.wire, "float32")
+    with harness.json_output(args.json, "pp_schedule", argv) as figures:
+        if link.inside:
+            from l3plugin.ranks import RankPool
 
-        with RankPool(2, preload=("megatron.core",)) as pool:
-            wire_run(pool, link, args)
-        return 0
-    latencies = (0.0, 0.1)
-    print("== Paper settings (p = 16) ==")
-    simulation_table([(16, v, m) for v in (2, 4, 8) for m in (16, 32, 48)], latencies)
-    print("== Small settings (p = 4) ==")
-    simulation_table([(4, 2, m) for m in (4, 6, 8, 9, 12)] + [(4, 3, 10)], latencies)
-    if not args.no_real:
-        real_run(args.steps, args.hidden, args.seq, mbs=2)
+            with RankPool(2, preload=("megatron.core",)) as pool:
+                figures["wire"] = wire_run(pool, link, args)
+            return 0
+        latencies = (0.0, 0.1)
+        print("== Paper settings (p = 16) ==")
+        figures["paper_settings"] = simulation_table([(16, v, m) for v in (2, 4, 8) for m in (16, 32, 48)],
+                                                     latencies)
+        print("== Small settings (p = 4) ==")
+        figures["small_settings"] = simulation_table([(4, 2, m) for m in (4, 6, 8, 9, 12)] + [(4, 3, 10)],
+                                                     latencies)
+        if not args.no_real:
+            figures["real"] = real_run(args.steps, args.hidden, args.seq, mbs=2)
     return 0
 
 

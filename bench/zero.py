@@ -7,9 +7,11 @@
 Every variant uses zero_optimization {reduce_bucket_size, allgather_bucket_size: --bucket, overlap_comm (true
 unless the name says "no overlap"), contiguous_gradients: true} and torch AdamW; "ours" adds the top-level key
 "l3plugin": {"fp32_reduce_zero": true, "reduce_every": N (ZeRO-2)}. One RankPool(2) serves the whole run. Per
-gas, each variant's engine is built once in the workers and kept (ENGINES); then every round runs every variant
-once, in the order of VARIANTS (each "ours" next to the run it is compared with; reversed every other round).
-Everything printed is measured; nothing is computed from a model of the hardware. Asserts nothing. Columns:
+gas, each variant's engine is built once in the workers and kept (ENGINES; its three steps there are the warm-up);
+then every round runs every variant once (bench/harness.py's interleaved rounds: the order of VARIANTS, each "ours"
+next to the run it is compared with, rotated by one variant per round). Everything printed is measured; nothing is
+computed from a model of the hardware. Asserts nothing; --json: every figure as JSON on stdout, the tables on
+stderr. Columns:
 
 - step ms: wall time of one optimizer step (--gas x forward, engine.backward, engine.step), slower rank, median.
 - ratio: per round, step time / that of the stock variant of the same stage (ours ZeRO-1 vs stock ZeRO-1, every
@@ -58,6 +60,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import harness  # noqa: E402
 import wire  # noqa: E402
 from l3plugin.ranks import RankPool  # noqa: E402
 
@@ -288,17 +291,12 @@ def prepare_variant(name, gas, micro_batch, width, layers, bucket):
 def timed_round(name):
     """(step seconds, the same step with every collective replaced by a local copy, CPU seconds this process
     (all its threads: compute and the gloo workers) spent in the normal step) of one engine, this rank."""
-    import torch.distributed as dist
-
     from l3plugin.debug import local_collectives
 
     engine = ENGINES[name]
-    dist.barrier()
     with waits_timed(engine) as waits:
-        start, cpu_start = time.perf_counter(), time.process_time()
-        train_step(engine)
-        normal, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    dist.barrier()
+        timing, _ = harness.barrier_timed(lambda: train_step(engine))
+    normal, cpu = timing["own"], timing["busy"]
     with local_collectives(extra_targets=cached_comm_functions(), p2p=True):
         start = time.perf_counter()
         train_step(engine)
@@ -315,33 +313,13 @@ WAITS = (("_complete", "RS waits"), ("finish_grad_sync", "finish_grad_sync (back
          ("wait_param_gather", "AG waits in fwd"), ("all_gather_params", "AG in step"))
 
 
-@contextlib.contextmanager
 def waits_timed(engine):
     """Seconds this rank spends inside the WAITS methods during the block ({} for stock engines)."""
     from l3plugin.zero.optimizer import FP32ReduceZero
 
-    spent: dict = {}
     if not hasattr(engine.optimizer, "zero"):
-        yield spent
-        return
-    originals = {method: getattr(FP32ReduceZero, method) for method, _ in WAITS}
-
-    def timed(method, original):
-        def run(self, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                spent[method] = spent.get(method, 0.0) + time.perf_counter() - start
-        return run
-
-    for method, original in originals.items():
-        setattr(FP32ReduceZero, method, timed(method, original))
-    try:
-        yield spent
-    finally:
-        for method, original in originals.items():
-            setattr(FP32ReduceZero, method, original)
+        return contextlib.nullcontext({})
+    return harness.timed_methods(FP32ReduceZero, [method for method, _ in WAITS], {})
 
 
 def collectives_alone(params, bucket, repeats=3):
@@ -380,7 +358,7 @@ def free_engines():
 
 
 # -- parent side ------------------------------------------------------------------------------------------
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gas", type=int, nargs="+", default=[4, 8], help="gradient accumulation steps")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (every variant once per round)")
@@ -393,7 +371,8 @@ def main():
     parser.add_argument("--variants", nargs="+", metavar="NAME", help="run only these variants (names as printed; "
                         "their baselines are added)")
     wire.add_argument(parser)
-    args = parser.parse_args()
+    harness.add_json_argument(parser)
+    args = parser.parse_args(argv)
     link = wire.enter(args.wire, "bfloat16")
     if args.variants:
         unknown = [n for n in args.variants if n not in VARIANTS]
@@ -405,90 +384,105 @@ def main():
             del VARIANTS[name]
     if args.quick:
         args.width, args.layers, args.micro_batch, args.rounds, args.bucket = 256, 2, 16, 2, 2e4
+    with harness.json_output(args.json, "zero", argv) as figures:
+        run(args, link, figures)
+
+
+def run(args, link, figures):
+    """Every table, for every gas; figures: what they print (bytes, seconds)."""
     bucket = int(args.bucket)
+    figures.update(width=args.width, layers=args.layers, micro_batch=args.micro_batch, bucket=bucket,
+                   rounds=args.rounds, rate_bits=link.rate, gas={})
     began = time.perf_counter()
     with RankPool(2) as pool:
         compute = pool.run(measure_compute, args.width, args.layers, args.micro_batch, timeout=300)
-        params = compute[0][1]
+        params = figures["params"] = compute[0][1]
+        figures["forward_backward_ms"] = max(ms for ms, _ in compute)
         print(f"model: {args.layers} x (Linear({args.width}, {args.width}) + Tanh) + Linear({args.width}, 1) = "
               f"{params / 1e6:.1f}M bf16 params; AdamW (torch); 2 gloo ranks, 1 thread each; buckets {bucket:,} "
               f"elements; {args.rounds} rounds\nmicro-batch {args.micro_batch} samples per rank: forward+backward "
               f"{max(ms for ms, _ in compute):.0f} ms (plain bf16 model, both ranks at once, slower rank); "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
         print(link.describe())
-        for name, per_rank in collectives_alone_rows(pool, params, bucket):
-            print(f"  alone on this wire, no compute: {name}: {per_rank}", flush=True)
+        results = pool.run(collectives_alone, params, bucket, timeout=600)
+        figures["collectives_alone_s"] = {}
+        for name in results[0]:
+            wall, cpu = max(r[name][0] for r in results), max(r[name][1] for r in results)
+            figures["collectives_alone_s"][name] = {"wall": wall, "cpu": cpu}
+            print(f"  alone on this wire, no compute: {name}: {1000 * wall:.0f} ms wall, {1000 * cpu:.0f} ms CPU "
+                  "(slower rank, median)", flush=True)
         for gas in args.gas:
             info = {name: pool.run(prepare_variant, name, gas, args.micro_batch, args.width, args.layers, bucket,
                                    timeout=1800) for name in VARIANTS}
-            step = {name: [] for name in VARIANTS}
-            exposed = {name: [] for name in VARIANTS}
-            busy = {name: [] for name in VARIANTS}
-            waits = {name: [] for name in VARIANTS}  # per round: per rank {method: seconds}
-            for round_index in range(args.rounds):
-                for name in list(VARIANTS)[::1 if round_index % 2 == 0 else -1]:
-                    per_rank = pool.run(timed_round, name, timeout=1800)
-                    normal, local = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
-                    step[name].append(normal)
-                    exposed[name].append(normal - local)
-                    # Both ranks' CPU seconds over what the machine's cores offer in the step's wall time.
-                    busy[name].append(sum(r[2] for r in per_rank) / (os.cpu_count() * normal))
-                    waits[name].append([r[3] for r in per_rank])
+            rounds = harness.interleaved_rounds(VARIANTS, lambda name: pool.run(timed_round, name, timeout=1800),
+                                                args.rounds, warmup=0)  # prepare_variant's steps warmed up
+            step, exposed, busy, waits = {}, {}, {}, {}  # waits: per round, per rank {method: seconds}
+            for name, results in rounds.items():
+                step[name] = [max(r[0] for r in per_rank) for per_rank in results]
+                exposed[name] = [t - max(r[1] for r in per_rank) for t, per_rank in zip(step[name], results)]
+                # Both ranks' CPU seconds over what the machine's cores offer in the step's wall time.
+                busy[name] = [sum(r[2] for r in per_rank) / (os.cpu_count() * t)
+                              for t, per_rank in zip(step[name], results)]
+                waits[name] = [[r[3] for r in per_rank] for per_rank in results]
             pool.run(free_engines, timeout=300)
-            print_table(gas, args, params, info, step, exposed, busy)
-            print_waits(gas, waits)
+            figures["gas"][str(gas)] = {"rows": print_table(gas, args, params, info, step, exposed, busy),
+                                        "waits_ms": print_waits(gas, waits),
+                                        "load_average": os.getloadavg()[0]}
             print(f"(load average {os.getloadavg()[0]:.1f} at the end of gas {gas})", flush=True)
-    print(f"\ntotal run time {time.perf_counter() - began:.0f} s")
-
-
-def collectives_alone_rows(pool, params, bucket):
-    results = pool.run(collectives_alone, params, bucket, timeout=600)
-    for name in results[0]:
-        wall, cpu = max(r[name][0] for r in results), max(r[name][1] for r in results)
-        yield name, f"{1000 * wall:.0f} ms wall, {1000 * cpu:.0f} ms CPU (slower rank, median)"
+    figures["run_time_s"] = time.perf_counter() - began
+    print(f"\ntotal run time {figures['run_time_s']:.0f} s")
 
 
 def print_waits(gas, waits):
-    """Per rank, the median ms ours spent blocked in each WAITS method per step: which rank waits, and where."""
+    """Per rank, the median ms ours spent blocked in each WAITS method per step: which rank waits, and where.
+    Returns {variant: {label: [rank 0 ms, rank 1 ms]}}."""
+    table = {}
     print(f"\ngas {gas}, where ours waits per step (ms, median of rounds), rank 0 / rank 1: "
           + ", ".join(label for _, label in WAITS))
     for name, rounds in waits.items():
         if not rounds or not rounds[0][0]:
             continue
-        cells = []
+        cells, table[name] = [], {}
         for method, label in WAITS:
-            per_rank = [statistics.median(1000 * r[rank].get(method, 0.0) for r in rounds) for rank in range(2)]
+            per_rank = table[name][label] = [statistics.median(1000 * r[rank].get(method, 0.0) for r in rounds)
+                                             for rank in range(2)]
             cells.append(f"{label} {per_rank[0]:.0f} / {per_rank[1]:.0f}")
         print(f"  {name:<40} " + "; ".join(cells), flush=True)
-
-
-def ratio_text(top, bottom):
-    """Median of the per-round ratios, with their range: the machine is shared, the spread says how much."""
-    ratios = [a / b for a, b in zip(top, bottom)]
-    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+    return table
 
 
 def print_table(gas, args, params, info, step, exposed, busy):
+    """Print one gas's table; return its rows. Ratios: the median of per-round ratios with their range (the
+    machine is shared: the spread says how much)."""
+    rows = []
     header = (f"{'gas ' + str(gas):<38} {'optimizer':<24} {'step ms':>7} {'ratio (range)':>16} {'exposed ms':>10} "
               f"{'exp/coll (range)':>17} {'CPU busy':>8} {'grad B/param':>12} {'in bwd/all':>10} {'grad err':>8}  coll MB/step")
     print(f"\n{header}\n{'-' * len(header)}")
     for name, (stage, _, _, _) in VARIANTS.items():
         rank0, baseline, twin = info[name][0], STOCK_OF_STAGE[stage], NO_OVERLAP_TWIN.get(name)
-        ratio = ratio_text(step[name], step[baseline]) if name != baseline else "-"
-        fraction = ratio_text(exposed[name], exposed[twin]) if twin else "-"
-        grad = max(r["grad_bytes"] for r in info[name]) / params
+        row = {"variant": name, "optimizer": rank0["optimizer"], "step_ms": 1000 * statistics.median(step[name]),
+               "ratio": harness.ratio_stats(step[name], step[baseline]) if name != baseline else None,
+               "baseline": baseline, "exposed_ms": 1000 * statistics.median(exposed[name]),
+               "exposed_over_collectives": harness.ratio_stats(exposed[name], exposed[twin]) if twin else None,
+               "cpu_busy": statistics.median(busy[name]),
+               "grad_bytes_per_param": max(r["grad_bytes"] for r in info[name]) / params,
+               "reductions_in_backward": rank0["in_backward"], "reductions": rank0["reductions"],
+               "grad_error": rank0["grad_error"], "collective_bytes": rank0["comm"]}
+        rows.append(row)
+        ratio = harness.ratio_text(row["ratio"], 2) if row["ratio"] else "-"
+        fraction = harness.ratio_text(row["exposed_over_collectives"], 2) if twin else "-"
         comm = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in sorted(rank0["comm"].items()))
-        print(f"{name:<38} {rank0['optimizer']:<24} {1000 * statistics.median(step[name]):>7.0f} {ratio:>16} "
-              f"{1000 * statistics.median(exposed[name]):>10.0f} {fraction:>17} {statistics.median(busy[name]):>8.2f} "
-              f"{grad:>12.2f} "
+        print(f"{name:<38} {rank0['optimizer']:<24} {row['step_ms']:>7.0f} {ratio:>16} {row['exposed_ms']:>10.0f} "
+              f"{fraction:>17} {row['cpu_busy']:>8.2f} {row['grad_bytes_per_param']:>12.2f} "
               f"{rank0['in_backward']:>5}/{rank0['reductions']:<4} {rank0['grad_error']:>8.1e}  {comm}", flush=True)
     if args.census_detail:
         for name in VARIANTS:
             for rank, r in enumerate(info[name]):
-                rows = sorted(r["detail"].items(), key=lambda kv: -kv[1][1])
+                largest = sorted(r["detail"].items(), key=lambda kv: -kv[1][1])
                 print(f"  census {name}, rank {rank}: " + "; ".join(
-                    f"{n} x {label} = {b / 1e6:.2f} MB" for label, (n, b) in rows[:8]))
+                    f"{n} x {label} = {b / 1e6:.2f} MB" for label, (n, b) in largest[:8]))
+    return rows
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

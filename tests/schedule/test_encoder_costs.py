@@ -206,7 +206,11 @@ def test_bench_simulated_json_smoke():
                            "--vpp", "1", "--microbatches", "4", "--image-tokens", "300"],
                           capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+    record = json.loads(done.stdout)
+    assert record["bench"] == "multimodal_pp" and record["command"][1:] == ["simulated", "--json", "--pp", "2", "4",
+                                                                           "--vpp", "1", "--microbatches", "4",
+                                                                           "--image-tokens", "300"]
+    result = record["figures"]
     assert [(row["pp"], row["vpp"]) for row in result["rows"]] == [(2, 1), (4, 1)]
     for row in result["rows"]:
         assert set(row["placements"]) == set(PLACEMENTS)

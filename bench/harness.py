@@ -1,0 +1,179 @@
+"""The scaffolding every bench in bench/ shares, written once:
+
+- ``interleaved_rounds``: warm-up rounds (not kept), then timed rounds in which every contender runs once, the
+  order rotating by one contender per round (``round_order``), so no contender always runs first or after the
+  same neighbour; the machine is shared, and its drift falls on every contender alike.
+- ``ratio_stats`` / ``ratio_text``: the median of per-round ratios, with their range (a ratio taken within a
+  round compares runs made under the same load).
+- ``barrier_timed``: one step on a rank between two barriers: wall (barrier to barrier, what the slowest rank
+  sets), own (this rank's step alone) and busy (this process's CPU seconds in it).
+- ``timed_methods``: the seconds a step spends blocked in chosen methods (a pipeline receive, a collective's wait).
+- ``enter_wire`` / ``calibrate_wire``: ``--wire auto`` (bench/wire.py) enters at PROBE_RATE, then picks the rate
+  at which one transfer takes a target time, from its time unshaped and at the probe rate.
+- ``json_output``: ``--json``: the tables go to stderr and every printed figure, with the command line, a UTC
+  timestamp and machine facts, goes to stdout as one JSON object (bench/docs_tables.py renders docs tables
+  from it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+PROBE_RATE = "2gbit"  # --wire auto: the rate first entered, from which the final one is derived
+
+
+# ---- rounds ----------------------------------------------------------------------------------------------
+def round_order(names, round_index: int) -> list:
+    """The order of round ``round_index`` (warm-up rounds counted): the contenders starting from the
+    (round_index mod n)-th, cyclically. Over n rounds each contender runs once in every position."""
+    names = list(names)
+    if not names:
+        raise ValueError("round_order: no contenders (names is empty)")
+    start = round_index % len(names)
+    return names[start:] + names[:start]
+
+
+def interleaved_rounds(names, run, rounds: int, warmup: int = 1) -> dict:
+    """Run ``run(name)`` for every contender once per round: ``warmup`` rounds first (results dropped), then
+    ``rounds`` kept, each round in ``round_order``. Returns {name: [result of each kept round, in order]}."""
+    names = list(names)
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"interleaved_rounds: rounds={rounds}, warmup={warmup}: needs rounds >= 1, warmup >= 0")
+    kept = {name: [] for name in names}
+    for index in range(warmup + rounds):
+        for name in round_order(names, index):
+            result = run(name)
+            if index >= warmup:
+                kept[name].append(result)
+    return kept
+
+
+def ratio_stats(top, bottom) -> dict:
+    """Per-round ratios top[i] / bottom[i]: {"median", "min", "max"}."""
+    top, bottom = list(top), list(bottom)
+    if len(top) != len(bottom) or not top:
+        raise ValueError(f"ratio_stats: needs two equally long, non-empty lists (got {len(top)} and {len(bottom)})")
+    ratios = [a / b for a, b in zip(top, bottom)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def ratio_text(stats: dict, digits: int = 3) -> str:
+    """"median (min-max)" of ``ratio_stats``."""
+    return f"{stats['median']:.{digits}f} ({stats['min']:.{digits}f}-{stats['max']:.{digits}f})"
+
+
+# ---- on a rank -------------------------------------------------------------------------------------------
+def barrier_timed(step, group=None):
+    """On every rank of a process group: barrier, ``step()``, barrier. Returns ({"wall": barrier to barrier,
+    "own": to this rank's step end, "busy": this process's CPU seconds in the step}, step's result)."""
+    import torch.distributed as dist
+
+    dist.barrier(group=group)
+    start, cpu = time.perf_counter(), time.process_time()
+    result = step()
+    own, busy = time.perf_counter() - start, time.process_time() - cpu
+    dist.barrier(group=group)
+    return {"wall": time.perf_counter() - start, "own": own, "busy": busy}, result
+
+
+@contextlib.contextmanager
+def timed_methods(cls, methods, seconds: dict):
+    """Within the block, add the seconds spent in each of ``cls``'s ``methods`` (every instance's calls) to
+    ``seconds[method]``: where a step blocks (a receive, a collective's wait). Yields ``seconds``."""
+    originals = {method: getattr(cls, method) for method in methods}
+
+    def timed(method, original):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds[method] = seconds.get(method, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    for method, original in originals.items():
+        setattr(cls, method, timed(method, original))
+    try:
+        yield seconds
+    finally:
+        for method, original in originals.items():
+            setattr(cls, method, original)
+
+
+# ---- the wire --------------------------------------------------------------------------------------------
+def enter_wire(spec: str, dtype_name: str = "bfloat16"):
+    """wire.enter, with ``auto`` entering at PROBE_RATE (calibrate_wire picks the final rate inside)."""
+    import wire
+
+    return wire.enter(PROBE_RATE if spec == "auto" else spec, dtype_name)
+
+
+def calibrate_wire(link, transfer_seconds, target_seconds) -> dict:
+    """``--wire auto``: the rate at which one transfer takes ``target_seconds`` (a number, or a function called
+    with the wire unshaped). ``transfer_seconds()`` times the transfer at the link's current rate. Over tbf a
+    transfer costs its CPU time plus bytes / rate, so its time unshaped and at the probe rate give the rate,
+    which is set. Returns {"target", "unshaped", "probed", "probe_rate", "rate"} (seconds, bits/s)."""
+    import wire
+
+    probe = link.rate
+    link.set_rate(None)
+    target = target_seconds() if callable(target_seconds) else target_seconds
+    unshaped = transfer_seconds()
+    link.set_rate(probe)
+    probed = transfer_seconds()
+    rate = wire.rate_for_time(target, unshaped, probed, probe)
+    link.set_rate(rate)
+    return {"target": target, "unshaped": unshaped, "probed": probed, "probe_rate": probe, "rate": rate}
+
+
+# ---- --json ----------------------------------------------------------------------------------------------
+def add_json_argument(parser) -> None:
+    parser.add_argument("--json", action="store_true", help="print every figure as one JSON object on stdout "
+                        "(the tables go to stderr); bench/docs_tables.py renders docs tables from it")
+
+
+def machine_facts() -> dict:
+    """What a figure depends on besides the code: the machine and its load when the run ended."""
+    import torch
+
+    return {"cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+
+def run_record(bench: str, figures: dict, argv=None) -> dict:
+    """The JSON object a bench prints with --json."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return {"bench": bench, "command": [f"bench/{bench}.py", *argv],
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine_facts(), "figures": figures}
+
+
+@contextlib.contextmanager
+def json_output(enabled: bool, bench: str, argv=None):
+    """Yields the dict a bench fills with every figure it prints. With ``enabled`` (--json), what the block
+    prints goes to stderr (file descriptor 1 too, so worker processes started in it print there) and, when it
+    ends without an error, run_record(...) goes to stdout as one line."""
+    figures: dict = {}
+    if not enabled:
+        yield figures
+        return
+    stdout = sys.stdout
+    stdout.flush()
+    saved_fd = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield figures
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+    stdout.write(json.dumps(run_record(bench, figures, argv)) + "\n")
+    stdout.flush()

@@ -1,0 +1,199 @@
+"""bench/harness.py, the scaffolding every bench shares (rounds, ratios, barrier-timed steps, the wire's
+calibration, --json), and bench/docs_tables.py: a docs table rendered from a fresh run's JSON is the docs' text."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "bench"))  # harness.py and wire.py, imported as the benches do
+
+import docs_tables  # noqa: E402
+import harness  # noqa: E402
+
+
+# ---- rounds and ratios -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_round_order_puts_every_contender_in_every_position_once_per_n_rounds(n):
+    names = [f"c{i}" for i in range(n)]
+    orders = [harness.round_order(names, r) for r in range(n)]
+    for order in orders:
+        assert sorted(order) == names
+    for position in range(n):
+        assert sorted(order[position] for order in orders) == names
+    assert harness.round_order(names, n) == harness.round_order(names, 0) == names
+    assert harness.round_order(names, 1) == names[1:] + names[:1]
+
+
+def test_round_order_refuses_no_contenders():
+    with pytest.raises(ValueError, match="no contenders"):
+        harness.round_order([], 0)
+
+
+def test_interleaved_rounds_drops_the_warm_up_and_keeps_each_round_in_order():
+    calls = []
+
+    def run(name):
+        calls.append(name)
+        return (name, len(calls))
+
+    kept = harness.interleaved_rounds(["a", "b", "c"], run, rounds=3)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]  # warm-up, then 3 rotated
+    assert list(kept) == ["a", "b", "c"]
+    # Each contender's kept results: its calls after the warm-up round, in the order they ran.
+    assert kept["a"] == [("a", 6), ("a", 8), ("a", 10)]
+    assert kept["c"] == [("c", 5), ("c", 7), ("c", 12)]
+    calls.clear()
+    assert harness.interleaved_rounds(["x", "y"], run, rounds=2, warmup=0) == {"x": [("x", 1), ("x", 4)],
+                                                                              "y": [("y", 2), ("y", 3)]}
+    with pytest.raises(ValueError, match="rounds=0"):
+        harness.interleaved_rounds(["x"], run, rounds=0)
+
+
+def test_ratio_stats_is_the_median_of_per_round_ratios_with_their_range():
+    # Round 2 is slow for both contenders: per-round ratios see through it, a ratio of medians does not.
+    top, bottom = [1.0, 10.0, 3.0], [2.0, 10.0, 2.0]
+    stats = harness.ratio_stats(top, bottom)
+    assert stats == {"median": 1.0, "min": 0.5, "max": 1.5}
+    assert harness.ratio_text(stats) == "1.000 (0.500-1.500)"
+    assert harness.ratio_text(stats, digits=2) == "1.00 (0.50-1.50)"
+    with pytest.raises(ValueError, match="equally long"):
+        harness.ratio_stats([1.0], [1.0, 2.0])
+
+
+# ---- on a rank ---------------------------------------------------------------------------------------------
+def test_barrier_timed_times_the_step_between_two_barriers(monkeypatch):
+    import torch.distributed as dist
+
+    events = []
+    monkeypatch.setattr(dist, "barrier", lambda group=None: events.append(("barrier", group)))
+    timing, result = harness.barrier_timed(lambda: events.append("step") or 42, group="pp")
+    assert events == [("barrier", "pp"), "step", ("barrier", "pp")]
+    assert result == 42
+    assert set(timing) == {"wall", "own", "busy"}
+    assert 0 <= timing["own"] <= timing["wall"] and timing["busy"] >= 0
+
+
+def test_timed_methods_adds_up_the_calls_and_restores_the_class():
+    class Channel:
+        def recv(self, x):
+            return x + 1
+
+    original = Channel.recv
+    seconds = {}
+    with harness.timed_methods(Channel, ["recv"], seconds):
+        assert Channel().recv(1) == 2 and Channel().recv(2) == 3
+        assert Channel.recv is not original
+    assert Channel.recv is original and list(seconds) == ["recv"] and seconds["recv"] >= 0
+    with pytest.raises(RuntimeError), harness.timed_methods(Channel, ["recv"], {}):
+        raise RuntimeError("restored even so")
+    assert Channel.recv is original
+
+
+class FakeLink:
+    """A wire whose transfer costs 10 ms of CPU plus 1 MB at its rate (tbf's model)."""
+
+    def __init__(self, rate):
+        self.rate, self.rates = rate, []
+
+    def set_rate(self, rate):
+        self.rate = rate
+        self.rates.append(rate)
+
+    def transfer(self):
+        return 0.01 + (8e6 / self.rate if self.rate else 0.0)
+
+
+def test_calibrate_wire_finds_the_rate_at_which_the_transfer_takes_the_target():
+    import wire
+
+    link = FakeLink(wire.parse_rate(harness.PROBE_RATE))
+    target_seen_at = []
+
+    def target():
+        target_seen_at.append(link.rate)
+        return 0.05
+
+    picked = harness.calibrate_wire(link, link.transfer, target)
+    assert target_seen_at == [None]  # the target is measured on the unshaped wire
+    assert link.rates[:2] == [None, 2 * 10**9] and link.rate == picked["rate"]
+    assert picked["unshaped"] == pytest.approx(0.01) and picked["probed"] == pytest.approx(0.014)
+    assert link.transfer() == pytest.approx(0.05, rel=1e-6)  # 8 Mbit in 40 ms: 200 Mbit/s
+    assert harness.enter_wire("off").inside is False
+
+
+# ---- --json ------------------------------------------------------------------------------------------------
+def test_json_output_sends_the_tables_to_stderr_and_one_record_to_stdout(capsys):
+    with harness.json_output(True, "demo_bench", ["--rounds", "1"]) as figures:
+        print("a table line")
+        figures["rows"] = [{"x": 1}]
+    out, err = capsys.readouterr()
+    assert err == "a table line\n"
+    record = json.loads(out)
+    assert out.count("\n") == 1
+    assert set(record) == {"bench", "command", "timestamp", "machine", "figures"}
+    assert record["bench"] == "demo_bench" and record["command"] == ["bench/demo_bench.py", "--rounds", "1"]
+    assert record["timestamp"].endswith("+00:00")
+    assert record["machine"]["cpu_count"] == os.cpu_count() and len(record["machine"]["load_average"]) == 3
+    assert record["figures"] == {"rows": [{"x": 1}]}
+
+
+def test_json_output_off_prints_tables_only_and_no_record_after_an_error(capsys):
+    with harness.json_output(False, "demo_bench", []) as figures:
+        print("a table line")
+        figures["x"] = 1
+    assert capsys.readouterr() == ("a table line\n", "")
+    with pytest.raises(KeyError), harness.json_output(True, "demo_bench", []):
+        raise KeyError("no figures")
+    assert capsys.readouterr().out == ""
+
+
+# ---- docs tables from a run made now -----------------------------------------------------------------------
+def run_bench(*argv, timeout=120):
+    done = subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    assert done.returncode == 0, f"{argv}: exit {done.returncode}\n{done.stderr[-3000:]}"
+    return done
+
+
+def json_run(tmp_path, *argv, timeout=120):
+    """Run a bench with --json; the saved file and its record (stdout holds only that, the tables go to stderr)."""
+    done = run_bench(*argv, "--json", timeout=timeout)
+    saved = tmp_path / "run.json"
+    saved.write_text(done.stdout)
+    assert len(done.stdout.splitlines()) == 1 and done.stderr, f"{argv}: stdout {done.stdout[:2000]}"
+    return saved, json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("table, argv", [
+    ("multimodal-simulated", ["bench/multimodal_pp.py", "simulated"]),  # the docs' whole table, defaults
+    ("cp-memory", ["bench/cp_memory.py", "--cp", "2", "--seq", "4096"]),  # one row of it (cp 2 and 4: ~2 min)
+    ("pp-simulated", ["bench/pp_schedule.py", "--no-real"]),  # the docs' selected rows of every simulated one
+])
+def test_docs_table_is_what_a_run_made_now_renders(tmp_path, table, argv):
+    saved, record = json_run(tmp_path, *argv)
+    bench, doc, _ = docs_tables.TABLES[table]
+    assert record["bench"] == bench and record["command"] == [*argv, "--json"]
+    rendered = docs_tables.render(table, record)
+    assert len(rendered.splitlines()) >= 3
+    assert docs_tables.missing_lines(rendered, (ROOT / doc).read_text()) == []
+    checked = run_bench("bench/docs_tables.py", table, saved, "--check", doc)
+    assert "holds the" in checked.stdout
+
+
+def test_docs_tables_check_names_what_is_missing_and_refuses_another_bench(tmp_path):
+    record = {"bench": "cp_memory", "command": ["bench/cp_memory.py"], "figures": {"rows": [
+        {"cp": 2, "seq": 4096, "keep": 2**20, "regather": 2**19, "planner_keep": 2**20, "planner_regather": 2**19,
+         "planner_gathered_kv": 2**19}]}}
+    rendered = docs_tables.render("cp-memory", record)
+    assert rendered.splitlines()[-1] == "| 2 | 4K | 1.00 | 0.50 | 0.50 | 1.00 / 0.50 / 0.50 | 1.000 / 1.000 / 1.000 |"
+    assert docs_tables.missing_lines(rendered, (ROOT / "docs/cp.md").read_text()) == [rendered.splitlines()[-1]]
+    saved = tmp_path / "other.json"
+    saved.write_text(json.dumps({**record, "bench": "zero", "command": ["bench/zero.py"]}))
+    done = subprocess.run([sys.executable, str(ROOT / "bench/docs_tables.py"), "cp-memory", str(saved)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "bench/cp_memory.py's --json output" in done.stderr and "'zero'" in done.stderr
