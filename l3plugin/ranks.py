@@ -172,33 +172,14 @@ def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, 
                  keep_state, parent_pid):
     os.setpgid(0, 0)  # a group of its own: killing it ends what the worker started too (helpers, pools)
     _die_with_parent(parent_pid)
-    # Environment first: torch reads OMP_NUM_THREADS when it is imported.
-    os.environ.update({
-        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    })
+    _worker_environment(rank, world_size, port)
     import faulthandler
-    import warnings
-    from datetime import timedelta
-
-    # Said by megatron.core on every process of a CPU machine without TE/apex: noise in every log.
-    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                    "full scope is deprecated", "Mismatch dtype between input and weight"):
-        warnings.filterwarnings("ignore", message=message)
 
     # On SIGUSR1 the parent gets this rank's Python stack: that is how a hang says where it is.
     stack_fh = open(stack_file, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_fh, all_threads=True)
     try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=collective_timeout))
-        for module in preload:
-            __import__(module)
+        _join_group(rank, world_size, port, preload, collective_timeout)
         result_q.put(("ready", rank, True, None))
     except BaseException:
         result_q.put(("ready", rank, False, traceback.format_exc()))
@@ -208,25 +189,61 @@ def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, 
         msg = task_q.get()
         if msg is None:
             break
-        task_id, sys_path, payload = msg
-        # The parent's sys.path lets us import test modules that pytest put on it after we started.
-        for entry in sys_path:
-            if entry not in sys.path:
-                sys.path.append(entry)
-        try:
-            fn, args, kwargs = pickle.loads(payload)
-            result = fn(*args, **kwargs)
-            out = (task_id, rank, True, pickle.dumps(result))
-        except BaseException as exc:  # report everything, including SystemExit from user code
-            out = (task_id, rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        if not keep_state:
-            try:
-                _reset_framework_state()
-            except Exception as exc:  # a stale mesh would poison the next call: fail this one instead
-                out = (task_id, rank, False, f"cleanup after the call failed: {type(exc).__name__}: {exc}\n"
-                                             f"{traceback.format_exc()}")
-        result_q.put(out)
+        result_q.put(_run_task(rank, msg, keep_state))
+    import torch.distributed as dist
+
     dist.destroy_process_group()
+
+
+def _worker_environment(rank, world_size, port):
+    """The rank's environment, set before torch is imported (it reads OMP_NUM_THREADS then), and its filters."""
+    os.environ.update({
+        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    })
+    import warnings
+
+    # Said by megatron.core on every process of a CPU machine without TE/apex: noise in every log.
+    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                    "full scope is deprecated", "Mismatch dtype between input and weight"):
+        warnings.filterwarnings("ignore", message=message)
+
+
+def _join_group(rank, world_size, port, preload, collective_timeout):
+    """One torch thread, the gloo process group of every rank, then the modules to import once."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=collective_timeout))
+    for module in preload:
+        __import__(module)
+
+
+def _run_task(rank, msg, keep_state):
+    """One call on this worker: (task id, rank, True, pickled result) or (..., False, the error and where)."""
+    task_id, sys_path, payload = msg
+    # The parent's sys.path lets us import test modules that pytest put on it after we started.
+    for entry in sys_path:
+        if entry not in sys.path:
+            sys.path.append(entry)
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+        result = fn(*args, **kwargs)
+        out = (task_id, rank, True, pickle.dumps(result))
+    except BaseException as exc:  # report everything, including SystemExit from user code
+        out = (task_id, rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    if not keep_state:
+        try:
+            _reset_framework_state()
+        except Exception as exc:  # a stale mesh would poison the next call: fail this one instead
+            out = (task_id, rank, False, f"cleanup after the call failed: {type(exc).__name__}: {exc}\n"
+                                         f"{traceback.format_exc()}")
+    return out
 
 
 class RankPool:
@@ -248,6 +265,16 @@ class RankPool:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _start(self):
+        """Spawn the workers and wait until every rank has joined the gloo group; else kill them and raise."""
+        self._spawn()
+        outcomes = self._collect("ready", self.start_timeout)
+        failures = self._failures(outcomes, "start-up", self.start_timeout)
+        if failures:
+            self._kill()
+            raise DistributedTestError(f"could not start {self.world_size} gloo ranks:\n"
+                                       + "\n".join(map(str, failures)))
+
+    def _spawn(self):
         ctx = mp.get_context("spawn")
         self._tmpdir = tempfile.mkdtemp(prefix="l3plugin-ranks-")
         self._result_q = ctx.Queue()
@@ -263,19 +290,20 @@ class RankPool:
             p.start()
             _STARTED_WORKERS.add(p.pid)
             self._procs.append(p)
-        outcomes = self._collect("ready", self.start_timeout)
-        failures = [f for f in outcomes.values() if isinstance(f, RankFailure)]
-        if failures or len(outcomes) < self.world_size:
-            missing = [r for r in range(self.world_size) if r not in outcomes]
-            failures += self._hang_failures(missing, "start-up", self._why_missing(failures, self.start_timeout))
-            self._kill()
-            raise DistributedTestError(f"could not start {self.world_size} gloo ranks:\n"
-                                       + "\n".join(map(str, failures)))
 
     def _stack_file(self, rank):
         return os.path.join(self._tmpdir, f"stack-rank{rank}.txt")
 
     def _kill(self):
+        """SIGKILL the workers and what they started, then free the queues and the stack files."""
+        self._kill_workers()
+        for q in [self._result_q, *self._task_qs]:
+            q.cancel_join_thread()
+            q.close()
+        self._procs = []
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def _kill_workers(self):
         for p in self._procs:
             _kill_group(p.pid)  # the worker and anything it started, even after the worker itself ended
             if p.is_alive():
@@ -284,11 +312,6 @@ class RankPool:
             p.join(timeout=10)
             if p.is_alive():  # SIGKILL not delivered in 10 s: only a process stuck in the kernel does that
                 raise DistributedTestError(f"worker {p.name} (pid {p.pid}) survived SIGKILL for 10 s")
-        for q in [self._result_q, *self._task_qs]:
-            q.cancel_join_thread()
-            q.close()
-        self._procs = []
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     @property
     def pids(self) -> list[int]:
@@ -329,6 +352,20 @@ class RankPool:
     def _run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
         if not self._procs:
             self._start()
+        task_id = self._send_task(fn, args, kwargs)
+        outcomes = self._collect(task_id, timeout)
+        failures = self._failures(outcomes, getattr(fn, "__qualname__", str(fn)), timeout)
+        if failures:
+            failures.sort(key=lambda f: (f.kind != "raised", f.rank))
+            self.restart()  # collectives may be half done: never reuse that process group
+            summary = ", ".join(f"rank {f.rank} {f.kind}" for f in failures)
+            raise DistributedTestError(
+                f"{getattr(fn, '__qualname__', fn)} failed on {self.world_size} ranks ({summary}):\n"
+                + "\n".join(map(str, failures)))
+        return [pickle.loads(outcomes[r]) for r in range(self.world_size)]
+
+    def _send_task(self, fn, args, kwargs) -> int:
+        """Hand ``fn(*args, **kwargs)`` to every worker; returns the call's id."""
         task_id = next(self._ids)
         try:
             payload = pickle.dumps((fn, args, kwargs))
@@ -337,19 +374,7 @@ class RankPool:
                             "Use a module-level function and picklable arguments.") from exc
         for q in self._task_qs:
             q.put((task_id, list(sys.path), payload))
-        outcomes = self._collect(task_id, timeout)
-        failures = [f for f in outcomes.values() if isinstance(f, RankFailure)]
-        missing = [r for r in range(self.world_size) if r not in outcomes]
-        if failures or missing:
-            failures += self._hang_failures(missing, getattr(fn, "__qualname__", str(fn)),
-                                            self._why_missing(failures, timeout))
-            failures.sort(key=lambda f: (f.kind != "raised", f.rank))
-            self.restart()  # collectives may be half done: never reuse that process group
-            summary = ", ".join(f"rank {f.rank} {f.kind}" for f in failures)
-            raise DistributedTestError(
-                f"{getattr(fn, '__qualname__', fn)} failed on {self.world_size} ranks ({summary}):\n"
-                + "\n".join(map(str, failures)))
-        return [pickle.loads(outcomes[r]) for r in range(self.world_size)]
+        return task_id
 
     def _collect(self, task_id, timeout):
         """Results by rank: pickled bytes on success, RankFailure on error or death."""
@@ -362,9 +387,7 @@ class RankPool:
             try:
                 tid, rank, ok, data = self._result_q.get(timeout=min(_POLL, deadline - now))
             except queue.Empty:
-                for rank, p in enumerate(self._procs):
-                    if rank not in outcomes and not p.is_alive():
-                        outcomes[rank] = RankFailure(rank, "died", f"process exited with code {p.exitcode}")
+                self._note_deaths(outcomes)
                 if any(isinstance(o, RankFailure) for o in outcomes.values()):
                     deadline = min(deadline, time.monotonic() + self.grace)
                 continue
@@ -376,6 +399,18 @@ class RankPool:
                 deadline = min(deadline, time.monotonic() + self.grace)
         return outcomes
 
+    def _note_deaths(self, outcomes):
+        """A RankFailure in ``outcomes`` for every worker that ended without answering."""
+        for rank, p in enumerate(self._procs):
+            if rank not in outcomes and not p.is_alive():
+                outcomes[rank] = RankFailure(rank, "died", f"process exited with code {p.exitcode}")
+
+    def _failures(self, outcomes, what, timeout) -> list[RankFailure]:
+        """The ranks that raised or died, then the ranks with no answer (hung, with where they are)."""
+        failures = [f for f in outcomes.values() if isinstance(f, RankFailure)]
+        missing = [r for r in range(self.world_size) if r not in outcomes]
+        return failures + self._hang_failures(missing, what, self._why_missing(failures, timeout))
+
     def _why_missing(self, failures, timeout):
         if failures:
             return (f"no answer {self.grace:g} s after rank {failures[0].rank} {failures[0].kind}; "
@@ -383,22 +418,22 @@ class RankPool:
         return f"no answer within the timeout of {timeout:g} s"
 
     def _hang_failures(self, ranks, what, why):
-        failures = []
-        for rank in ranks:
-            p = self._procs[rank] if rank < len(self._procs) else None
-            stack = ""
-            if p is not None and p.is_alive():
-                try:
-                    os.kill(p.pid, signal.SIGUSR1)
-                    time.sleep(0.3)
-                    with open(self._stack_file(rank)) as fh:
-                        stack = fh.read()
-                except OSError:
-                    pass
-            failures.append(RankFailure(
-                rank, "hung",
-                f"did not finish {what}: {why}. Where it is:\n{_task_stack(stack) or '(no stack)'}"))
-        return failures
+        return [RankFailure(rank, "hung", f"did not finish {what}: {why}. Where it is:\n"
+                                          f"{_task_stack(self._stack_of(rank)) or '(no stack)'}")
+                for rank in ranks]
+
+    def _stack_of(self, rank) -> str:
+        """A live worker's Python stacks (faulthandler's dump on SIGUSR1); empty if it cannot tell."""
+        p = self._procs[rank] if rank < len(self._procs) else None
+        if p is None or not p.is_alive():
+            return ""
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(0.3)
+            with open(self._stack_file(rank)) as fh:
+                return fh.read()
+        except OSError:
+            return ""
 
 
 def _task_stack(stack: str) -> str:

@@ -128,6 +128,209 @@ def _model_device(model) -> torch.device:
     return torch.device("cpu")
 
 
+
+def _checked_config(model, data_iterator, adjust_tensor_shapes_fn):
+    """The model's Megatron config, after refusing what the flexible schedule does not support."""
+    from megatron.core.utils import get_model_config
+
+    if len(data_iterator) != len(model):
+        raise ValueError(f"data_iterator has {len(data_iterator)} entries but model has {len(model)} "
+                         f"chunks: pass one iterator per model chunk")
+    config = get_model_config(model[0])
+    if adjust_tensor_shapes_fn is not None or getattr(config, "variable_seq_lengths", False):
+        raise NotImplementedError("the flexible schedule sends fixed [seq, batch, hidden] tensors: "
+                                  "adjust_tensor_shapes_fn and variable_seq_lengths are not supported")
+    return config
+
+
+def _step_plan(config, model, pp_group, num_microbatches, forward_only, device):
+    """``_cached_plan`` for this step: k from the config, the trainable stages agreed over the PP group."""
+    p, r, v = pp_group.size(), pp_group.rank(), len(model)
+    k = config.microbatch_group_size_per_vp_stage
+    k = p if k is None else k
+    if k == p and num_microbatches < p:
+        k = num_microbatches  # Megatron's default k = p: fewer microbatches than that make one group
+    # Forward-only: nothing needs a gradient (no collective either).
+    trainable = (False,) * (p * v) if forward_only else trainable_stages(model, pp_group, device)
+    try:
+        return _cached_plan(p, v, num_microbatches, k, bool(forward_only), r, trainable)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (group_size is config.microbatch_group_size_per_vp_stage, set by "
+                         f"--microbatch-group-size-per-virtual-pipeline-stage)") from None
+
+
+def _per_chunk(funcs, num_chunks):
+    """A config hook as one function per chunk (Megatron takes one function or a list of them)."""
+    if funcs is not None and not isinstance(funcs, list):
+        return [funcs] * num_chunks
+    return funcs
+
+
+def _all_of(context_funcs):
+    """``config.no_sync_func`` as one context-manager factory (Megatron takes one or a list of them)."""
+    if not isinstance(context_funcs, list):
+        return context_funcs or contextlib.nullcontext
+
+    def enter_all():
+        stack = contextlib.ExitStack()
+        for f in context_funcs:
+            stack.enter_context(f())
+        return stack
+    return enter_all
+
+
+class SyncHooks:
+    """The config's synchronisation hooks and the points of one step where they run.
+
+    Gradient reduction is off (``no_sync_func``) except for a chunk's completed gradients (Megatron's DDP
+    contract): during the chunk's last backward when there is no ``grad_sync_func``, else right after it
+    with that function; ``round_grad_sync_func`` runs after the last backward of every (chunk, round).
+    ``param_sync_func`` starts chunks' parameter all-gathers at ``param_sync_points``."""
+
+    def __init__(self, config, model, schedule, pp_rank, grad_sync_points, round_ends, forward_only):
+        self.model, self.schedule, self.forward_only = model, schedule, forward_only
+        self.grad_sync_points, self.round_ends = grad_sync_points, round_ends
+        self.no_sync = _all_of(config.no_sync_func)
+        self.grad_sync = _per_chunk(config.grad_sync_func, len(model))
+        self.round_sync = getattr(config, "round_grad_sync_func", None)
+        self.param_sync = None if forward_only else _per_chunk(config.param_sync_func, len(model))
+        self.param_points = ({} if self.param_sync is None
+                             else param_sync_points(schedule.ranks[pp_rank], pp_rank, len(model)))
+        self._no_sync_context = None
+
+    def disable(self):
+        if self._no_sync_context is None and not self.forward_only:
+            self._no_sync_context = self.no_sync()
+            self._no_sync_context.__enter__()
+
+    def enable(self):
+        if self._no_sync_context is not None:
+            self._no_sync_context.__exit__(None, None, None)
+            self._no_sync_context = None
+
+    def start_param_gathers(self, forward_index):
+        """The parameter all-gathers due at this rank's ``forward_index``-th forward (-1: before the first)."""
+        for c in self.param_points.get(forward_index, ()):
+            self.param_sync[c](self.model[c].parameters())
+
+    def before_backward(self, index):
+        if index in self.grad_sync_points and self.grad_sync is None:
+            self.enable()  # DDP hooks reduce during this backward
+
+    def after_backward(self, index, action):
+        """The round and chunk hooks due after action ``index`` (a backward, run or skipped), then sync off."""
+        c, last_for_chunk = action.chunk, index in self.grad_sync_points
+        if self.round_sync is not None and index in self.round_ends:
+            self.enable()
+            self.round_sync(c, self.model[c].parameters(), self.schedule.round_of(action.microbatch),
+                            last_for_chunk)
+        if last_for_chunk and self.grad_sync is not None:
+            self.enable()
+            self.grad_sync[c](self.model[c].parameters())
+        self.disable()
+
+
+class _Executor:
+    """Runs this rank's forward and backward actions with Megatron's forward_step / backward_step, keeping
+    what a step accumulates: the forward data store, the token count, the tensors saved for backwards."""
+
+    def __init__(self, schedule, pp_rank, channels, syncs, *, forward_step_func, data_iterator, model, config,
+                 num_microbatches, cp_size, forward_only, collect_non_loss_data, first_val_step):
+        from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor
+        from megatron.core.utils import get_model_type
+
+        self.schedule, self.rank, self.channels, self.syncs = schedule, pp_rank, channels, syncs
+        self.forward_step_func, self.data_iterator, self.model, self.config = (
+            forward_step_func, data_iterator, model, config)
+        self.num_microbatches, self.cp_size, self.forward_only = num_microbatches, cp_size, forward_only
+        self.collect_non_loss_data, self.first_val_step = collect_non_loss_data, first_val_step
+        self.model_type = (get_model_type(model[0]),) if _takes_model_type(backward_step) else ()
+        self.free_output = functools.partial(deallocate_output_tensor,
+                                             deallocate_pipeline_outputs=config.deallocate_pipeline_outputs)
+        self.forward_data_store = []
+        self.total_num_tokens = None
+        self.saved = {}  # (microbatch, chunk) -> (input tensor, output tensor, its send) kept for the backward
+        self.first_forward_seen = set()
+        self.forward_index = 0
+
+    def _receive(self, msg):
+        return None if msg is None else self.channels.recv(msg, self.schedule.owner_of(msg.src_stage)[0])
+
+    def _send(self, msg, tensor, **kwargs):
+        self.channels.send(msg, tensor, self.schedule.owner_of(msg.dst_stage)[0], **kwargs)
+
+    def forward(self, action):
+        from megatron.core.pipeline_parallel.schedules import check_first_val_step, forward_step
+
+        recv_msg, send_msg = self.schedule.action_messages(self.rank, action)
+        mb, c = action.microbatch, action.chunk
+        self.syncs.start_param_gathers(self.forward_index)
+        self.forward_index += 1
+        stage = self.schedule.stage_of(self.rank, c)
+        input_tensor = self._receive(recv_msg)
+        output_tensor, num_tokens = forward_step(
+            self.forward_step_func, self.data_iterator[c], self.model[c], self.num_microbatches, input_tensor,
+            self.forward_data_store, self.config, cp_group_size=self.cp_size,
+            collect_non_loss_data=self.collect_non_loss_data,
+            is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only,
+                                                     c not in self.first_forward_seen),
+            current_microbatch=mb, vp_stage=c if len(self.model) > 1 else None,
+            is_last_stage=stage == self.schedule.num_stages - 1)
+        self.first_forward_seen.add(c)
+        self.total_num_tokens = (num_tokens.clone() if self.total_num_tokens is None
+                                 else self.total_num_tokens + num_tokens.to(self.total_num_tokens.device))
+        if send_msg is not None:
+            self._send(send_msg, output_tensor, on_complete=self.free_output if not self.forward_only else None)
+        if not self.forward_only and self.schedule.has_grad_path(stage):
+            self.saved[(mb, c)] = (input_tensor, output_tensor, send_msg)
+
+    def backward(self, index, action):
+        """The backward of ``action`` (none for a frozen prefix: its sync hooks still run), then its send."""
+        recv_msg, send_msg = self.schedule.action_messages(self.rank, action)
+        self.syncs.before_backward(index)
+        input_grad = None
+        if self.schedule.has_grad_path(self.schedule.stage_of(self.rank, action.chunk)):
+            input_grad = self._backward_step(action, recv_msg)
+        self.syncs.after_backward(index, action)
+        if send_msg is not None:
+            self._send(send_msg, input_grad)
+
+    def _backward_step(self, action, recv_msg):
+        from megatron.core.pipeline_parallel.schedules import backward_step
+
+        input_tensor, output_tensor, sent = self.saved.pop((action.microbatch, action.chunk))
+        if sent is not None:
+            self.channels.wait_sent(sent)  # the output must be sent (and freed) before its backward
+        output_grad = self._receive(recv_msg)
+        if input_tensor is not None and not input_tensor.requires_grad:
+            input_tensor = None  # the first trainable stage: no input gradient wanted
+        return backward_step(input_tensor, output_tensor, output_grad, *self.model_type, self.config)
+
+
+def _start_step(config, model, is_last_rank, forward_only):
+    """Megatron's step start: the embedding activation buffer (returns its module), the timer."""
+    embedding_module = None
+    if config.finalize_model_grads_func is not None and not forward_only:
+        from megatron.core.pipeline_parallel.schedules import clear_embedding_activation_buffer
+        embedding_module = clear_embedding_activation_buffer(config, model, is_last_rank)
+    if config.timers is not None:
+        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+    return embedding_module
+
+
+def _finish_step(config, model, embedding_module, is_last_rank, tp_group, total_num_tokens, pg_collection,
+                 force_all_reduce, forward_only):
+    """Megatron's step end: the embedding weight gradient, ``finalize_model_grads_func``, the timer."""
+    if not forward_only and config.finalize_model_grads_func is not None:
+        from megatron.core.pipeline_parallel.schedules import finish_embedding_wgrad_compute
+        finish_embedding_wgrad_compute(config, embedding_module, is_last_rank, tp_group)
+        config.finalize_model_grads_func(
+            model, total_num_tokens if config.calculate_per_token_loss else None,
+            pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    if config.timers is not None:
+        config.timers("forward-backward").stop()
+
+
 @schedule_step  # document boundaries of the CP route for middle stages (cp_documents.py)
 def forward_backward_pipelining_flexible(
     *, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
@@ -140,36 +343,16 @@ def forward_backward_pipelining_flexible(
     Returns the forward data store (losses on the last stage, empty elsewhere), like Megatron.
     """
     import torch.distributed as dist
-    from megatron.core.pipeline_parallel.schedules import (
-        backward_step, check_first_val_step, deallocate_output_tensor, forward_step)
-    from megatron.core.utils import get_model_config, get_model_type
 
     model = model if isinstance(model, list) else [model]
     data_iterator = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(model)
-    if len(data_iterator) != len(model):
-        raise ValueError(f"data_iterator has {len(data_iterator)} entries but model has {len(model)} "
-                         f"chunks: pass one iterator per model chunk")
-    config = get_model_config(model[0])
-    if adjust_tensor_shapes_fn is not None or getattr(config, "variable_seq_lengths", False):
-        raise NotImplementedError("the flexible schedule sends fixed [seq, batch, hidden] tensors: "
-                                  "adjust_tensor_shapes_fn and variable_seq_lengths are not supported")
+    config = _checked_config(model, data_iterator, adjust_tensor_shapes_fn)
     pp_group, tp_group, cp_group, pg_collection = _process_groups(p2p_communicator, pg_collection)
-    p, r, v = pp_group.size(), pp_group.rank(), len(model)
+    r, is_last_rank = pp_group.rank(), pp_group.rank() == pp_group.size() - 1
     check_int("num_microbatches", num_microbatches)
-    k = config.microbatch_group_size_per_vp_stage
-    k = p if k is None else k
-    if k == p and num_microbatches < p:
-        k = num_microbatches  # Megatron's default k = p: fewer microbatches than that make one group
     device = _model_device(model)
-    # Forward-only: nothing needs a gradient (no collective either).
-    trainable = (False,) * (p * v) if forward_only else trainable_stages(model, pp_group, device)
-    try:
-        schedule, orders, grad_sync_points, round_ends = _cached_plan(
-            p, v, num_microbatches, k, bool(forward_only), r, trainable)
-    except ValueError as exc:
-        raise ValueError(f"{exc} (group_size is config.microbatch_group_size_per_vp_stage, set by "
-                         f"--microbatch-group-size-per-virtual-pipeline-stage)") from None
-    plan = schedule.ranks[r]
+    schedule, orders, grad_sync_points, round_ends = _step_plan(
+        config, model, pp_group, num_microbatches, forward_only, device)
 
     seq = (decoder_seq_length or seq_length) // cp_group.size()
     if config.sequence_parallel:
@@ -177,117 +360,22 @@ def forward_backward_pipelining_flexible(
     channels = PipelineChannels(
         schedule, r, orders, dist.get_process_group_ranks(pp_group), pp_group,
         shape=(seq, micro_batch_size, config.hidden_size), dtype=config.pipeline_dtype, device=device)
-    model_type = (get_model_type(model[0]),) if _takes_model_type(backward_step) else ()
-    free_output = functools.partial(deallocate_output_tensor,
-                                    deallocate_pipeline_outputs=config.deallocate_pipeline_outputs)
+    syncs = SyncHooks(config, model, schedule, r, grad_sync_points, round_ends, forward_only)
+    executor = _Executor(
+        schedule, r, channels, syncs, forward_step_func=forward_step_func, data_iterator=data_iterator,
+        model=model, config=config, num_microbatches=num_microbatches, cp_size=cp_group.size(),
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step)
 
-    # Gradient synchronisation: off except during each chunk's last backward (Megatron's DDP contract).
-    no_sync_func = config.no_sync_func
-    if isinstance(no_sync_func, list):
-        funcs = no_sync_func
-
-        def no_sync_func():
-            stack = contextlib.ExitStack()
-            for f in funcs:
-                stack.enter_context(f())
-            return stack
-    no_sync_func = no_sync_func or contextlib.nullcontext
-    grad_sync_func = config.grad_sync_func
-    if grad_sync_func is not None and not isinstance(grad_sync_func, list):
-        grad_sync_func = [grad_sync_func] * v
-    round_sync_func = getattr(config, "round_grad_sync_func", None)
-    param_sync_func = None if forward_only else config.param_sync_func
-    if param_sync_func is not None and not isinstance(param_sync_func, list):
-        param_sync_func = [param_sync_func] * v
-    param_syncs = param_sync_points(plan, r, v) if param_sync_func is not None else {}
-    no_sync_context = None
-
-    def disable_grad_sync():
-        nonlocal no_sync_context
-        if no_sync_context is None and not forward_only:
-            no_sync_context = no_sync_func()
-            no_sync_context.__enter__()
-
-    def enable_grad_sync():
-        nonlocal no_sync_context
-        if no_sync_context is not None:
-            no_sync_context.__exit__(None, None, None)
-            no_sync_context = None
-
-    if config.finalize_model_grads_func is not None and not forward_only:
-        from megatron.core.pipeline_parallel.schedules import clear_embedding_activation_buffer
-        embedding_module = clear_embedding_activation_buffer(config, model, r == p - 1)
-    if config.timers is not None:
-        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-
-    disable_grad_sync()
-    for c in param_syncs.get(-1, ()):
-        param_sync_func[c](model[c].parameters())
-    forward_data_store = []
-    total_num_tokens = None
-    saved = {}  # (microbatch, chunk) -> (input tensor, output tensor) kept for the backward
-    first_forward_seen = set()
-    forward_index = 0
-    for index, action in enumerate(plan.actions):
-        recv_msg, send_msg = schedule.action_messages(r, action)
-        mb, c = action.microbatch, action.chunk
+    embedding_module = _start_step(config, model, is_last_rank, forward_only)
+    syncs.disable()
+    syncs.start_param_gathers(-1)
+    for index, action in enumerate(schedule.ranks[r].actions):
         if action.op == FORWARD:
-            for chunk_to_sync in param_syncs.get(forward_index, ()):
-                param_sync_func[chunk_to_sync](model[chunk_to_sync].parameters())
-            forward_index += 1
-            stage = schedule.stage_of(r, c)
-            input_tensor = None if recv_msg is None else channels.recv(
-                recv_msg, schedule.owner_of(recv_msg.src_stage)[0])
-            output_tensor, num_tokens = forward_step(
-                forward_step_func, data_iterator[c], model[c], num_microbatches, input_tensor,
-                forward_data_store, config, cp_group_size=cp_group.size(),
-                collect_non_loss_data=collect_non_loss_data,
-                is_first_microbatch=check_first_val_step(first_val_step, forward_only,
-                                                         c not in first_forward_seen),
-                current_microbatch=mb, vp_stage=c if v > 1 else None,
-                is_last_stage=stage == schedule.num_stages - 1)
-            first_forward_seen.add(c)
-            total_num_tokens = (num_tokens.clone() if total_num_tokens is None
-                                else total_num_tokens + num_tokens.to(total_num_tokens.device))
-            if send_msg is not None:
-                channels.send(send_msg, output_tensor, schedule.owner_of(send_msg.dst_stage)[0],
-                              on_complete=free_output if not forward_only else None)
-            if not forward_only and schedule.has_grad_path(stage):
-                saved[(mb, c)] = (input_tensor, output_tensor, send_msg)
+            executor.forward(action)
         else:
-            stage = schedule.stage_of(r, c)
-            last_for_chunk = index in grad_sync_points
-            if last_for_chunk and grad_sync_func is None:
-                enable_grad_sync()  # DDP hooks reduce during this backward
-            input_grad = None
-            if schedule.has_grad_path(stage):  # else a frozen prefix: no backward, the hooks below still run
-                input_tensor, output_tensor, sent = saved.pop((mb, c))
-                if sent is not None:
-                    channels.wait_sent(sent)  # the output must be sent (and freed) before its backward
-                output_grad = None if recv_msg is None else channels.recv(
-                    recv_msg, schedule.owner_of(recv_msg.src_stage)[0])
-                if input_tensor is not None and not input_tensor.requires_grad:
-                    input_tensor = None  # the first trainable stage: no input gradient wanted
-                input_grad = backward_step(input_tensor, output_tensor, output_grad, *model_type, config)
-            if round_sync_func is not None and index in round_ends:
-                enable_grad_sync()
-                round_sync_func(c, model[c].parameters(), schedule.round_of(mb), last_for_chunk)
-            if last_for_chunk:
-                if grad_sync_func is not None:
-                    enable_grad_sync()
-                    grad_sync_func[c](model[c].parameters())
-            disable_grad_sync()
-            if send_msg is not None:
-                channels.send(send_msg, input_grad, schedule.owner_of(send_msg.dst_stage)[0])
+            executor.backward(index, action)
     channels.finish()
-    enable_grad_sync()
-
-    if not forward_only and config.finalize_model_grads_func is not None:
-        from megatron.core.pipeline_parallel.schedules import finish_embedding_wgrad_compute
-        finish_embedding_wgrad_compute(config, embedding_module, r == p - 1, tp_group)
-        config.finalize_model_grads_func(
-            model, total_num_tokens if config.calculate_per_token_loss else None,
-            pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-    if config.timers is not None:
-        config.timers("forward-backward").stop()
-    return forward_data_store
+    syncs.enable()
+    _finish_step(config, model, embedding_module, is_last_rank, tp_group, executor.total_num_tokens,
+                 pg_collection, force_all_reduce, forward_only)
+    return executor.forward_data_store

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from l3plugin.zero.checkpoint import Loaded, load_agreed
+from l3plugin.zero.checkpoint import Loaded, load_agreed, owned_ranges
 from l3plugin.zero.optimizer import FP32ReduceZero
 from l3plugin.zero.settings import DEEPSPEED_ONLY
 
@@ -255,6 +255,18 @@ def _full_states(zero, keys):
     return {key: zero.full_tensors(None if key == "param" else key) for key in ["param", *keys]}
 
 
+def _state_values(zero, is_loading, state_keys):
+    """(element-wise state keys, {"param" or key: {param: tensor}}): saving, the gathered master and states
+    (collective); loading, empty tensors to fill (keys: ``state_keys``, else the optimizer's, else Adam's)."""
+    if not is_loading:
+        keys = zero.elementwise_keys()
+        return keys, _full_states(zero, keys)
+    keys = list(state_keys) if state_keys is not None else (
+        zero.elementwise_keys() or (["exp_avg", "exp_avg_sq"] if "betas" in zero.optimizer.param_groups[0]
+                                    else []))
+    return keys, {k: {p: torch.empty(p.shape, dtype=torch.float32) for p in zero.params} for k in ["param", *keys]}
+
+
 def zero_sharded_state_dict(zero: FP32ReduceZero, model_sharded_state_dict=None, *, is_loading=False,
                             state_keys=None) -> dict:
     """The optimizer's state for ``megatron.core.dist_checkpointing.save`` / ``load`` (torch_dist format).
@@ -271,46 +283,48 @@ def zero_sharded_state_dict(zero: FP32ReduceZero, model_sharded_state_dict=None,
     when the optimizer has not stepped yet), pass it to ``dist_checkpointing.load`` and hand the result to
     ``load_zero_sharded_state_dict``.
     """
+    meta = _param_metadata(zero, model_sharded_state_dict)
+    keys, values = _state_values(zero, is_loading, state_keys)
+    param_state = {i: _sharded_param_state(zero, p, values, None if meta is None else meta[p])
+                   for i, p in enumerate(zero.params)}
+    return {"param_state": param_state, "l3plugin_zero": {
+        "format": 1, "state_keys": keys, "scalars": _scalar_states(zero, keys),
+        "param_groups": [{k: v for k, v in pg.items() if k != "params"} for pg in zero.optimizer.param_groups]}}
+
+
+def _sharded_param_state(zero, p, values, model_sharded) -> dict:
+    """{key: ShardedTensor} of one parameter's master and states, placed like the model's ShardedTensor
+    ``model_sharded`` (None: one process, keyed by the parameter's name)."""
     from dataclasses import replace
 
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-    meta = _param_metadata(zero, model_sharded_state_dict)
-    if is_loading:
-        keys = list(state_keys) if state_keys is not None else (
-            zero.elementwise_keys() or (["exp_avg", "exp_avg_sq"] if "betas" in zero.optimizer.param_groups[0]
-                                        else []))
-        values = {k: {p: torch.empty(p.shape, dtype=torch.float32) for p in zero.params} for k in ["param", *keys]}
-    else:
-        keys = zero.elementwise_keys()
-        values = _full_states(zero, keys)
-    dp_rank = zero.rank
-    param_state = {}
-    for i, p in enumerate(zero.params):
-        entry = {}
-        for key, by_param in values.items():
-            data = by_param[p]
-            sh = None if meta is None else meta[p]
-            if sh is None:
-                entry[key] = ShardedTensor.from_rank_offsets(f"{STATE_PREFIX}.{key}.{zero.param_names[p]}", data,
-                                                             replica_id=dp_rank)
-                continue
-            kwargs = dict(key=f"{STATE_PREFIX}.{key}.{sh.key}", data=data, replica_id=sh.replica_id)
-            if not isinstance(sh, ShardedTensorFactory):
-                kwargs["dtype"] = data.dtype
-            entry[key] = replace(sh, **kwargs)
-            if hasattr(entry[key], "validate_metadata_integrity"):
-                entry[key].validate_metadata_integrity()
-        param_state[i] = entry
+    entry = {}
+    for key, by_param in values.items():
+        data = by_param[p]
+        if model_sharded is None:
+            entry[key] = ShardedTensor.from_rank_offsets(f"{STATE_PREFIX}.{key}.{zero.param_names[p]}", data,
+                                                         replica_id=zero.rank)
+            continue
+        kwargs = dict(key=f"{STATE_PREFIX}.{key}.{model_sharded.key}", data=data,
+                      replica_id=model_sharded.replica_id)
+        if not isinstance(model_sharded, ShardedTensorFactory):
+            kwargs["dtype"] = data.dtype
+        entry[key] = replace(model_sharded, **kwargs)
+        if hasattr(entry[key], "validate_metadata_integrity"):
+            entry[key].validate_metadata_integrity()
+    return entry
+
+
+def _scalar_states(zero, keys) -> list[dict]:
+    """Per param group, the optimizer states that are not element-wise (Adam's ``step``): common state."""
     scalars = []
     for g in range(len(zero.optimizer.param_groups)):
         bucket = next((b for b in zero.buckets if b.spec.group == g), None)
         state = zero.optimizer.state.get(bucket.master, {}) if bucket is not None else {}
         scalars.append({k: v for k, v in state.items() if k not in keys})
-    return {"param_state": param_state, "l3plugin_zero": {
-        "format": 1, "state_keys": keys, "scalars": scalars,
-        "param_groups": [{k: v for k, v in pg.items() if k != "params"} for pg in zero.optimizer.param_groups]}}
+    return scalars
 
 
 @torch.no_grad()
@@ -339,18 +353,14 @@ def _read_dist_state(zero: FP32ReduceZero, state_dict: dict, allow_nonfinite: bo
             full.setdefault(key, {})[p] = value
     staged = []
     for bucket in zero.buckets:
-        lo, hi = bucket.spec.shard_range(zero.rank)
-        hi = min(hi, bucket.spec.numel)
         targets = {key: torch.zeros_like(bucket.master.data) for key in ["param", *keys]}
-        for slot, p in zip(bucket.spec.slots, bucket.params):
-            s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if s < e:
-                for key, target in targets.items():
-                    piece = full[key][p].reshape(-1)[s - slot.offset:e - slot.offset]
-                    if not allow_nonfinite and not bool(torch.isfinite(piece).all()):
-                        raise ValueError(f"loaded optimizer state {key!r} of {zero.param_names[p]} holds non-finite "
-                                         "values; refusing to resume from them (allow_nonfinite=True if intended)")
-                    target[s - lo:e - lo] = piece.to(target.device, target.dtype)
+        for p, a, b, at in owned_ranges(zero, bucket):
+            for key, target in targets.items():
+                piece = full[key][p].reshape(-1)[a:b]
+                if not allow_nonfinite and not bool(torch.isfinite(piece).all()):
+                    raise ValueError(f"loaded optimizer state {key!r} of {zero.param_names[p]} holds non-finite "
+                                     "values; refusing to resume from them (allow_nonfinite=True if intended)")
+                target[at:at + b - a] = piece.to(target.device, target.dtype)
         state = {k: targets[k] for k in keys}
         for key, value in common["scalars"][bucket.spec.group].items():
             state[key] = value.clone().to(bucket.device) if torch.is_tensor(value) else value

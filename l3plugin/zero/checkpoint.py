@@ -144,6 +144,17 @@ class Loaded:
     global_state: dict | None = None  # a universal checkpoint's zero/optimizer_state.pt
 
 
+def owned_ranges(zero, bucket):
+    """For each parameter of ``bucket`` overlapping this rank's shard (its padding left out, it stays zero):
+    ``(param, a, b, at)``: the parameter's flat elements ``[a, b)`` sit at ``at`` in the shard."""
+    lo, hi = bucket.spec.shard_range(zero.rank)
+    hi = min(hi, bucket.spec.numel)
+    for slot, p in zip(bucket.spec.slots, bucket.params):
+        s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if s < e:
+            yield p, s - slot.offset, e - slot.offset, s - lo
+
+
 @torch.no_grad()
 def read_partitions(zero, sources, optimizer_states: bool = True, allow_nonfinite: bool = False) -> Loaded:
     """Read and verify every partition this rank needs (see the module docstring), into new tensors.
@@ -158,53 +169,60 @@ def read_partitions(zero, sources, optimizer_states: bool = True, allow_nonfinit
     for q in range(len(src)):
         check_sizes(src, q)
     frags = fragments(src, names_by_group, offsets_by_group)
-    for g, names in enumerate(names_by_group):
+    _check_whole(frags, names_by_group)
+    check_shapes(src, names_by_group)
+    staged, used = [], set()
+    for g, (entries, _) in enumerate(groups):
+        keys = sorted(first[g].tensors) if optimizer_states else []
+        for bucket, _start in entries:
+            targets = _read_shard(zero, bucket, src, g, keys, frags, used, allow_nonfinite)
+            state = None
+            if optimizer_states:
+                state = {key: targets[key] for key in keys}
+                for key, value in first[g].scalars.items():
+                    state[key] = (copy.deepcopy(value).to(bucket.master.device) if torch.is_tensor(value)
+                                  else copy.deepcopy(value))
+            staged.append((bucket, targets[None], state))
+    for q in sorted(used):
+        check_checksum(src, q)
+    return Loaded(staged, [first[g].hyper if optimizer_states else None for g in range(len(groups))])
+
+
+def _check_whole(frags, names_by_group) -> None:
+    """The saved fragments of every model parameter add up to the whole parameter."""
+    for names in names_by_group:
         for name, p in names.items():
             got = sum(f[2] for f in frags.get(name, []))
             if got != p.numel():
                 raise ValueError(f"checkpoint does not match the model: parameter {name!r} has {p.numel()} "
                                  f"elements ({tuple(p.shape)}), the checkpoint holds {got}"
                                  + ("" if got else " (missing)"))
-    check_shapes(src, names_by_group)
-    staged, used = [], set()
-    for g, (entries, _) in enumerate(groups):
-        keys = sorted(first[g].tensors) if optimizer_states else []
-        for bucket, _start in entries:
-            lo, hi = bucket.spec.shard_range(zero.rank)
-            hi = min(hi, bucket.spec.numel)  # the padding stays zero
-            device = bucket.master.device
-            targets = {None: torch.zeros_like(bucket.master.data)}
-            for key in keys:
-                targets[key] = torch.zeros_like(bucket.master.data, dtype=first[g].tensors[key].dtype)
-            for slot, p in zip(bucket.spec.slots, bucket.params):
-                s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                if s >= e:
-                    continue
-                a, b = s - slot.offset, e - slot.offset  # in the parameter's flat elements
-                name = zero.param_names[p]
-                for q, start, numel, done in frags[name]:
-                    x, y = max(a, done), min(b, done + numel)
-                    if x >= y:
-                        continue
-                    saved = src[q][g]
-                    used.add(q)
-                    for key, target in targets.items():
-                        if key is not None and key not in saved.tensors:
-                            raise ValueError(f"{src.label(q)}: optimizer state {key!r} of param group {g} is "
-                                             f"missing (present in {src.label(0)})")
-                        piece = saved.source(key)[start + x - done:start + y - done]
-                        if not allow_nonfinite:
-                            check_finite(piece, src, q, f"{'fp32 master weights' if key is None else key} of {name!r}")
-                        target[slot.offset + x - lo:slot.offset + y - lo] = piece.to(device)
-            state = None
-            if optimizer_states:
-                state = {key: targets[key] for key in keys}
-                for key, value in first[g].scalars.items():
-                    state[key] = copy.deepcopy(value).to(device) if torch.is_tensor(value) else copy.deepcopy(value)
-            staged.append((bucket, targets[None], state))
-    for q in sorted(used):
-        check_checksum(src, q)
-    return Loaded(staged, [first[g].hyper if optimizer_states else None for g in range(len(groups))])
+
+
+def _read_shard(zero, bucket, src, g, keys, frags, used, allow_nonfinite) -> dict:
+    """This rank's shard of ``bucket`` (param group ``g``), {None: fp32 master, key: state}, copied from the
+    saved fragments that overlap it (checked finite unless allowed); ``used`` gets the partitions read."""
+    device = bucket.master.device
+    targets = {None: torch.zeros_like(bucket.master.data)}
+    for key in keys:
+        targets[key] = torch.zeros_like(bucket.master.data, dtype=src[0][g].tensors[key].dtype)
+    for p, a, b, at in owned_ranges(zero, bucket):
+        name = zero.param_names[p]
+        for q, start, numel, done in frags[name]:
+            x, y = max(a, done), min(b, done + numel)  # in the parameter's flat elements
+            if x >= y:
+                continue
+            saved = src[q][g]
+            used.add(q)
+            for key, target in targets.items():
+                if key is not None and key not in saved.tensors:
+                    raise ValueError(f"{src.label(q)}: optimizer state {key!r} of param group {g} is "
+                                     f"missing (present in {src.label(0)})")
+                piece = saved.source(key)[start + x - done:start + y - done]
+                if not allow_nonfinite:
+                    check_finite(piece, src, q, f"{'fp32 master weights' if key is None else key} of {name!r}")
+                target[at + x - a:at + y - a] = piece.to(device)
+    return targets
 
 
 @torch.no_grad()
@@ -273,57 +291,20 @@ def read_universal(zero, folder, optimizer_states: bool = True, allow_nonfinite:
     if saved_groups and len(saved_groups) != len(zero.optimizer.param_groups):
         raise ValueError(f"{root}/optimizer_state.pt holds {len(saved_groups)} param groups, the optimizer has "
                          f"{len(zero.optimizer.param_groups)}")
-    def pt_files(name):
-        pdir = os.path.join(root, name)
-        if not os.path.isdir(pdir):
-            raise FileNotFoundError(f"{pdir} does not exist: the universal checkpoint has no parameter {name!r}")
-        files = sorted(f[:-3] for f in os.listdir(pdir) if f.endswith(".pt"))
-        if "fp32" not in files:
-            raise FileNotFoundError(f"{pdir}/fp32.pt does not exist")
-        return pdir, files
-
     # Element-wise state keys and the step are the same for every parameter: take them from the first one.
-    _, keys = pt_files(zero.param_names[zero.params[0]])
-    keys = [k for k in keys if k not in ("fp32", "step")] if optimizer_states else []
+    first = zero.param_names[zero.params[0]]
+    _, keys = _universal_files(root, first)
     step = None
-    if optimizer_states and "step" in pt_files(zero.param_names[zero.params[0]])[1]:
-        step = load_file(os.path.join(root, zero.param_names[zero.params[0]], "step.pt"), "universal checkpoint file")
+    if optimizer_states and "step" in keys:
+        step = load_file(os.path.join(root, first, "step.pt"), "universal checkpoint file")
+    keys = [k for k in keys if k not in ("fp32", "step")] if optimizer_states else []
     staged = []
     for bucket in zero.buckets:
-        lo, hi = bucket.spec.shard_range(zero.rank)
-        hi = min(hi, bucket.spec.numel)
-        master = torch.zeros_like(bucket.master.data)
-        new_state = {key: None for key in keys}
-        for slot, p in zip(bucket.spec.slots, bucket.params):
-            s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if s >= e:
-                continue
-            name = zero.param_names[p]
-            pdir, files = pt_files(name)
-            for key in ["fp32", *keys]:
-                path = os.path.join(pdir, f"{key}.pt")
-                loaded = load_file(path, "universal checkpoint file")
-                full = loaded["param"] if isinstance(loaded, dict) else loaded
-                if not torch.is_tensor(full) or full.numel() != p.numel():
-                    raise ValueError(f"{path}: holds {getattr(full, 'shape', type(full).__name__)}, parameter "
-                                     f"{name!r} has shape {tuple(p.shape)} (tensor-parallel slicing of universal "
-                                     "checkpoints is not supported)")
-                if key == "fp32":
-                    target = master
-                else:
-                    if new_state[key] is None:
-                        new_state[key] = torch.zeros_like(bucket.master.data, dtype=full.dtype)
-                    target = new_state[key]
-                piece = full.reshape(-1)[s - slot.offset:e - slot.offset]
-                if not allow_nonfinite and piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
-                    raise ValueError(f"{path}: holds non-finite values in the part rank {zero.rank} loads; refusing "
-                                     "to resume from them (allow_nonfinite=True, or DeepSpeed's "
-                                     '"l3plugin": {"checkpoint_allow_nonfinite": true}, if intended)')
-                target[s - lo:e - lo] = piece.to(target.device)
+        master, states = _read_universal_shard(zero, bucket, root, keys, allow_nonfinite)
         state = None
         if optimizer_states:
             state = {key: value if value is not None else torch.zeros_like(bucket.master.data)  # only padding here
-                     for key, value in new_state.items()}
+                     for key, value in states.items()}
             if step is not None:
                 state["step"] = (step.clone() if torch.is_tensor(step)
                                  else torch.tensor(float(step), dtype=torch.float32))
@@ -331,6 +312,54 @@ def read_universal(zero, folder, optimizer_states: bool = True, allow_nonfinite:
     hyper = [{k: v for k, v in saved.items() if k != "params"} if optimizer_states else None
              for saved in saved_groups]
     return Loaded(staged, hyper, global_state)
+
+
+def _universal_files(root, name):
+    """(folder of parameter ``name``, the names of its .pt files): the folder and its fp32.pt must exist."""
+    pdir = os.path.join(root, name)
+    if not os.path.isdir(pdir):
+        raise FileNotFoundError(f"{pdir} does not exist: the universal checkpoint has no parameter {name!r}")
+    files = sorted(f[:-3] for f in os.listdir(pdir) if f.endswith(".pt"))
+    if "fp32" not in files:
+        raise FileNotFoundError(f"{pdir}/fp32.pt does not exist")
+    return pdir, files
+
+
+def _read_universal_shard(zero, bucket, root, keys, allow_nonfinite):
+    """This rank's shard of ``bucket``: (fp32 master, {key: state, None where only padding is here}), copied
+    from the whole parameters' files (checked finite unless allowed)."""
+    master = torch.zeros_like(bucket.master.data)
+    states = {key: None for key in keys}
+    for p, a, b, at in owned_ranges(zero, bucket):
+        name = zero.param_names[p]
+        pdir, _ = _universal_files(root, name)
+        for key in ["fp32", *keys]:
+            path = os.path.join(pdir, f"{key}.pt")
+            full = _universal_tensor(path, name, p)
+            if key == "fp32":
+                target = master
+            else:
+                if states[key] is None:
+                    states[key] = torch.zeros_like(bucket.master.data, dtype=full.dtype)
+                target = states[key]
+            piece = full.reshape(-1)[a:b]
+            if not allow_nonfinite and piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
+                raise ValueError(f"{path}: holds non-finite values in the part rank {zero.rank} loads; refusing "
+                                 "to resume from them (allow_nonfinite=True, or DeepSpeed's "
+                                 '"l3plugin": {"checkpoint_allow_nonfinite": true}, if intended)')
+            target[at:at + b - a] = piece.to(target.device)
+    return master, states
+
+
+def _universal_tensor(path, name, param) -> torch.Tensor:
+    """The whole tensor of one universal checkpoint file, as many elements as ``param``."""
+    loaded = load_file(path, "universal checkpoint file")
+    full = loaded["param"] if isinstance(loaded, dict) else loaded
+    if not torch.is_tensor(full) or full.numel() != param.numel():
+        raise ValueError(f"{path}: holds {getattr(full, 'shape', type(full).__name__)}, parameter "
+                         f"{name!r} has shape {tuple(param.shape)} (tensor-parallel slicing of universal "
+                         "checkpoints is not supported)")
+    return full
 
 
 @torch.no_grad()
