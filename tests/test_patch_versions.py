@@ -185,4 +185,4 @@ def test_megatrons_sets_report_the_megatron_core_that_is_imported():
     doctor(out)
     header = next(line for line in out.getvalue().splitlines() if line.startswith("l3plugin.megatron: "))
     assert f"megatron.core {megatron.core.__version__} (imported from {megatron.core.__path__[0]})" in header
-    assert f"checked on megatron-core {patches.MEGATRON.checked} (in range)" in header
+    assert f"checked on megatron-core {patches.MEGATRON_CHECKED} (in range)" in header
