@@ -1,4 +1,4 @@
-"""Versioned patch sets (l3plugin/patches.py): the version is read from the module as imported, a version
+"""Versioned patch sets (l3plugin/patchset.py): the version is read from the module as imported, a version
 outside the checked range gets one message, version-specific rows (variants) are chosen by version, and
 `l3plugin doctor` reports the imported version, its path and the variant. The upstream here is a test double
 (a module object whose __version__ the test sets)."""

@@ -1,5 +1,6 @@
-"""The patch registry (l3plugin/patches.py): one declaration per upstream patch, checked before anything is
-set, undone exactly; `l3plugin doctor` checks every declaration against the installed frameworks."""
+"""Patch sets (l3plugin/patchset.py) and their registry (l3plugin/patches.py): one declaration per upstream patch,
+beside its replacement, checked before anything is set, undone exactly; `l3plugin doctor` checks every declaration
+and every private upstream name read against the installed frameworks."""
 
 import io
 import sys
