@@ -58,7 +58,10 @@ def doctor(out=None) -> int:
     bad = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # import-time warnings of the frameworks are not ours to show
-        sets, private = patches.declared()
+        sets, private, failed = patches.declared()
+        for module, error in failed.items():
+            bad += 1
+            print(f"{module}: MISMATCH: cannot be imported ({error}); its patch sets are not listed", file=out)
         for patch_set in sets:
             print(set_header(patch_set), file=out)
             out_of_range = patch_set.in_range() is False and os.environ.get(UNCHECKED_ENV, "") in ("", "0")

@@ -33,14 +33,18 @@ DECLARED_IN = (
 )
 
 
-def declared() -> tuple[list[PatchSet], list[PrivateState]]:
-    """Every declared patch set and private upstream name (the declaring modules imported first)."""
+def declared() -> tuple[list[PatchSet], list[PrivateState], dict[str, str]]:
+    """Every declared patch set and private upstream name (the declaring modules imported first), and
+    {module: why it could not be imported} for the declaring modules that failed."""
+    failed = {}
     for name in DECLARED_IN:
         try:
             importlib.import_module(name)
-        except PatchMismatch:  # l3plugin.deepspeed's install: the sets were declared before it ran
+        except PatchMismatch:  # l3plugin.deepspeed's install: its sets were declared before it ran
             pass
+        except Exception as exc:  # noqa: BLE001 - the doctor reports a broken install, it does not crash on it
+            failed[name] = f"{type(exc).__name__}: {exc}"
     import l3plugin_autoload
 
     l3plugin_autoload.deferred_install()  # built at first use: that module runs at every interpreter start
-    return SETS, PRIVATE_STATE
+    return SETS, PRIVATE_STATE, failed

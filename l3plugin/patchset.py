@@ -12,14 +12,16 @@ declared ``PrivateState`` as present or missing.
 
 Where patches are declared. Each adapter declares its sets in the module that defines their replacements,
 below those functions, and names each replacement by the function object itself; targets stay "module:Attr"
-strings, so a declaration imports nothing upstream. That is what keeps start-up light: the adapter modules
-(deepspeed/engine.py, huggingface/deepspeed_cp.py, megatron/install.py, cp_route.py, attention.py,
-demo/model.py, debug/patching.py) import upstream only inside functions, so declaring a set costs no
-DeepSpeed / Megatron / transformers import, and nothing imports an adapter before it is used
-(l3plugin_autoload, whose module runs at every interpreter start, builds its one set when first needed).
+strings, so a declaration imports nothing upstream. Start-up stays light because nothing imports an adapter
+before it is used and the adapters import no framework at module level: huggingface/deepspeed_cp.py,
+megatron/install.py, cp_route.py, batch_hooks.py, attention.py, demo/model.py and debug/patching.py import
+DeepSpeed, Megatron, transformers and accelerate only inside functions (tests/test_patches.py checks it in a
+fresh interpreter); deepspeed/engine.py is imported only with deepspeed (importing l3plugin.deepspeed is the
+install, which the autoload does once ``import deepspeed`` has finished); l3plugin_autoload, which runs at
+every interpreter start and imports nothing of l3plugin there, builds its one set when first needed.
 l3plugin/patches.py is only the registry: the version ranges the sets are checked on, and which modules
-declare sets, imported by ``l3plugin doctor`` to list them. A private upstream name an adapter reads is a
-``PrivateState`` declared beside its reader.
+declare sets, imported by ``l3plugin doctor`` to list them (and nothing else). A private upstream name an
+adapter reads is a ``PrivateState`` declared beside its reader; doctor checks it is still there.
 
 Versions. A set names the module whose ``__version__`` it reads (``module``, by default the package name with
 "-" as ".": "megatron-core" -> ``megatron.core``) and declares the versions it was checked on (``checked``, a
@@ -76,10 +78,10 @@ class Patch:
     target: "module:Class" (or "module") that holds ``attribute``; with ``key``, the dict ``attribute`` holds
       and the entry for the object ``key`` names. replacement: the function (or object) to set; with ``wraps``
       a factory called with the original and the attribute name, whose result is set. A "module:attr" string
-      instead is resolved when the row is applied (for a value that is itself upstream's). signature: the parameter names the original must start with (None: not checked). optional: a
-      missing module or attribute (Megatron-LM beside megatron-core; a torch without that function) is
-      skipped. loaded_only: patched only if the module was imported
-      already (never imported for it). rebind: modules that imported the original by name get the
+      instead is resolved when the row is applied (for a value that is itself upstream's). signature: the
+      parameter names the original must start with (None: not checked). optional: a missing module or
+      attribute (Megatron-LM beside megatron-core; a torch without that function) is skipped. loaded_only:
+      patched only if the module was imported already (never imported for it). rebind: modules that imported the original by name get the
       replacement too. instance: ``attribute`` is replaced on single instances (``apply_to``), not the class.
       versions: the upstream versions this row is for ("<0.18", ">=0.18"; None: every version of the set's
       range); rows of other versions are neither applied nor checked.

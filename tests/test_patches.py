@@ -142,7 +142,8 @@ def test_collective_patches_name_every_op_of_the_debug_wrappers():
 
 # -- the registry and the private upstream state ---------------------------------------------------------------
 def test_every_l3plugin_patch_names_its_replacement_by_the_object_in_its_adapter():
-    sets, _ = patches.declared()
+    sets, _, failed = patches.declared()
+    assert failed == {}
     ours = [s for s in sets if not s.name.startswith("tests/")]  # megatron_cpu_shim's test-only sets
     assert len(ours) >= 11, [s.name for s in ours]
     for patch_set in ours:
@@ -242,3 +243,38 @@ def test_doctor_reports_a_private_name_deepspeed_no_longer_has(monkeypatch):
             f"parallel_state_sp._SEQUENCE_PARALLEL_GROUP does not exist in deepspeed {deepspeed.__version__}") \
         in out.getvalue()
     assert "what breaks: whether DeepSpeed's sequence-parallel groups are built" in out.getvalue()
+
+
+def test_doctor_lists_the_sets_of_an_adapter_whose_install_failed_and_names_one_that_cannot_be_imported(
+        tmp_path, monkeypatch):
+    """An adapter whose import applies its sets (l3plugin.deepspeed) and hits a mismatch has declared them
+    already: doctor lists them with the mismatch. A declaring module that cannot be imported is named."""
+    (tmp_path / "fake_adapter.py").write_text(
+        "from l3plugin.patchset import Patch, PatchSet\n"
+        "def ours():\n    pass\n"
+        "FAKE = PatchSet('fake adapter', 'fake-upstream', '>=1.0,<2', module='fake_upstream_gone', patches=[\n"
+        "    Patch('fake_upstream_gone', 'function', ours, why='gone upstream')])\n"
+        "FAKE.apply()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fake_adapter", raising=False)
+    module = types.ModuleType("fake_upstream_gone")
+    module.__version__, module.__file__ = "1.5", "/opt/fake/fake_upstream_gone/__init__.py"
+    monkeypatch.setitem(sys.modules, "fake_upstream_gone", module)
+    monkeypatch.setattr(versions, "_IMPORTED", {})
+    monkeypatch.setattr(patches, "SETS", [])
+    monkeypatch.setattr(patches, "PRIVATE_STATE", [])
+    monkeypatch.setattr(patches, "DECLARED_IN", ("fake_adapter", "fake_adapter_not_installed"))
+    monkeypatch.setattr(patchset_module(), "SETS", patches.SETS)  # where PatchSet registers itself
+    out = io.StringIO()
+    assert doctor(out) == 1
+    text = out.getvalue()
+    assert "fake adapter: fake_upstream_gone 1.5" in text
+    assert "fake_upstream_gone.function  ->  fake_adapter:ours\n      MISMATCH: fake_upstream_gone.function does " \
+           "not exist; gone upstream" in text
+    assert "fake_adapter_not_installed: MISMATCH: cannot be imported (ModuleNotFoundError" in text
+
+
+def patchset_module():
+    import l3plugin.patchset
+
+    return l3plugin.patchset
