@@ -40,21 +40,34 @@ def _install() -> None:
 
 
 def initialize_after_install(*args, **kwargs):
-    """``deepspeed.initialize`` in the deferred case (patch declared in l3plugin/patches.py, set AUTOLOAD):
-    puts the stock function back, installs, then calls ``deepspeed.initialize`` as installed (l3plugin may
-    patch it too)."""
-    from l3plugin.patches import AUTOLOAD
-
-    AUTOLOAD.undo()
+    """``deepspeed.initialize`` in the deferred case (the patch of ``deferred_install()``): puts the stock
+    function back, installs, then calls ``deepspeed.initialize`` as installed (l3plugin may patch it too)."""
+    deferred_install().undo()
     _install()
     return sys.modules["deepspeed"].initialize(*args, **kwargs)
 
 
+_DEFERRED = []  # the patch set below, once built
+
+
+def deferred_install():
+    """The patch set of the deferred case: ``deepspeed.initialize`` -> ``initialize_after_install``. Built at
+    first use, not at import: this module runs at every interpreter start and imports nothing of l3plugin."""
+    if not _DEFERRED:
+        from l3plugin.patches import DEEPSPEED_CHECKED
+        from l3plugin.patchset import Patch, PatchSet
+
+        _DEFERRED.append(PatchSet("l3plugin_autoload", "deepspeed", DEEPSPEED_CHECKED, [
+            Patch("deepspeed", "initialize", initialize_after_install,
+                  why="deepspeed was imported while an l3plugin module was half-built: l3plugin.deepspeed is "
+                      "installed at the first deepspeed.initialize instead (then the stock function is put back)"),
+        ]))
+    return _DEFERRED[0]
+
+
 def _install_at_first_initialize() -> None:
     """Deferred case: install right before the first ``deepspeed.initialize`` call, then unwrap it."""
-    from l3plugin.patches import AUTOLOAD
-
-    AUTOLOAD.apply()
+    deferred_install().apply()
 
 
 def _deepspeed_loaded(module) -> None:

@@ -1,6 +1,7 @@
-"""``l3plugin doctor``: every declared patch set (l3plugin/patches.py) against the upstream versions imported:
-per set the version and where it was imported from, the range checked and the variant in use; per row its
-target, replacement, status and why."""
+"""``l3plugin doctor``: every declared patch set (collected by l3plugin/patches.py from the adapters) against the
+upstream versions imported: per set the version and where it was imported from, the range checked and the
+variant in use; per row its target, replacement, status and why. Then every upstream private name l3plugin
+reads (``PrivateState``): present, or missing with what breaks."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import warnings
 
 from l3plugin import patches
-from l3plugin.patches import UNCHECKED_ENV, Patch, PatchSet
+from l3plugin.patches import UNCHECKED_ENV, Patch, PatchSet, PrivateState
 from l3plugin.versions import installed_version
 
 
@@ -26,6 +27,16 @@ def status(patch: Patch) -> str:
     return "ok"
 
 
+def private_status(state: PrivateState) -> str:
+    """One private upstream name checked against what is imported: "ok; <why>", "skipped: ...; <why>" or
+    "MISMATCH: <what is missing>; what breaks: <why>"."""
+    try:
+        problem = state.problem()
+    except ImportError as exc:  # the reader finds no such module either: nothing to read
+        return f"skipped: {state.target.partition(':')[0]} is not importable ({exc}); {state.why}"
+    return f"ok; {state.why}" if problem is None else f"MISMATCH: {problem}; what breaks: {state.why}"
+
+
 def set_header(patch_set: PatchSet) -> str:
     """The set's name, the version imported (and from where) against the range checked, and the variant."""
     found, in_range = patch_set.imported(), patch_set.in_range()
@@ -40,13 +51,18 @@ def set_header(patch_set: PatchSet) -> str:
 
 def doctor(out=None) -> int:
     """Print every patch set: the upstream version imported (and from where) against the range checked, the
-    variant in use, each row's target, replacement (who patches), status and why. Returns 1 if a version is
-    out of range or any target does not check out."""
+    variant in use, each row's target, replacement (who patches), status and why; then every private upstream
+    name read. Returns 1 if a version is out of range, any target does not check out or a private name is
+    missing."""
     out = out or sys.stdout
     bad = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # import-time warnings of the frameworks are not ours to show
-        for patch_set in patches.SETS:
+        sets, private, failed = patches.declared()
+        for module, error in failed.items():
+            bad += 1
+            print(f"{module}: MISMATCH: cannot be imported ({error}); its patch sets are not listed", file=out)
+        for patch_set in sets:
             print(set_header(patch_set), file=out)
             out_of_range = patch_set.in_range() is False and os.environ.get(UNCHECKED_ENV, "") in ("", "0")
             if out_of_range:
@@ -63,14 +79,20 @@ def doctor(out=None) -> int:
                 else:
                     state = status(patch)
                     bad += state.startswith("MISMATCH")
-                print(f"  {patch.name}  ->  {patch.replacement}{'  (per instance)' if patch.instance else ''}"
+                print(f"  {patch.name}  ->  {patch.replacement_name}{'  (per instance)' if patch.instance else ''}"
                       f"{scope}\n      {state}; {patch.why}", file=out)
-    print(f"{sum(len(s.patches) for s in patches.SETS)} patches in {len(patches.SETS)} sets; "
+        print("upstream private state l3plugin reads:", file=out)
+        for state in private:
+            found = private_status(state)
+            bad += found.startswith("MISMATCH")
+            print(f"  {state.label}\n      {found}", file=out)
+    print(f"{sum(len(s.patches) for s in sets)} patches in {len(sets)} sets, {len(private)} private names read; "
           + (f"{bad} problems with the imported versions" if bad else "every target checks out"), file=out)
     return 1 if bad else 0
 
 
 def add_doctor_parser(sub) -> None:
-    doctor_parser = sub.add_parser("doctor", help="list every upstream patch and check it against the installed "
-                                   "DeepSpeed / Megatron-Core / torch", description=patches.__doc__.split("\n\n")[0])
+    doctor_parser = sub.add_parser("doctor", help="list every upstream patch and private name read, and check them "
+                                   "against the installed DeepSpeed / Megatron-Core / accelerate / torch",
+                                   description=__doc__.split("\n\n")[0])
     doctor_parser.set_defaults(func=lambda _args: doctor())

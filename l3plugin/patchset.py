@@ -1,13 +1,27 @@
-"""The mechanism behind l3plugin/patches.py (which declares every patch): ``Patch`` rows, ``PatchSet`` (check,
-apply, undo, stock), and the version gate.
+"""How l3plugin patches upstream objects: ``Patch`` rows, ``PatchSet`` (check, apply, undo, stock), the version
+gate, and ``PrivateState`` (an upstream private name l3plugin reads).
 
 Neither DeepSpeed nor Megatron has a plug-in interface for what l3plugin changes, so it sets attributes of
-their classes and modules. Each such patch is one ``Patch`` row in one ``PatchSet`` of patches.py; the adapters call
+their classes and modules. Each such patch is one ``Patch`` row in one ``PatchSet``; the adapters call
 ``SET.apply()`` / ``SET.undo()`` and reach the replaced original through ``SET.stock(name)``. Before anything
 is set, every target of the set is imported and checked: it exists and its parameters start with the ones the
 replacement was written for. A mismatch raises ``PatchMismatch`` naming the target, what was found and the
 upstream version imported, instead of a quiet misbehaviour after an upstream rename. ``l3plugin doctor``
-(l3plugin/doctor.py) prints this table with each target's check against the imported versions.
+(l3plugin/doctor.py) prints every set with each target's check against the imported versions, and every
+declared ``PrivateState`` as present or missing.
+
+Where patches are declared. Each adapter declares its sets in the module that defines their replacements,
+below those functions, and names each replacement by the function object itself; targets stay "module:Attr"
+strings, so a declaration imports nothing upstream. Start-up stays light because nothing imports an adapter
+before it is used and the adapters import no framework at module level: huggingface/deepspeed_cp.py,
+megatron/install.py, cp_route.py, batch_hooks.py, attention.py, demo/model.py and debug/patching.py import
+DeepSpeed, Megatron, transformers and accelerate only inside functions (tests/test_patches.py checks it in a
+fresh interpreter); deepspeed/engine.py is imported only with deepspeed (importing l3plugin.deepspeed is the
+install, which the autoload does once ``import deepspeed`` has finished); l3plugin_autoload, which runs at
+every interpreter start and imports nothing of l3plugin there, builds its one set when first needed.
+l3plugin/patches.py is only the registry: the version ranges the sets are checked on, and which modules
+declare sets, imported by ``l3plugin doctor`` to list them (and nothing else). A private upstream name an
+adapter reads is a ``PrivateState`` declared beside its reader; doctor checks it is still there.
 
 Versions. A set names the module whose ``__version__`` it reads (``module``, by default the package name with
 "-" as ".": "megatron-core" -> ``megatron.core``) and declares the versions it was checked on (``checked``, a
@@ -20,9 +34,6 @@ holds only for some versions says so (``versions="<0.18"``; another row with ``v
 the other target or signature): rows whose ``versions`` exclude the imported version are not applied or
 checked. Rows may share a ``name`` when they are variants of one patch, so ``stock(name)`` works on every
 version. ``variant()`` names the rows in use; ``l3plugin doctor`` prints it per set with the version and path.
-
-Replacements are named by "module:function" strings: this module imports nothing of l3plugin and nothing
-upstream until a set is applied or checked.
 """
 
 from __future__ import annotations
@@ -65,12 +76,12 @@ class Patch:
     """One upstream attribute l3plugin replaces.
 
     target: "module:Class" (or "module") that holds ``attribute``; with ``key``, the dict ``attribute`` holds
-      and the entry for the object ``key`` names. replacement: "module:function", a top-level function (or
-      object); with ``wraps`` it is a factory called with the original and the attribute name, whose result is
-      set. signature: the parameter names the original must start with (None: not checked). optional: a
-      missing module or attribute (Megatron-LM beside megatron-core; a torch without that function) is
-      skipped. loaded_only: patched only if the module was imported
-      already (never imported for it). rebind: modules that imported the original by name get the
+      and the entry for the object ``key`` names. replacement: the function (or object) to set; with ``wraps``
+      a factory called with the original and the attribute name, whose result is set. A "module:attr" string
+      instead is resolved when the row is applied (for a value that is itself upstream's). signature: the
+      parameter names the original must start with (None: not checked). optional: a missing module or
+      attribute (Megatron-LM beside megatron-core; a torch without that function) is skipped. loaded_only:
+      patched only if the module was imported already (never imported for it). rebind: modules that imported the original by name get the
       replacement too. instance: ``attribute`` is replaced on single instances (``apply_to``), not the class.
       versions: the upstream versions this row is for ("<0.18", ">=0.18"; None: every version of the set's
       range); rows of other versions are neither applied nor checked.
@@ -78,7 +89,7 @@ class Patch:
 
     target: str
     attribute: str
-    replacement: str
+    replacement: object
     why: str
     signature: tuple | None = None
     key: str | None = None
@@ -93,6 +104,11 @@ class Patch:
     def name(self) -> str:
         owner = self.target.partition(":")[2] or self.target
         return f"{owner}.{self.attribute}" + (f"[{self.key.rpartition(':')[2]}]" if self.key else "")
+
+    @property
+    def replacement_name(self) -> str:
+        """"module:function" of the replacement (who patches), as ``l3plugin doctor`` prints it."""
+        return self.replacement if isinstance(self.replacement, str) else _path_of(self.replacement)
 
     def holder(self):
         """(object to set on, key or attribute name), or None when the target may be and is absent."""
@@ -198,6 +214,8 @@ class PatchSet:
     def variant(self) -> str:
         """Which version-specific rows are in use: "for <0.18" etc., "every row" when none is specific."""
         specific = list(dict.fromkeys(p.versions for p in self.rows() if p.versions is not None))
+        if self.patches and not self.rows():
+            return "no row for this version"
         return "rows for " + "; ".join(specific) if specific else "every row"
 
     def check(self, patches=None) -> None:
@@ -232,12 +250,12 @@ class PatchSet:
             if patch.rebind:
                 _rebind(attribute, original, _current(owner, attribute, patch))
 
-    def apply_on(self, owner, attribute: str, factory: str, *args) -> None:
+    def apply_on(self, owner, attribute: str, factory, *args) -> None:
         """Also replace ``owner.attribute`` (an object known only at run time, e.g. a reference a library
         cached) by ``factory(original, *args)``; ``undo`` puts it back with the rest."""
         original = getattr(owner, attribute)
         self._extra.append((owner, attribute, original))
-        setattr(owner, attribute, _resolve(factory)(original, *args))
+        setattr(owner, attribute, factory(original, *args))
 
     def undo(self) -> None:
         """Put every original back (modules rebound by name too)."""
@@ -272,8 +290,8 @@ class PatchSet:
         return self._stock[name]
 
     def _instance_patch(self, function) -> Patch:
-        path = f"{function.__module__}:{function.__name__}"
-        return next(p for p in self.rows() if p.instance and p.replacement == path)
+        path = _path_of(function)
+        return next(p for p in self.rows() if p.instance and p.replacement_name == path)
 
     def apply_to(self, instance, function):
         """Replace the attribute of the ``instance`` patch whose replacement is ``function`` on this one
@@ -283,19 +301,23 @@ class PatchSet:
         if not isinstance(instance, _resolve(patch.target)):
             raise TypeError(f"{patch.name} is patched on {patch.target} instances, got {type(instance).__name__}")
         saved = self._by_instance.setdefault(instance, {})
-        if patch.replacement not in saved:
-            saved[patch.replacement] = getattr(instance, patch.attribute)
+        if patch.replacement_name not in saved:
+            saved[patch.replacement_name] = getattr(instance, patch.attribute)
             setattr(instance, patch.attribute, types.MethodType(function, instance))
-        return saved[patch.replacement]
+        return saved[patch.replacement_name]
 
     def stock_of(self, instance, function):
         """What ``apply_to(instance, function)`` replaced."""
-        return self._by_instance[instance][self._instance_patch(function).replacement]
+        return self._by_instance[instance][self._instance_patch(function).replacement_name]
 
 
 def _replacement(patch: Patch, original):
-    made = _resolve(patch.replacement)
+    made = _resolve(patch.replacement) if isinstance(patch.replacement, str) else patch.replacement
     return made(original, patch.attribute) if patch.wraps else made
+
+
+def _path_of(obj) -> str:
+    return f"{obj.__module__}:{getattr(obj, '__qualname__', getattr(obj, '__name__', repr(obj)))}"
 
 
 def _set(owner, attribute, value, is_key: bool) -> None:
@@ -322,5 +344,42 @@ def _rebind(attribute: str, old, new) -> None:
             continue
 
 
+@dataclass(frozen=True)
+class PrivateState:
+    """A private name of an upstream module or class that l3plugin reads (no public API gives it), declared
+    beside its reader so ``l3plugin doctor`` says whether the imported version still has it.
+
+    target: "module" or "module:Class" holding ``name``. why: what l3plugin reads it for, and what breaks
+    without it. probe: for a name set on instances only, a function returning such an instance. version_of:
+    the module whose version a report names (default: the target's top-level package)."""
+
+    target: str
+    name: str
+    why: str
+    probe: object = None
+    version_of: str | None = None
+
+    def __post_init__(self):
+        PRIVATE_STATE.append(self)
+
+    @property
+    def label(self) -> str:
+        return f"{self.target.replace(':', '.')}.{self.name}"
+
+    def problem(self) -> str | None:
+        """None when the imported upstream has the name, else what is missing and in which version. Raises
+        ImportError when the target's module is not installed (then there is nothing to read)."""
+        versioned = self.version_of or self.target.partition(":")[0].split(".")[0]
+        try:
+            owner = self.probe() if self.probe is not None else _resolve(self.target)
+            missing = None if hasattr(owner, self.name) else f"{self.label} does not exist"
+        except ImportError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a class gone, or a probe that fails, is the finding
+            missing = f"{self.target} cannot be read ({type(exc).__name__}: {exc})"
+        return None if missing is None else f"{missing} in {versioned} {imported_version(versioned)}"
+
+
 _ORIGINALS: dict = {}  # (id(owner), attribute or key) -> upstream's own value, while any set has replaced it
 SETS: list[PatchSet] = []  # every declared set, in declaration order (``l3plugin doctor`` lists them)
+PRIVATE_STATE: list[PrivateState] = []  # every declared private upstream name, likewise

@@ -1,4 +1,4 @@
-"""Upstream versions as l3plugin's patch sets see them (l3plugin/patches.py): the version of a module as
+"""Upstream versions as l3plugin's patch sets see them (l3plugin/patchset.py): the version of a module as
 IMPORTED (a Megatron-LM checkout first on PYTHONPATH wins over pip's megatron-core, whatever pip's metadata
 says), read once per process, and pip-style version ranges. Imports nothing upstream until asked."""
 

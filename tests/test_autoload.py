@@ -38,7 +38,9 @@ deepspeed = quiet_deepspeed()
 model = make_mlp()
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                   config=ds_config(2, gas=1, plugin={{"fp32_reduce_zero": True}}))
-print(json.dumps({{"before": before, "optimizer": type(engine.optimizer).__name__}}))
+print(json.dumps({{"before": before, "optimizer": type(engine.optimizer).__name__,
+                  "hf_adapter": "l3plugin.huggingface.deepspeed_cp" in sys.modules,
+                  "accelerate": "accelerate" in sys.modules}}))
 """
 
 
@@ -61,11 +63,15 @@ def run(code, tmp_path, timeout=90, python=sys.executable, tree=TREE, **env):
     return out
 
 
-def engine_optimizer(tmp_path, first="", **env):
+def engine_result(tmp_path, first="", **env):
     out = run(f"FIRST = {first!r}\n" + ENGINE, tmp_path, **env)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["before"] == [], "the script imported l3plugin itself"
-    return result["optimizer"]
+    return result
+
+
+def engine_optimizer(tmp_path, first="", **env):
+    return engine_result(tmp_path, first, **env)["optimizer"]
 
 
 def test_pth_is_installed_in_site_packages():
@@ -84,7 +90,11 @@ def test_startup_installs_only_the_watcher(tmp_path):
 
 
 def test_config_key_works_without_import(tmp_path):
-    assert engine_optimizer(tmp_path) == "DeepSpeedFP32ReduceZero"
+    """... and a DeepSpeed run without context_parallel_size imports the Hugging Face adapter only when accelerate
+    is imported (DeepSpeed 0.16 imports it itself; 0.19 does not)."""
+    result = engine_result(tmp_path)
+    assert result["optimizer"] == "DeepSpeedFP32ReduceZero"
+    assert result["hf_adapter"] is result["accelerate"]
 
 
 def test_opt_out_gives_stock_zero(tmp_path):
@@ -192,4 +202,4 @@ def test_wheel_in_a_fresh_virtualenv_installs_the_hook(wheel, tmp_path):
     assert all(Path(f).resolve().is_relative_to(site.resolve()) for f in found), found  # the wheel's, not the tree's
     out = run("FIRST = ''\n" + ENGINE, tmp_path, python=python, tree=None)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result == {"before": [], "optimizer": "DeepSpeedFP32ReduceZero"}
+    assert {k: result[k] for k in ("before", "optimizer")} == {"before": [], "optimizer": "DeepSpeedFP32ReduceZero"}

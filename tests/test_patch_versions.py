@@ -1,4 +1,4 @@
-"""Versioned patch sets (l3plugin/patches.py): the version is read from the module as imported, a version
+"""Versioned patch sets (l3plugin/patchset.py): the version is read from the module as imported, a version
 outside the checked range gets one message, version-specific rows (variants) are chosen by version, and
 `l3plugin doctor` reports the imported version, its path and the variant. The upstream here is a test double
 (a module object whose __version__ the test sets)."""
@@ -185,4 +185,4 @@ def test_megatrons_sets_report_the_megatron_core_that_is_imported():
     doctor(out)
     header = next(line for line in out.getvalue().splitlines() if line.startswith("l3plugin.megatron: "))
     assert f"megatron.core {megatron.core.__version__} (imported from {megatron.core.__path__[0]})" in header
-    assert f"checked on megatron-core {patches.MEGATRON.checked} (in range)" in header
+    assert f"checked on megatron-core {patches.MEGATRON_CHECKED} (in range)" in header

@@ -1,5 +1,6 @@
-"""The patch registry (l3plugin/patches.py): one declaration per upstream patch, checked before anything is
-set, undone exactly; `l3plugin doctor` checks every declaration against the installed frameworks."""
+"""Patch sets (l3plugin/patchset.py) and their registry (l3plugin/patches.py): one declaration per upstream patch,
+beside its replacement, checked before anything is set, undone exactly; `l3plugin doctor` checks every declaration
+and every private upstream name read against the installed frameworks."""
 
 import io
 import sys
@@ -54,13 +55,13 @@ def fake_upstream(monkeypatch):
 
 here = __name__
 SET = PatchSet("test set", "fake-upstream", ">=1.0,<2", module="fake_upstream", patches=[
-    Patch("fake_upstream", "function", f"{here}:replacement_function", why="test", signature=("alpha", "beta"),
+    Patch("fake_upstream", "function", replacement_function, why="test", signature=("alpha", "beta"),
           rebind=True),
-    Patch("fake_upstream", "other", f"{here}:wrapping_factory", why="test", wraps=True),
-    Patch("fake_upstream", "table", f"{here}:replacement_function", why="test", key="fake_upstream:KEY"),
-    Patch("fake_upstream:Engine", "forward", f"{here}:instance_forward", why="test", instance=True),
-    Patch("fake_upstream_not_installed", "thing", f"{here}:replacement_function", why="test", optional=True),
-    Patch("fake_upstream_not_loaded", "thing", f"{here}:replacement_function", why="test", loaded_only=True),
+    Patch("fake_upstream", "other", wrapping_factory, why="test", wraps=True),
+    Patch("fake_upstream", "table", replacement_function, why="test", key="fake_upstream:KEY"),
+    Patch("fake_upstream:Engine", "forward", instance_forward, why="test", instance=True),
+    Patch("fake_upstream_not_installed", "thing", replacement_function, why="test", optional=True),
+    Patch("fake_upstream_not_loaded", "thing", replacement_function, why="test", loaded_only=True),
 ])
 patches.SETS.remove(SET)  # not one of l3plugin's
 
@@ -132,6 +133,148 @@ def test_every_declared_patch_checks_out_against_the_installed_frameworks():
 
 
 def test_collective_patches_name_every_op_of_the_debug_wrappers():
-    from l3plugin.debug.patching import OPS
+    from l3plugin.debug.patching import COLLECTIVES, OPS, collective_wrapper
 
-    assert set(patches.COLLECTIVE_OPS) == set(OPS)
+    rows = {(p.target, p.attribute) for p in COLLECTIVES.patches}
+    assert rows == {(m, op) for m in ("torch.distributed", "torch.distributed.distributed_c10d") for op in OPS}
+    assert all(p.replacement is collective_wrapper for p in COLLECTIVES.patches)
+
+
+# -- the registry and the private upstream state ---------------------------------------------------------------
+def test_every_l3plugin_patch_names_its_replacement_by_the_object_in_its_adapter():
+    sets, _, failed = patches.declared()
+    assert failed == {}
+    ours = [s for s in sets if not s.name.startswith("tests/")]  # megatron_cpu_shim's test-only sets
+    assert len(ours) >= 11, [s.name for s in ours]
+    for patch_set in ours:
+        for patch in patch_set.patches:
+            assert callable(patch.replacement) and not isinstance(patch.replacement, str), (patch_set.name, patch)
+            module = sys.modules[patch.replacement.__module__]
+            assert getattr(module, patch.replacement.__name__) is patch.replacement  # defined there, by that name
+
+
+def test_the_hf_rows_are_their_own_set_and_deepspeed_initialize_is_the_deepspeed_adapters():
+    from l3plugin.deepspeed.engine import DEEPSPEED, initialize_with_key
+    from l3plugin.huggingface.deepspeed_cp import ACCELERATE, prepare_data_loader
+
+    assert [(p.target, p.replacement) for p in ACCELERATE.patches] == [("accelerate.accelerator", prepare_data_loader)]
+    initialize = [p for p in DEEPSPEED.patches if p.target == "deepspeed"]
+    assert [(p.attribute, p.replacement, p.rebind) for p in initialize] == [("initialize", initialize_with_key, True)]
+    assert not any(p.target.startswith("accelerate") for p in DEEPSPEED.patches)
+
+
+def test_declaring_a_set_imports_nothing_upstream(tmp_path):
+    """The registry, the mechanism and the autoload hook import no torch; the adapter modules that declare sets
+    (all but l3plugin.deepspeed, whose import is the install) import no DeepSpeed, Megatron, transformers or
+    accelerate. A fresh interpreter, autoload off."""
+    import json
+    import os
+
+    from l3plugin.ranks import run_command
+
+    frameworks = ("torch", "deepspeed", "megatron", "transformers", "accelerate")
+    adapters = [m for m in patches.DECLARED_IN if not m.startswith("l3plugin.deepspeed")]
+    code = (f"import json, sys\nimport l3plugin.patches, l3plugin.patchset, l3plugin_autoload\n"
+            f"light = [m for m in {frameworks!r} if m in sys.modules]\n"
+            f"for name in {adapters!r}:\n    __import__(name)\n"
+            f"print(json.dumps([light, [m for m in {frameworks[1:]!r} if m in sys.modules]]))")
+    env = dict(os.environ, L3PLUGIN_NO_AUTOLOAD="1", PYTHONPATH=os.pathsep.join(sys.path))
+    out = run_command([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [[], []]
+
+
+@pytest.fixture
+def private_upstream(monkeypatch):
+    """A fake upstream with one private module global and one private class attribute, and the registry's
+    private-state list holding only declarations about it (and one about a module that is not installed)."""
+    module = types.ModuleType("fake_private")
+    module.__version__, module.__file__ = "2.0.1", "/opt/fake/fake_private/__init__.py"
+    module._GLOBAL = None
+    module.State = type("State", (), {"_shared": {}})
+    monkeypatch.setitem(sys.modules, "fake_private", module)
+    monkeypatch.setattr(versions, "_IMPORTED", {})
+    declared = [patches.PrivateState("fake_private", "_GLOBAL", why="the parsed arguments: flags ignored"),
+                patches.PrivateState("fake_private:State", "_shared", why="whether it runs: data not sharded"),
+                patches.PrivateState("fake_private_not_installed", "_X", why="only with that package")]
+    for state in declared:
+        patches.PRIVATE_STATE.remove(state)  # not one of l3plugin's
+    monkeypatch.setattr(patches, "SETS", [])
+    monkeypatch.setattr(patches, "PRIVATE_STATE", declared)
+    return module
+
+
+def test_doctor_lists_private_upstream_state_present(private_upstream):
+    out = io.StringIO()
+    assert doctor(out) == 0, out.getvalue()
+    text = out.getvalue()
+    assert "  fake_private._GLOBAL\n      ok; the parsed arguments: flags ignored" in text
+    assert "  fake_private.State._shared\n      ok; whether it runs" in text
+    assert "  fake_private_not_installed._X\n      skipped: fake_private_not_installed is not importable" in text
+    assert "3 private names read; every target checks out" in text
+
+
+def test_doctor_reports_a_missing_private_name_with_what_breaks(private_upstream):
+    del private_upstream._GLOBAL
+    del private_upstream.State._shared
+    out = io.StringIO()
+    assert doctor(out) == 1
+    text = out.getvalue()
+    assert ("fake_private._GLOBAL\n      MISMATCH: fake_private._GLOBAL does not exist in fake_private 2.0.1 "
+            "(imported from /opt/fake/fake_private); what breaks: the parsed arguments: flags ignored") in text
+    assert "MISMATCH: fake_private.State._shared does not exist in fake_private 2.0.1" in text
+    assert "2 problems with the imported versions" in text
+
+
+def test_doctor_reports_a_private_name_deepspeed_no_longer_has(monkeypatch):
+    """The real declaration of DeepSpeed's sequence-parallel group, against the imported DeepSpeed with the
+    name removed (as a release that renamed it would be)."""
+    import deepspeed
+
+    sp = pytest.importorskip("deepspeed.runtime.sequence_parallel.parallel_state_sp",
+                             reason="DeepSpeed < 0.17 has no sequence-parallel groups (nothing to read)")
+    out = io.StringIO()
+    doctor(out)
+    assert "parallel_state_sp._SEQUENCE_PARALLEL_GROUP\n      ok;" in out.getvalue()
+    monkeypatch.delattr(sp, "_SEQUENCE_PARALLEL_GROUP")
+    out = io.StringIO()
+    assert doctor(out) == 1
+    assert (f"parallel_state_sp._SEQUENCE_PARALLEL_GROUP\n      MISMATCH: deepspeed.runtime.sequence_parallel."
+            f"parallel_state_sp._SEQUENCE_PARALLEL_GROUP does not exist in deepspeed {deepspeed.__version__}") \
+        in out.getvalue()
+    assert "what breaks: whether DeepSpeed's sequence-parallel groups are built" in out.getvalue()
+
+
+def test_doctor_lists_the_sets_of_an_adapter_whose_install_failed_and_names_one_that_cannot_be_imported(
+        tmp_path, monkeypatch):
+    """An adapter whose import applies its sets (l3plugin.deepspeed) and hits a mismatch has declared them
+    already: doctor lists them with the mismatch. A declaring module that cannot be imported is named."""
+    (tmp_path / "fake_adapter.py").write_text(
+        "from l3plugin.patchset import Patch, PatchSet\n"
+        "def ours():\n    pass\n"
+        "FAKE = PatchSet('fake adapter', 'fake-upstream', '>=1.0,<2', module='fake_upstream_gone', patches=[\n"
+        "    Patch('fake_upstream_gone', 'function', ours, why='gone upstream')])\n"
+        "FAKE.apply()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fake_adapter", raising=False)
+    module = types.ModuleType("fake_upstream_gone")
+    module.__version__, module.__file__ = "1.5", "/opt/fake/fake_upstream_gone/__init__.py"
+    monkeypatch.setitem(sys.modules, "fake_upstream_gone", module)
+    monkeypatch.setattr(versions, "_IMPORTED", {})
+    monkeypatch.setattr(patches, "SETS", [])
+    monkeypatch.setattr(patches, "PRIVATE_STATE", [])
+    monkeypatch.setattr(patches, "DECLARED_IN", ("fake_adapter", "fake_adapter_not_installed"))
+    monkeypatch.setattr(patchset_module(), "SETS", patches.SETS)  # where PatchSet registers itself
+    out = io.StringIO()
+    assert doctor(out) == 1
+    text = out.getvalue()
+    assert "fake adapter: fake_upstream_gone 1.5" in text
+    assert "fake_upstream_gone.function  ->  fake_adapter:ours\n      MISMATCH: fake_upstream_gone.function does " \
+           "not exist; gone upstream" in text
+    assert "fake_adapter_not_installed: MISMATCH: cannot be imported (ModuleNotFoundError" in text
+
+
+def patchset_module():
+    import l3plugin.patchset
+
+    return l3plugin.patchset

@@ -7,7 +7,7 @@ active in a process at a time (entering a second raises ``RuntimeError``): the w
 have to decide which of them owns a call, and a recorder nested in another would record half a step.
 
 What is patched: the names in ``OPS`` on ``torch.distributed`` and ``torch.distributed.distributed_c10d``
-(Megatron-Core and DeepSpeed call them that way; declared in ``l3plugin/patches.py``, set COLLECTIVES), plus
+(Megatron-Core and DeepSpeed call them that way; set COLLECTIVES, declared below ``collective_wrapper``), plus
 ``extra_targets``: ``[(object, attribute name,
 op name), ...]`` for libraries that cached a function reference before we patched, e.g. DeepSpeed's
 ``deepspeed.comm.comm.cdb.reduce_scatter_function`` / ``all_gather_function`` (op names
@@ -32,6 +32,8 @@ import functools
 import inspect
 import threading
 from dataclasses import dataclass
+
+from l3plugin.patchset import Patch, PatchSet
 
 
 @dataclass(frozen=True)
@@ -164,11 +166,16 @@ def collective_wrapper(orig, op: str):
     return _wrappers[id(orig)]
 
 
+COLLECTIVES = PatchSet("l3plugin.debug (record_collectives, local_collectives)", "torch", ">=2.13", [
+    Patch(module, op, collective_wrapper, wraps=True, optional=True,
+          why="while a recorder or the local stand-ins are active, each call goes to them (Megatron-Core and "
+              "DeepSpeed call these functions through both modules)")
+    for module in ("torch.distributed", "torch.distributed.distributed_c10d") for op in OPS])
+
+
 @contextlib.contextmanager
 def patched(handler, extra_targets=(), kinds=("coll", "send", "recv", "batch")):
     """Route every call of the patched functions whose op kind is in ``kinds`` to ``handler(Call)``."""
-    from l3plugin.patches import COLLECTIVES
-
     global _active
     extras = _targets(extra_targets, kinds)
     with _state_lock:
@@ -177,7 +184,7 @@ def patched(handler, extra_targets=(), kinds=("coll", "send", "recv", "batch")):
             COLLECTIVES.apply(lambda patch: OPS[patch.attribute].kind in kinds)
             for obj, attr, op in extras:
                 if getattr(obj, attr) is not None:  # None: DeepSpeed's "this torch has no such function"
-                    COLLECTIVES.apply_on(obj, attr, "l3plugin.debug.patching:collective_wrapper", op)
+                    COLLECTIVES.apply_on(obj, attr, collective_wrapper, op)
         except BaseException:
             _restore()
             raise
@@ -191,8 +198,6 @@ def patched(handler, extra_targets=(), kinds=("coll", "send", "recv", "batch")):
 
 
 def _restore():
-    from l3plugin.patches import COLLECTIVES
-
     COLLECTIVES.undo()
     _wrappers.clear()
 

@@ -21,8 +21,8 @@ DeepSpeed behaves exactly as stock. Options under ``"l3plugin"`` are the JSON-se
 accepts (dict, JSON or hjson file, base64 string, ``args.deepspeed_config``) works with the key and, without it,
 reaches DeepSpeed exactly as given.
 
-DeepSpeed has no plug-in registry, so ``install`` replaces these engine methods (declared in
-``l3plugin/patches.py``; ``l3plugin doctor`` checks them against the installed DeepSpeed), each falling
+DeepSpeed has no plug-in registry, so ``install`` replaces these engine methods (set DEEPSPEED, declared in
+engine.py beside them; ``l3plugin doctor`` checks them against the installed DeepSpeed), each falling
 through to the stock one unless the key is on: ``_do_sanity_check`` (validate the config first),
 ``_do_optimizer_sanity_check`` (route to ZeRO), ``_configure_zero_optimizer`` (build ours),
 ``save_checkpoint`` (crash-consistent: ``latest`` moves only after every rank saved),
@@ -32,8 +32,10 @@ size; or a universal checkpoint with ``checkpoint.load_universal``),
 ``zero_optimization_stage`` + ``PipelineEngine.__init__`` (PipelineEngine refuses stage 2 for DeepSpeed's
 optimizer; ours supports it), ``PipelineEngine._exec_reduce_tied_grads`` (tied weights' gradients live in
 our fp32 buckets, not in ``weight.grad``) and ``PipelineEngine._exec_backward_pass`` (end-of-backward
-reductions), both also in the schedule's instruction table; and ``deepspeed.initialize`` and accelerate's
-``prepare_data_loader`` (the CP options: ``l3plugin/huggingface/deepspeed_cp.py``).
+reductions), both also in the schedule's instruction table, ``_backward_prologue_per_tensor`` (DeepSpeed 0.18:
+the pipeline's earlier stages' gradients divided once); and ``deepspeed.initialize`` (``initialize_with_key``:
+the key read once, CP above 1 through ``l3plugin/huggingface/deepspeed_cp.py``), plus accelerate's
+``prepare_data_loader`` when accelerate was imported first (that adapter's set ACCELERATE).
 ``uninstall()`` restores everything. The package: ``config.py`` (the options and what is supported),
 ``engine.py`` (the replaced methods), ``optimizer.py`` (the optimizer the engines drive, and what they call),
 ``checkpoint.py`` (crash-consistent saves, verified loads, ``export_fp32_state_dict``).

@@ -2,7 +2,7 @@
 the FP32-reducing ZeRO supports.
 
 A config is read only by DeepSpeed's own loader (``read_config``: a dict, a JSON or hjson file, a base64 string:
-whatever DeepSpeed accepts). ``deepspeed.initialize`` (l3plugin/huggingface/deepspeed_cp.py) parses the block
+whatever DeepSpeed accepts). ``deepspeed.initialize`` (engine.py's ``initialize_with_key``) parses the block
 once and hands the result to the engine it builds (``handing_over``); an engine built some other way parses its
 own config's block when first asked. To add an option of the ZeRO optimizer: one field in
 l3plugin/zero/settings.py (the block accepts it when the field says ``json=``).
@@ -15,6 +15,7 @@ import contextvars
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from l3plugin.patchset import PrivateState
 from l3plugin.zero.settings import boolean, json_options, whole_number
 
 KEY = "l3plugin"
@@ -93,6 +94,11 @@ def read_config(config) -> dict:
     what DeepSpeed's loader raises."""
     if isinstance(config, dict):
         return config
+    return _loaded(config)._param_dict
+
+
+def _loaded(config):
+    """A ``DeepSpeedConfig`` that has loaded ``config`` and computed nothing from it."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     class ReadOnly(DeepSpeedConfig):
@@ -107,7 +113,15 @@ def read_config(config) -> dict:
         def _do_sanity_check(self):
             pass
 
-    return ReadOnly(config)._param_dict
+    return ReadOnly(config)
+
+
+# Read here (read_config, options_for, zero_settings, the accumulation dtype): the config as DeepSpeed loaded it.
+PARAM_DICT = PrivateState(
+    "deepspeed.runtime.config:DeepSpeedConfig", "_param_dict", probe=lambda: _loaded({}),
+    why="the config as DeepSpeed loaded it (engine._config._param_dict; read_config for a file or base64 "
+        "string): without it an engine with the key fails at deepspeed.initialize (AttributeError) and a key "
+        "in a file or base64 config is not seen")
 
 
 _HANDED: contextvars.ContextVar = contextvars.ContextVar("l3plugin_handed_options", default=None)
@@ -122,6 +136,36 @@ def handing_over(options: PluginOptions):
         yield
     finally:
         _HANDED.reset(token)
+
+
+# Where deepspeed.initialize takes its config from, in its order: config, config_params, or the arguments
+# object's deepspeed_config (deepscale_config: its deprecated name). Two of them at once: stock refuses the call.
+ARGS_FIELDS = ("deepspeed_config", "deepscale_config")
+
+
+def _given_config(call):
+    """(where, the config as given) of a bound ``deepspeed.initialize`` call; (None, None) when there is none or
+    stock refuses the call (two configs given)."""
+    given = [(name, call.arguments.get(name)) for name in ("config", "config_params")]
+    given += [("args", getattr(call.arguments.get("args"), name, None)) for name in ARGS_FIELDS]
+    given = [(where, value) for where, value in given if value is not None]
+    if given[:1] and given[0][0] == "config" and any(where == "config_params" for where, _ in given):
+        given = [g for g in given if g[0] != "config_params"]  # config wins over config_params
+    return given[0] if len(given) == 1 else (None, None)
+
+
+def config_of_call(call):
+    """(where, the config as a dict, its options) of a bound ``deepspeed.initialize`` call, read by DeepSpeed's
+    own loader; options None without the key or when the config cannot be read (then stock gets the call as it
+    is and says what is wrong)."""
+    where, given = _given_config(call)
+    if given is None:
+        return None, None, None
+    try:
+        config = read_config(given)
+    except Exception:  # noqa: BLE001 - DeepSpeed's own loader fails on it: stock raises its own error
+        return None, None, None
+    return (where, config, options_in(config)) if isinstance(config, dict) else (None, None, None)
 
 
 def options_for(engine) -> PluginOptions | None:

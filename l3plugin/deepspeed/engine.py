@@ -1,4 +1,5 @@
-"""The DeepSpeed engine methods l3plugin replaces (declared in ``l3plugin/patches.py``, set DEEPSPEED).
+"""The DeepSpeed engine methods and the ``deepspeed.initialize`` l3plugin puts in place (set DEEPSPEED, declared
+at the bottom, below the replacements).
 
 Each falls through to DeepSpeed's own method unless the engine's options ask for the FP32-reducing ZeRO
 (``wants_fp32_reduce_zero``) or the engine runs it (``runs_fp32_reduce_zero``). What the adapter knows about
@@ -8,12 +9,16 @@ an engine, its ``"l3plugin"`` options parsed once included, lives in an ``Engine
 
 from __future__ import annotations
 
+import inspect
+import sys
 import weakref
 
 from l3plugin.deepspeed import checkpoint
-from l3plugin.deepspeed.config import PluginOptions, check_model_supported, check_supported, options_for, zero_settings
+from l3plugin.deepspeed.config import (PluginOptions, check_model_supported, check_supported, config_of_call,
+                                       handing_over, options_for, zero_settings)
 from l3plugin.deepspeed.optimizer import DeepSpeedFP32ReduceZero, runs_fp32_reduce_zero
-from l3plugin.patches import DEEPSPEED
+from l3plugin.patches import DEEPSPEED_CHECKED
+from l3plugin.patchset import Patch, PatchSet
 
 _ENGINE, _PIPE = "DeepSpeedEngine", "PipelineEngine"
 
@@ -53,13 +58,45 @@ def _stock(cls: str, name: str):
 
 
 def install() -> None:
-    """Patch DeepSpeed's engines (once) so the ``"l3plugin"`` config key takes effect."""
+    """Patch DeepSpeed's engines (once) so the ``"l3plugin"`` config key takes effect; with accelerate imported
+    already (the HF Trainer's order), also its data-loader sharding (l3plugin/huggingface/deepspeed_cp.py)."""
     DEEPSPEED.apply()
+    if "accelerate.accelerator" in sys.modules:
+        from l3plugin.huggingface.deepspeed_cp import ACCELERATE
+
+        ACCELERATE.apply()
 
 
 def uninstall() -> None:
-    """Restore DeepSpeed's methods (tests use it to show the stock behaviour)."""
+    """Restore DeepSpeed's methods and accelerate's (tests use it to show the stock behaviour)."""
+    hf = sys.modules.get("l3plugin.huggingface.deepspeed_cp")
+    if hf is not None:
+        hf.ACCELERATE.undo()
     DEEPSPEED.undo()
+
+
+# -- deepspeed.initialize ------------------------------------------------------------------------------------
+def initialize_with_key(*args, **kwargs):
+    """``deepspeed.initialize`` reading the ``"l3plugin"`` key once. Without it the call reaches DeepSpeed exactly
+    as given; with it the engine built takes the parsed options (``handing_over``), and ``context_parallel_size``
+    above 1 goes through the CP builder of l3plugin/huggingface/deepspeed_cp.py. (Not named ``initialize``:
+    undoing the patch puts DeepSpeed's function back in every module whose global ``initialize`` is this one,
+    which would include this module.)"""
+    stock = DEEPSPEED.stock("deepspeed.initialize")
+    call = inspect.signature(stock).bind(*args, **kwargs)
+    where, config, options = config_of_call(call)
+    if options is None:
+        return stock(*args, **kwargs)
+    if "accelerate.state" in sys.modules:  # accelerate or the HF Trainer: messages name their settings
+        from l3plugin.huggingface.deepspeed_cp import check_for_hf_users
+
+        check_for_hf_users(config, options)
+    with handing_over(options):  # the engine keeps these options: its config's block is not parsed again
+        if options.context_parallel_size == 1:
+            return stock(*args, **kwargs)
+        from l3plugin.huggingface.deepspeed_cp import initialize_with_cp
+
+        return initialize_with_cp(stock, call, where, config, options)
 
 
 # -- building the optimizer ---------------------------------------------------------------------------------
@@ -202,3 +239,57 @@ def load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
     load_agreed(self.optimizer.zero, lambda: checkpoint.read_zero(self, load_dir, tag, load_optimizer_states,
                                                                   options_of(self)))
     return True
+
+
+# -- the declaration ---------------------------------------------------------------------------------------------
+_DS_ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
+_DS_PIPE = "deepspeed.runtime.pipe.engine:PipelineEngine"
+_BACKWARD = "deepspeed.runtime.pipe.schedule:BackwardPass"
+
+DEEPSPEED = PatchSet("l3plugin.deepspeed", "deepspeed", DEEPSPEED_CHECKED, [
+    # Each replacement falls through to the original unless the config has "l3plugin": {"fp32_reduce_zero": true}.
+    Patch(_DS_ENGINE, "_do_sanity_check", do_sanity_check, signature=("self",),
+          why="check the l3plugin options first, so their message wins over DeepSpeed's generic ones"),
+    Patch(_DS_ENGINE, "_do_optimizer_sanity_check", do_optimizer_sanity_check,
+          signature=("self", "basic_optimizer"),
+          why="route to _configure_zero_optimizer, also where stock would pick BF16_Optimizer"),
+    Patch(_DS_ENGINE, "_configure_zero_optimizer", configure_zero_optimizer, signature=("self", "optimizer"),
+          why="build l3plugin's FP32-reducing ZeRO-1/2 optimizer on DeepSpeed's seq_data_parallel_group"),
+    Patch(_DS_ENGINE, "_load_zero_checkpoint", load_zero_checkpoint,
+          signature=("self", "load_dir", "tag", "load_optimizer_states"),
+          why="apply the partitions load_checkpoint read and verified (ours, stock's at any DP size, universal)"),
+    Patch(_DS_ENGINE, "save_checkpoint", save_checkpoint,
+          signature=("self", "save_dir", "tag", "client_state", "save_latest", "exclude_frozen_parameters"),
+          why="crash-consistent saves: temporary names, manifests, 'latest' moved after every rank agreed"),
+    Patch(_DS_ENGINE, "load_checkpoint", load_checkpoint,
+          signature=("self", "load_dir", "tag", "load_module_strict", "load_optimizer_states",
+                     "load_lr_scheduler_states", "load_module_only", "custom_load_fn"),
+          why="verify the tag and the partitions on every rank and agree before stock touches anything"),
+    Patch(_DS_ENGINE, "zero_optimization_stage", zero_optimization_stage, signature=("self",),
+          why="PipelineEngine.__init__ asserts stage < 2 for DeepSpeed's optimizer; ours supports stage 2"),
+    Patch(_DS_PIPE, "__init__", pipeline_engine_init, signature=("self",),
+          why="end the stage-2 disguise of zero_optimization_stage once PipelineEngine's assert has passed"),
+    Patch(_DS_PIPE, "_exec_reduce_tied_grads", exec_reduce_tied_grads, signature=("self",),
+          why="tied weights' gradients live in l3plugin's fp32 buckets, not in weight.grad"),
+    Patch(_DS_PIPE, "_exec_backward_pass", exec_backward_pass, signature=("self", "buffer_id"),
+          versions=">=0.18", why="the pipeline calls no post-backward epilogue on its first stages: end-of-backward "
+          "reductions"),
+    Patch(_DS_PIPE, "_exec_backward_pass", exec_backward_pass_with_prologue, signature=("self", "buffer_id"),
+          versions="<0.18", why="before 0.18 the pipeline's first stages call neither the optimizer's backward "
+          "prologue nor an epilogue: l3plugin's micro-batch start and end-of-backward reductions"),
+    Patch(_DS_ENGINE, "_backward_prologue_per_tensor", backward_prologue_per_tensor,
+          signature=("self", "grad"), versions=">=0.18,<0.19",
+          why="0.18 divides the gradient the pipeline's earlier stages receive by the accumulation steps a second "
+          "time (0.19's PipelineEngine does not): the last stage only"),
+    # The pipeline schedule dispatches through a class-level table of functions, not attribute lookup.
+    Patch(_DS_PIPE, "_INSTRUCTION_MAP", exec_reduce_tied_grads, key="deepspeed.runtime.pipe.schedule:ReduceTiedGrads",
+          signature=("self",), why="the instruction table entry of _exec_reduce_tied_grads"),
+    Patch(_DS_PIPE, "_INSTRUCTION_MAP", exec_backward_pass, key=_BACKWARD, signature=("self", "buffer_id"),
+          versions=">=0.18", why="the instruction table entry of _exec_backward_pass"),
+    Patch(_DS_PIPE, "_INSTRUCTION_MAP", exec_backward_pass_with_prologue, key=_BACKWARD,
+          signature=("self", "buffer_id"), versions="<0.18", why="the instruction table entry of _exec_backward_pass"),
+    Patch("deepspeed", "initialize", initialize_with_key, signature=("args", "model"), rebind=True,
+          why='read the "l3plugin" key once and hand its options to the engine; "context_parallel_size": N builds '
+              "DeepSpeed's sequence-parallel groups as mpu, counts the batch over DP only and gives a "
+              "transformers model the all-gather CP attention (l3plugin/huggingface/deepspeed_cp.py)"),
+])

@@ -11,6 +11,9 @@ import zlib
 
 import torch
 
+from l3plugin.patches import MEGATRON_CHECKED
+from l3plugin.patchset import Patch, PatchSet
+
 
 def llama_config(*, num_layers, hidden, heads, kv_heads, ffn, tp=1, cp=1, pp=1, vpp=None, k=None,
                  layout=None, dtype=torch.bfloat16):
@@ -67,7 +70,7 @@ def deterministic_init(chunk, tp_size=1, tp_rank=0, scale=0.05):
 
 
 def rope_on_cpu(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
-    """RotaryEmbedding.forward on a CPU-only machine (patch declared in l3plugin/patches.py, set ROPE)."""
+    """RotaryEmbedding.forward on a CPU-only machine (set CPU_ROPE, below)."""
     # Megatron's RotaryEmbedding moves its frequencies to the current CUDA device and picks the CP
     # rank's positions with a pinned CUDA index tensor; on a CPU-only machine both raise. Same result
     # here: frequencies where inv_freq already is, and this CP rank's 2 of 2*cp chunks (the "2cp"
@@ -83,8 +86,7 @@ def rope_on_cpu(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
 
 
 def tied_embeddings_on_cpu(original, _name):
-    """LanguageModule.setup_embeddings_and_output_layer on a CPU-only machine (patch declared in
-    l3plugin/patches.py, set TIED_EMBEDDINGS)."""
+    """LanguageModule.setup_embeddings_and_output_layer on a CPU-only machine (set TIED_EMBEDDINGS, below)."""
     # With tied embeddings at pp > 1 Megatron copies the first stage's embedding into the last stage's
     # output layer by an all-reduce over the embedding group, after moving the weight to the CUDA device
     # (weight.data.cuda()), which raises without one. Same result here: upstream's setup with that copy
@@ -121,7 +123,6 @@ def build_chunk(config, *, vocab, seq_len, pre_process, post_process, vp_stage=N
     from megatron.core.models.gpt import GPTModel
 
     from l3plugin.megatron.attention import gpt_layer_spec_with_cp_attention, rope_follows_cp_layout
-    from l3plugin.patches import TIED_EMBEDDINGS
 
     cpu_only = not torch.cuda.is_available()
     with TIED_EMBEDDINGS.within() if cpu_only and share_embeddings_and_output_weights else contextlib.nullcontext():
@@ -130,9 +131,24 @@ def build_chunk(config, *, vocab, seq_len, pre_process, post_process, vp_stage=N
                          share_embeddings_and_output_weights=share_embeddings_and_output_weights,
                          position_embedding_type=position_embedding_type, vp_stage=vp_stage)
     if cpu_only and getattr(model, "rotary_pos_emb", None) is not None:
-        from l3plugin.patches import ROPE
-
-        ROPE.apply_to(model.rotary_pos_emb, rope_on_cpu)
+        CPU_ROPE.apply_to(model.rotary_pos_emb, rope_on_cpu)
     rope_follows_cp_layout(model, cp_layout)  # "balanced": RoPE of the positions this rank holds
     deterministic_init(model, tp_size, tp_rank)
     return model
+
+
+# -- Megatron's CUDA-only pieces, on a CPU-only machine -------------------------------------------------------
+CPU_ROPE = PatchSet("l3plugin.demo (RoPE on CPU)", "megatron-core", MEGATRON_CHECKED, [
+    Patch("megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding", "forward", rope_on_cpu,
+          instance=True, signature=("self", "max_seq_len", "offset", "packed_seq", "cp_group"),
+          why="on a CPU-only machine RotaryEmbedding moves its frequencies to the CUDA device and indexes with a "
+              "pinned CUDA tensor; the same result computed where inv_freq is"),
+])
+
+# build_chunk builds GPTModel inside TIED_EMBEDDINGS.within().
+TIED_EMBEDDINGS = PatchSet("l3plugin.demo (tied embeddings on CPU)", "megatron-core", MEGATRON_CHECKED, [
+    Patch("megatron.core.models.common.language_module.language_module:LanguageModule",
+          "setup_embeddings_and_output_layer", tied_embeddings_on_cpu, wraps=True, signature=("self",),
+          why="with tied embeddings at pp > 1 the copy of the first stage's embedding into the last stage moves the "
+              "weight to the CUDA device first; on a CPU-only machine the same all-reduce where the weight is"),
+])

@@ -1,8 +1,8 @@
 """``"l3plugin": {"context_parallel_size": N}`` in a DeepSpeed config: CP from one key, for DeepSpeed,
 accelerate and the HF Trainer.
 
-``deepspeed.initialize`` (replaced through ``l3plugin/patches.py``; it falls through unchanged without the
-key) then:
+``deepspeed.initialize`` (the DeepSpeed adapter's, l3plugin/deepspeed/engine.py: it falls through unchanged
+without the key) hands a config with ``context_parallel_size`` above 1 to ``initialize_with_cp``, which:
 
 1. builds DeepSpeed's own sequence-parallel groups (``deepspeed.runtime.sequence_parallel.parallel_state_sp``,
    the groups DeepSpeed's Ulysses uses: N consecutive ranks per group, the sequence-data-parallel group over
@@ -13,8 +13,10 @@ key) then:
 3. for a transformers model, swaps in the all-gather CP attention (model.py) over the CP group.
 
 Every rank of a CP group must then see the same batches: accelerate's data loaders are sharded over
-data-parallel ranks only (``prepare_data_loader`` below, also in patches.py); in your own loop use
-``data_parallel_rank_and_size()``.
+data-parallel ranks only (``prepare_data_loader`` below, set ACCELERATE, which l3plugin.deepspeed's install
+applies when accelerate was imported first, as the Trainer does); in your own loop use
+``data_parallel_rank_and_size()``. DeepSpeed's and accelerate's private state read here is declared at the
+bottom (``l3plugin doctor`` checks it).
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ import sys
 
 from typing import TYPE_CHECKING
 
+from l3plugin.patches import DEEPSPEED_CHECKED
+from l3plugin.patchset import Patch, PatchSet, PrivateState
+
 if TYPE_CHECKING:
     from l3plugin.deepspeed.config import PluginOptions
 
-# l3plugin.deepspeed (config: KEY, the options, DeepSpeed's config loader) is imported inside the functions: its
-# import installs the DeepSpeed patches, one of which is this module's initialize.
+# l3plugin.deepspeed (config: KEY, the options) is imported inside the functions: its import installs the
+# DeepSpeed patches, and this module must stay importable without DeepSpeed (and cheap: no upstream import).
 
 
 def _sequence_parallel(cp: int | None = None):
@@ -49,37 +54,6 @@ def _sequence_parallel(cp: int | None = None):
                          f'use deepspeed>=0.17 for CP, or leave context_parallel_size out ("fp32_reduce_zero" works '
                          "on this version)") from None
     return parallel_state_sp
-
-
-# Where deepspeed.initialize takes its config from, in its order: config, config_params, or the arguments
-# object's deepspeed_config (deepscale_config: its deprecated name). Two of them at once: stock refuses the call.
-_ARGS_FIELDS = ("deepspeed_config", "deepscale_config")
-
-
-def _given_config(call: inspect.BoundArguments):
-    """(where, the config as given) of a ``deepspeed.initialize`` call; (None, None) when there is none or stock
-    refuses the call (two configs given)."""
-    given = [(name, call.arguments.get(name)) for name in ("config", "config_params")]
-    given += [("args", getattr(call.arguments.get("args"), name, None)) for name in _ARGS_FIELDS]
-    given = [(where, value) for where, value in given if value is not None]
-    if given[:1] and given[0][0] == "config" and any(where == "config_params" for where, _ in given):
-        given = [g for g in given if g[0] != "config_params"]  # config wins over config_params
-    return given[0] if len(given) == 1 else (None, None)
-
-
-def _read(call: inspect.BoundArguments):
-    """(where, the config as a dict, its options): read by DeepSpeed's own loader; options None without the key
-    or when the config cannot be read (then stock gets the call as it is and says what is wrong)."""
-    from l3plugin.deepspeed.config import options_in, read_config
-
-    where, given = _given_config(call)
-    if given is None:
-        return None, None, None
-    try:
-        config = read_config(given)
-    except Exception:  # noqa: BLE001 - DeepSpeed's own loader fails on it: stock raises its own error
-        return None, None, None
-    return (where, config, options_in(config)) if isinstance(config, dict) else (None, None, None)
 
 
 def _under_accelerate() -> bool:
@@ -150,27 +124,10 @@ def _sequence_parallel_groups(cp: int) -> SequenceParallelMpu:
     return SequenceParallelMpu(sp)
 
 
-def initialize_with_key(*args, **kwargs):
-    """``deepspeed.initialize`` with the ``"l3plugin"`` key (see the module docstring); without it the call
-    reaches DeepSpeed exactly as given. (Not named ``initialize``: undoing the patch puts DeepSpeed's function
-    back in every module whose global ``initialize`` is this one, which would include this module.)"""
-    from l3plugin.deepspeed.config import handing_over
-    from l3plugin.patches import DEEPSPEED
-
-    stock = DEEPSPEED.stock("deepspeed.initialize")
-    call = inspect.signature(stock).bind(*args, **kwargs)
-    where, config, options = _read(call)
-    if options is None:
-        return stock(*args, **kwargs)
-    check_for_hf_users(config, options)
-    with handing_over(options):  # the engine keeps these options: its config's block is not parsed again
-        if options.context_parallel_size == 1:
-            return stock(*args, **kwargs)
-        return _initialize_with_cp(stock, call, where, config, options)
-
-
-def _initialize_with_cp(stock, call: inspect.BoundArguments, where: str, config: dict, options: PluginOptions):
-    from l3plugin.deepspeed.config import KEY
+def initialize_with_cp(stock, call: inspect.BoundArguments, where: str, config: dict, options: PluginOptions):
+    """``deepspeed.initialize`` (``stock``, bound as ``call``) under ``"context_parallel_size"`` N > 1 (see the
+    module docstring); ``where`` the config came from, ``config`` as read, ``options`` its parsed key."""
+    from l3plugin.deepspeed.config import ARGS_FIELDS, KEY
 
     cp = options.context_parallel_size
     _sequence_parallel(cp)  # before anything is built: DeepSpeed < 0.17 has none
@@ -182,7 +139,7 @@ def _initialize_with_cp(stock, call: inspect.BoundArguments, where: str, config:
     config = copy.deepcopy(config)  # the caller's config stays as given
     if where == "args":
         arguments["args"] = copy.copy(arguments["args"])
-        for name in _ARGS_FIELDS:
+        for name in ARGS_FIELDS:
             if hasattr(arguments["args"], name):
                 setattr(arguments["args"], name, None)
     arguments["config"], arguments["config_params"] = config, None
@@ -232,9 +189,8 @@ def prepare_data_loader(dataloader, *args, num_processes=None, process_index=Non
     """accelerate's ``prepare_data_loader`` sharding over data-parallel ranks only under CP (every CP rank
     of a group gets the same batches; groups are consecutive ranks, as DeepSpeed builds them)."""
     from l3plugin.deepspeed.config import KEY
-    from l3plugin.patches import DEEPSPEED
 
-    stock = DEEPSPEED.stock("accelerate.accelerator.prepare_data_loader")
+    stock = ACCELERATE.stock("accelerate.accelerator.prepare_data_loader")
     cp = _accelerate_cp()
     if cp > 1 and num_processes is not None and process_index is not None:
         if num_processes % cp:
@@ -258,3 +214,29 @@ def release_groups() -> None:
             pass
     # DeepSpeed 0.19 has _release_sequence_parallel_groups for this; 0.17 and 0.18 only the two globals.
     sp._SEQUENCE_PARALLEL_GROUP = sp._SEQUENCE_DATA_PARALLEL_GROUP = None
+
+
+# -- the declarations ------------------------------------------------------------------------------------------
+# Gated by DeepSpeed's version like the DeepSpeed set: it serves only the DeepSpeed key's CP.
+ACCELERATE = PatchSet("l3plugin.huggingface (accelerate under context_parallel_size)", "deepspeed",
+                      DEEPSPEED_CHECKED, [
+    # Only when accelerate is imported already (the HF Trainer imports it before deepspeed).
+    Patch("accelerate.accelerator", "prepare_data_loader", prepare_data_loader,
+          signature=("dataloader", "device", "num_processes", "process_index"), loaded_only=True,
+          why="under context_parallel_size N, shard data over data-parallel ranks only: a CP group shares batches"),
+])
+
+_SP = "deepspeed.runtime.sequence_parallel.parallel_state_sp"
+SEQUENCE_PARALLEL_GROUP = PrivateState(
+    _SP, "_SEQUENCE_PARALLEL_GROUP",
+    why="whether DeepSpeed's sequence-parallel groups are built (reused, or refused at another size), the CP size "
+        "data_parallel_rank_and_size reads, and release_groups: without it context_parallel_size fails at "
+        "deepspeed.initialize (AttributeError)")
+SEQUENCE_DATA_PARALLEL_GROUP = PrivateState(
+    _SP, "_SEQUENCE_DATA_PARALLEL_GROUP",
+    why="release_groups destroys it and resets it with _SEQUENCE_PARALLEL_GROUP: without it release_groups fails")
+ACCELERATOR_SHARED_STATE = PrivateState(
+    "accelerate.state:AcceleratorState", "_shared_state",
+    why="whether accelerate runs DeepSpeed (its deepspeed_plugins), read without building the state: without it "
+        "deepspeed.initialize under accelerate fails (AttributeError) and its data loaders are not sharded "
+        "by data-parallel rank under CP")

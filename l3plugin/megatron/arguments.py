@@ -16,6 +16,7 @@ import warnings
 from l3plugin.cp import CP_KV_MODES
 from l3plugin.cp.layout import LAYOUT_NAMES
 from l3plugin.megatron.attention import CP_COMM_TYPE
+from l3plugin.patchset import PrivateState
 
 SCHEDULES = ("default", "flexible")
 
@@ -145,6 +146,11 @@ def options_from_args(args) -> MegatronOptions:
 
 
 _parsed: list = [None, MegatronOptions()]  # [Megatron-LM's arguments object, its options]
+
+GLOBAL_ARGS = PrivateState(
+    "megatron.training.global_vars", "_GLOBAL_ARGS", version_of="megatron.core",
+    why="Megatron-LM's parsed arguments, read by parsed_options(): without it --pipeline-schedule flexible and "
+        "the CP flags are silently ignored (stock schedule, stock attention)")
 
 
 def parsed_options() -> MegatronOptions:

@@ -29,6 +29,8 @@ import torch
 
 from l3plugin.cp.attention import all_gather_attention, check_cp_kv
 from l3plugin.cp.layout import LAYOUT_NAMES, make_layout
+from l3plugin.patches import MEGATRON_CHECKED
+from l3plugin.patchset import Patch, PatchSet
 
 CP_COMM_TYPE = "l3plugin_all_gather"  # Megatron's --cp-comm-type / TransformerConfig.cp_comm_type value
 
@@ -138,9 +140,7 @@ def rope_follows_cp_layout(model, cp_layout: str):
     2cp chunks, so for "2cp" nothing is changed. A forward pre-hook reads the microbatch's global
     ``packed_seq_params.cu_seqlens_q`` and computes the layout exactly as the core attention does.
     Call it on each GPTModel chunk itself, before wrapping it (DDP, Float16Module). The patch of the
-    embedding's ``forward`` is declared in ``l3plugin/patches.py`` (set ROPE)."""
-    from l3plugin.patches import ROPE
-
+    embedding's ``forward`` is declared below (set ROPE)."""
     rope = getattr(model, "rotary_pos_emb", None)
     check_layout_name(cp_layout)
     if cp_layout == "2cp" or rope is None:
@@ -166,8 +166,6 @@ def _positions_of_microbatch(rope, cp_layout, module, args, kwargs):
 
 def rope_of_held_positions(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
     """RotaryEmbedding.forward of the positions this rank holds (``rope_follows_cp_layout``)."""
-    from l3plugin.patches import ROPE
-
     full_emb = ROPE.stock_of(self, rope_of_held_positions)  # stock (or a CPU replacement)
     positions = self.l3plugin_positions
     if packed_seq or positions is None:
@@ -175,3 +173,11 @@ def rope_of_held_positions(self, max_seq_len, offset=0, packed_seq=False, cp_gro
     cp = self.cp_group.size() if self.cp_group is not None else 1
     emb = full_emb(positions.numel() * cp, offset, packed_seq=True)  # [S, 1, 1, dim], no CP slicing
     return emb[positions.to(emb.device)]
+
+
+ROPE = PatchSet("l3plugin.megatron (RoPE)", "megatron-core", MEGATRON_CHECKED, [
+    Patch("megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding", "forward",
+          rope_of_held_positions, instance=True, signature=("self", "max_seq_len", "offset", "packed_seq", "cp_group"),
+          why="with a CP layout other than the paper's 2cp chunks, each rank's RoPE must follow the positions it "
+              "holds (rope_follows_cp_layout)"),
+])

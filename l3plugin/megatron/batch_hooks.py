@@ -5,7 +5,7 @@ From 0.18, pretrain_gpt.py's ``get_batch`` reads the batch on TP rank 0, calls M
 ``megatron.core.utils.get_batch_on_this_tp_rank(batch, ...)`` (broadcast over TP) and
 ``get_batch_on_this_cp_rank(batch, ...)`` (CP sharding; ``get_thd_batch_on_this_cp_rank`` is gone), and its
 ``forward_step`` builds ``PackedSeqParams(qkv_format="thd", ...)`` itself whenever the batch has ``cu_seqlens``.
-So on these versions l3plugin (patches declared in l3plugin/patches.py, set CP_ROUTE, rows for >=0.18):
+So on these versions l3plugin (set CP_BATCH, declared at the bottom; its rows are for >=0.18):
 
 - ``tp_batch_with_documents``: the document boundaries of the FULL sequence, from the EOD tokens on TP rank 0
   BEFORE the stock broadcast (on the last pipeline stage it drops the tokens), sent to the TP group, as
@@ -26,7 +26,8 @@ import torch
 
 from l3plugin.cp.sharding import cu_seqlens_from_eod, shard_batch
 from l3plugin.megatron.arguments import parsed_options
-from l3plugin.patches import CP_ROUTE
+from l3plugin.patches import MEGATRON_CHECKED
+from l3plugin.patchset import Patch, PatchSet
 
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # what get_batch_on_this_cp_rank shards
 
@@ -53,7 +54,7 @@ def _broadcast_boundaries(cu, src: int, group, device) -> torch.Tensor:
 def tp_batch_with_documents(batch, *args, **kwargs):
     """Megatron-Core's get_batch_on_this_tp_rank, plus ``cu_seqlens`` [1, n] (global document boundaries from
     EOD) and ``max_seqlen`` [1] (= S) when l3plugin's CP has document masks."""
-    stock = CP_ROUTE.stock("megatron.core.utils.get_batch_on_this_tp_rank")
+    stock = CP_BATCH.stock("megatron.core.utils.get_batch_on_this_tp_rank")
     route = _documents_route()
     if route is None:
         return stock(batch, *args, **kwargs)
@@ -77,7 +78,7 @@ def cp_batch_by_layout(batch, *args, **kwargs):
     route = _documents_route()
     cu = batch.get("cu_seqlens")
     if route is None or cu is None:
-        return CP_ROUTE.stock("megatron.core.utils.get_batch_on_this_cp_rank")(batch, *args, **kwargs)
+        return CP_BATCH.stock("megatron.core.utils.get_batch_on_this_cp_rank")(batch, *args, **kwargs)
     from megatron.core import parallel_state
 
     cp_size = parallel_state.get_context_parallel_world_size()
@@ -91,7 +92,7 @@ def cp_batch_by_layout(batch, *args, **kwargs):
 def gpt_model_forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
     """GPTModel.forward with pretrain_gpt's "thd" PackedSeqParams (built from the global boundaries of
     ``tp_batch_with_documents``) given as "sbhd" when l3plugin's CP with documents is selected."""
-    stock = CP_ROUTE.stock("GPTModel.forward")
+    stock = CP_BATCH.stock("GPTModel.forward")
     if _documents_route() is not None:
         bound = inspect.signature(stock).bind(self, input_ids, position_ids, attention_mask, *args, **kwargs)
         packed = bound.arguments.get("packed_seq_params")
@@ -99,3 +100,30 @@ def gpt_model_forward(self, input_ids, position_ids, attention_mask, *args, **kw
             bound.arguments["packed_seq_params"] = dataclasses.replace(packed, qkv_format="sbhd")
             return stock(*bound.args, **bound.kwargs)
     return stock(self, input_ids, position_ids, attention_mask, *args, **kwargs)
+
+
+# ---- the declaration ----
+_ONLY_OURS = "; inert unless cp_comm_type l3plugin_all_gather is selected"
+_BOUNDARIES = ("the batch gains the document boundaries of the full sequence from EOD tokens on TP rank 0, sent over "
+               "TP (--reset-attention-mask)" + _ONLY_OURS)
+
+# From 0.18: both batch functions live in megatron.core.utils (THD sharding is gone, NVIDIA/Megatron-LM
+# PR 4103) and pretrain_gpt's forward_step builds a "thd" PackedSeqParams itself.
+CP_BATCH = PatchSet("l3plugin.megatron (CP batches from Megatron-LM 0.18 on)", "megatron-core", MEGATRON_CHECKED, [
+    Patch("megatron.core.utils", "get_batch_on_this_tp_rank", tp_batch_with_documents,
+          signature=("batch", "is_sft", "is_hybrid_cp", "create_attention_mask_in_dataloader",
+                     "broadcast_src_rank", "broadcast_group", "cp_size", "tp_rank"),
+          rebind=True, versions=">=0.18,<0.19", why=_BOUNDARIES),
+    Patch("megatron.core.utils", "get_batch_on_this_tp_rank", tp_batch_with_documents,
+          signature=("batch", "has_cu_seqlens", "is_hybrid_cp", "create_attention_mask_in_dataloader",
+                     "broadcast_src_rank", "broadcast_group", "cp_size", "tp_rank"),
+          rebind=True, versions=">=0.19", why=_BOUNDARIES),
+    Patch("megatron.core.utils", "get_batch_on_this_cp_rank", cp_batch_by_layout,
+          signature=("batch", "is_hybrid_cp", "cp_group"), rebind=True, versions=">=0.18",
+          why="the batch sharded by l3plugin's CP layout, the document boundaries left global" + _ONLY_OURS),
+    Patch("megatron.core.models.gpt.gpt_model:GPTModel", "forward", gpt_model_forward,
+          signature=("self", "input_ids", "position_ids", "attention_mask", "decoder_input", "labels",
+                     "inference_context", "packed_seq_params"), versions=">=0.18",
+          why="pretrain_gpt's PackedSeqParams (qkv_format thd, built from those boundaries) given as sbhd: every "
+              "token keeps its global position" + _ONLY_OURS),
+])

@@ -38,8 +38,10 @@ import torch
 from l3plugin.cp.sharding import cu_seqlens_from_eod, shard_batch
 from l3plugin.megatron.arguments import CPRoute, parsed_options
 from l3plugin.megatron.attention import CP_COMM_TYPE, AllGatherCPCoreAttention
+from l3plugin.megatron.batch_hooks import CP_BATCH
 from l3plugin.megatron.cp_documents import fill_boundaries, sbhd_packed_params
-from l3plugin.patches import CP_ROUTE
+from l3plugin.patches import MEGATRON_CHECKED
+from l3plugin.patchset import Patch, PatchSet
 
 TE_MODULE = "megatron.core.extensions.transformer_engine"
 
@@ -182,11 +184,39 @@ def packed_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded, max_seqle
 
 def install_cp_route():
     """Patch Megatron-Core's SelfAttention and GPTModel, and Megatron-LM's batch functions when present
-    (idempotent; declared in l3plugin/patches.py, set CP_ROUTE). Inert unless a config / Megatron-LM's flags
+    (idempotent; sets CP_ROUTE below and batch_hooks.py's CP_BATCH). Inert unless a config / Megatron-LM's flags
     select cp_comm_type l3plugin_all_gather. Functions imported by name before (the two-line patch of
     pretrain_gpt.py calls install() after its imports) are rebound too."""
     CP_ROUTE.apply()
+    CP_BATCH.apply()
 
 
 def uninstall_cp_route():
+    CP_BATCH.undo()
     CP_ROUTE.undo()
+
+
+# ---- the declaration ----
+_ONLY_OURS = "; inert unless cp_comm_type l3plugin_all_gather is selected"
+
+CP_ROUTE = PatchSet("l3plugin.megatron (CP from Megatron-LM's flags)", "megatron-core", MEGATRON_CHECKED, [
+    Patch("megatron.core.transformer.attention:SelfAttention", "__init__", _self_attention_init,
+          signature=("self", "config", "submodules", "layer_number", "attn_mask_type", "cp_comm_type"),
+          why="a SelfAttention built with cp_comm_type l3plugin_all_gather gets l3plugin's CP core attention "
+              "(whatever the layer spec)" + _ONLY_OURS),
+    Patch("megatron.core.models.gpt.gpt_model:GPTModel", "__init__", _gpt_model_init,
+          signature=("self", "config", "transformer_layer_spec"),
+          why="with the balanced CP layout, the model's RoPE follows it" + _ONLY_OURS),
+    # Up to 0.17: Megatron-LM's get_batch_on_this_tp_rank (megatron.training.utils) and Megatron-Core's THD
+    # sharding, which pretrain_gpt calls with the boundaries and which returns the PackedSeqParams (from 0.18:
+    # batch_hooks.py, set CP_BATCH).
+    Patch("megatron.core.utils", "get_thd_batch_on_this_cp_rank", packed_batch_on_this_cp_rank,
+          signature=("batch", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "cp_size", "cp_rank"), rebind=True,
+          versions="<0.18",
+          why="packed batches sharded by l3plugin's CP layout, PackedSeqParams in sbhd with the global document "
+              "boundaries" + _ONLY_OURS),
+    Patch("megatron.training.utils", "get_batch_on_this_tp_rank", tp_batch_with_documents,
+          signature=("data_iterator",), rebind=True, optional=True, versions="<0.18",
+          why="Megatron-LM's batch gains the document boundaries from EOD tokens (--reset-attention-mask)"
+              + _ONLY_OURS),
+])

@@ -7,7 +7,7 @@ arguments.py (``add_arguments`` / ``chain_extra_args`` / ``parsed_options``).
 return ``forward_backward_pipelining_flexible`` when the flexible schedule is selected and pp > 1:
 ``megatron.core.pipeline_parallel.get_forward_backward_func``, ``...schedules.get_forward_backward_func``
 and ``megatron.training.training.get_forward_backward_func`` (imported there as a module global). These
-patches are declared in ``l3plugin/patches.py`` (sets MEGATRON and MEGATRON_LM_ARGS).
+patches are declared at the bottom (sets MEGATRON and MEGATRON_LM_ARGS).
 
 A script that bound the selector by name before ``install()`` ran (``from megatron.core.pipeline_parallel
 import get_forward_backward_func`` at its top) keeps Megatron's own selector. That selector returns the stock
@@ -28,7 +28,8 @@ import warnings
 from l3plugin.megatron.cp_documents import schedule_step
 from l3plugin.megatron.arguments import SCHEDULES, chain_extra_args, parsed_options, prepare_cp_args
 from l3plugin.megatron.cp_route import install_cp_route, uninstall_cp_route
-from l3plugin.patches import MEGATRON, MEGATRON_LM_ARGS
+from l3plugin.patches import MEGATRON_CHECKED
+from l3plugin.patchset import Patch, PatchSet
 
 _state = {"schedule": None, "warned": False}
 _STOCK_SELECTOR = "megatron.core.pipeline_parallel.schedules.get_forward_backward_func"
@@ -43,7 +44,8 @@ FIX = ("call l3plugin.megatron.install() before importing get_forward_backward_f
        "through the module (megatron.core.pipeline_parallel.get_forward_backward_func(...))")
 
 
-def _guard(name, stock_fn):
+def guarded_schedule(stock_fn, name: str):
+    """The stock pipelined schedule ``name`` as the MEGATRON set puts it in place (see the module docstring)."""
     stock_step = schedule_step(stock_fn)  # document boundaries for middle stages (cp_documents.py)
 
     @functools.wraps(stock_fn)
@@ -60,11 +62,6 @@ def _guard(name, stock_fn):
         return forward_backward_pipelining_flexible(*args, **kwargs)
     guarded.l3plugin_guard = True
     return guarded
-
-
-def guard(stock_fn, name: str):
-    """The guarded stock pipelined schedule ``name`` (the registry's factory for ``_guard``)."""
-    return _guard(name, stock_fn)
 
 
 def _early_bound(stock) -> list[str]:
@@ -156,3 +153,42 @@ def uninstall():
     uninstall_cp_route()
     MEGATRON_LM_ARGS.undo()
     _state.update(schedule=None, warned=False)
+
+
+# -- the declarations ------------------------------------------------------------------------------------------
+_SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+_SELECTOR = "one selector answering the flexible schedule when it is selected and pp > 1"
+
+
+def _selector_rows(versions: str, signature: tuple) -> list[Patch]:
+    """The three names of Megatron's selector, for the versions whose selector takes ``signature``."""
+    return [
+        Patch("megatron.core.pipeline_parallel", "get_forward_backward_func", get_forward_backward_func,
+              signature=signature, versions=versions, why=_SELECTOR),
+        Patch(_SCHEDULES, "get_forward_backward_func", get_forward_backward_func,
+              signature=signature, versions=versions, why=_SELECTOR),
+        Patch("megatron.training.training", "get_forward_backward_func", get_forward_backward_func,
+              signature=signature, versions=versions, loaded_only=True,
+              why="Megatron-LM's training loop imported the selector by name (a module global)"),
+    ]
+
+
+MEGATRON = PatchSet("l3plugin.megatron", "megatron-core", MEGATRON_CHECKED, [
+    *_selector_rows("<0.19", ("pp_size", "vp_size")),
+    # 0.19 adds schedule_pg_collection (Megatron-LM 0.19's loop passes it).
+    *_selector_rows(">=0.19", ("pp_size", "vp_size", "schedule_pg_collection")),
+    # What a selector bound before install() returns, read from these globals at call time.
+    *[Patch(_SCHEDULES, name, guarded_schedule, wraps=True, signature=("forward_step_func",),
+            why="an early-bound stock selector still runs the flexible schedule while it is selected (warned)")
+      for name in _PIPELINED],
+])
+
+MEGATRON_LM_ARGS = PatchSet("l3plugin.megatron (Megatron-LM arguments)", "megatron-core", MEGATRON_CHECKED, [
+    Patch("megatron.training.initialize", "parse_args", parse_args, optional=True,
+          signature=("extra_args_provider",), versions="<0.18",
+          why="Megatron-LM's parser accepts l3plugin's flags (chained onto the script's extra_args_provider) and "
+              "the parsed CP arguments are checked (initialize_megatron calls it)"),
+    Patch("megatron.training.arguments", "parse_args", parse_args, optional=True,
+          signature=("extra_args_provider",), versions=">=0.18",
+          why="the same, where pretrain_gpt's parse_and_validate_args calls it (pretrain no longer parses)"),
+])

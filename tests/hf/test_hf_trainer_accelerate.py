@@ -30,9 +30,9 @@ def _hook_accelerate():
     and may have imported deepspeed first: patch what has been imported since (idempotent)."""
     import accelerate.accelerator  # noqa: F401
 
-    from l3plugin.patches import DEEPSPEED
+    import l3plugin.deepspeed
 
-    DEEPSPEED.apply()
+    l3plugin.deepspeed.install()
 
 
 def _accelerate_environment() -> dict:

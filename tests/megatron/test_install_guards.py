@@ -56,5 +56,5 @@ def test_default_schedule_passes_through_to_stock(early_script):
     assert guarded is not originals["forward_backward_pipelining_with_interleaving"]
     assert guarded.__wrapped__ is originals["forward_backward_pipelining_with_interleaving"]
     stock_ran = []
-    probe = l3install._guard("probe", lambda **kw: stock_ran.append(kw) or "stock ran")
+    probe = l3install.guarded_schedule(lambda **kw: stock_ran.append(kw) or "stock ran", "probe")
     assert probe(num_microbatches=2) == "stock ran" and stock_ran and not calls

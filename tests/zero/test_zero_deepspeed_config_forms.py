@@ -68,7 +68,7 @@ def _build_and_train(deepspeed, given: dict) -> dict:
 def _stock_and_installed(tmp):
     """Each form without the key: built by stock DeepSpeed (l3plugin's patches undone) and with them on."""
     import l3plugin.deepspeed
-    from l3plugin.patches import DEEPSPEED
+    from l3plugin.deepspeed.engine import DEEPSPEED
 
     deepspeed = quiet_deepspeed()
     forms = _write_forms(ds_config(1, gas=2), os.path.join(tmp, f"rank{dist.get_rank()}"))
