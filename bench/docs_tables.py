@@ -39,6 +39,16 @@ def multimodal_simulated(figures: dict) -> str:
     return text.getvalue()
 
 
+def multimodal_real(figures: dict) -> str:
+    """docs/pipeline.md's measured multimodal table (a saved timing run: docs/runs/multimodal_real.json)."""
+    from multimodal_pp import print_real
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print_real(figures)
+    return "".join(line + "\n" for line in text.getvalue().splitlines() if not line.startswith("wrote "))
+
+
 def cp_memory(figures: dict) -> str:
     """docs/cp.md's table of what one CP attention layer saves for the backward (MiB)."""
     lines = ["| cp | S | keep MiB | regather MiB | freed MiB | planner keep / regather / freed | measured / planner |",
@@ -79,6 +89,7 @@ def pp_simulated(figures: dict) -> str:
 # name: (the bench whose --json it reads, the doc holding the table, renderer)
 TABLES = {
     "multimodal-simulated": ("multimodal_pp", "docs/pipeline.md", multimodal_simulated),
+    "multimodal-real": ("multimodal_pp", "docs/pipeline.md", multimodal_real),
     "cp-memory": ("cp_memory", "docs/cp.md", cp_memory),
     "pp-simulated": ("pp_schedule", "docs/benchmarks.md", pp_simulated),
 }

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -182,9 +183,10 @@ def add_real_parser(subparsers) -> None:
     parser.set_defaults(func=run_real)
 
 
-def real_runs(args) -> dict:
-    """Contender name -> MultimodalRun: the three placements at two encoder depths on the balanced split, and
-    the count split beside the balanced one (replicated, first depth)."""
+def real_runs(args, layer_times=None) -> dict:
+    """Contender name -> MultimodalRun: the three placements at two encoder depths on the FLOP-balanced split,
+    the count split and (given ``layer_times``) the split balanced on measured layer times, both beside the
+    FLOP-balanced one (replicated, first depth)."""
     from l3plugin.demo.multimodal import MultimodalRun, balanced_counts
 
     base = MultimodalRun(kinds=REAL_KINDS, pp=2, vpp=args.vpp, microbatches=args.microbatches, group_size=2,
@@ -199,7 +201,50 @@ def real_runs(args) -> dict:
                 base, placement=placement, encoder_depth=depth, counts=balanced)
     depth = args.encoder_depths[0]
     runs["count split"] = dataclasses.replace(base, placement="replicated", encoder_depth=depth, counts=count)
+    if layer_times is not None:
+        runs["measured split"] = dataclasses.replace(base, placement="replicated", encoder_depth=depth,
+                                                     counts=measured_counts(base, layer_times))
     return runs
+
+
+def measured_counts(run, times) -> tuple[int, ...]:
+    """The split StageSplitter balances on measured per-layer times (``_layer_times``): a frozen self-attention
+    layer's backward costs its measured input-gradient time after the first cross-attention layer, nothing
+    before it (the frozen prefix runs no backward)."""
+    from l3plugin.schedule.balance import LayerCost, StageSplitter
+    from l3plugin.schedule.plan import build_schedule
+
+    first_x = run.kinds.index("X")
+    layers = [LayerCost(*times["X"]) if kind == "X" else LayerCost(times["S"][0], times["S"][1] if i > first_x else 0.0)
+              for i, kind in enumerate(run.kinds)]
+    schedule = build_schedule(run.pp, run.vpp, run.microbatches, run.group_size)
+    return tuple(StageSplitter(layers, schedule, kinds=run.kinds).balance()[0].counts)
+
+
+def _layer_times(run, repeats=7) -> dict:
+    """In one process, on the run's shapes: medians of (forward, backward) seconds of a frozen self-attention
+    layer (input gradients only) and a trainable cross-attention layer reading one image's tokens."""
+    import statistics
+
+    from l3plugin.demo import multimodal_model as mm
+    from l3plugin.encoder import image_context
+    from l3plugin.mesh import init_mesh
+
+    init_mesh(dp=2)
+    config = mm.mllama_config("SX", hidden=run.hidden, heads=run.heads)
+    chunk = mm.build_text_chunk(config, "SX", pre_process=False, post_process=False, seq_len=run.seq_len)
+    context = image_context(torch.randn(1, run.patches, run.hidden), [0])
+    times = {"S": [], "X": []}
+    for i in range(repeats + 1):
+        for kind, layer in zip("SX", chunk.module.decoder.layers):
+            x = torch.randn(run.seq_len, 1, run.hidden, requires_grad=True)
+            start = time.perf_counter()
+            out, _ = layer(x, attention_mask=None, context=context)
+            middle = time.perf_counter()
+            out.sum().backward()
+            if i:  # the first repeat warms up
+                times[kind].append((middle - start, time.perf_counter() - middle))
+    return {kind: tuple(statistics.median(t[j] for t in pairs) for j in range(2)) for kind, pairs in times.items()}
 
 
 def _build_trainers(runs) -> None:
@@ -286,21 +331,22 @@ def real(args) -> dict:
 
     from l3plugin.ranks import RankPool
 
-    runs = real_runs(args)
-    names = list(runs)
     with RankPool(2, preload=("megatron.core",), keep_state=True) as pool:
+        layer_times = pool.run(_layer_times, real_runs(args)["count split"], timeout=900)[0]
+        runs = real_runs(args, layer_times)
+        names = list(runs)
         pool.run(_build_trainers, runs, timeout=900)
         record = harness.interleaved_rounds(names, lambda name: pool.run(_timed_step, name, timeout=900),
                                             args.rounds)
-        pictures = _draw_timelines(pool, [f"replicated depth {args.encoder_depths[0]}", "count split"],
-                                   args.png) if args.png else []
+        pictures = _draw_timelines(pool, [f"replicated depth {args.encoder_depths[0]}", "count split",
+                                          "measured split"], args.png) if args.png else []
         ratio = pool.run(_backward_ratio, args.hidden, args.heads, args.text_seq, timeout=900)[0]  # a new mesh
 
     def wall(name):
         return [max(r["wall"] for r in ranks) for ranks in record[name]]
 
     def per_round_ratio(a, b):
-        return harness.ratio_stats(wall(a), wall(b))["median"]
+        return harness.ratio_stats(wall(a), wall(b))
 
     depth0 = args.encoder_depths[0]
     baseline = {name: (f"replicated depth {name.split()[-1]}" if "depth" in name else f"replicated depth {depth0}")
@@ -310,9 +356,12 @@ def real(args) -> dict:
         busy = [statistics.median(ranks[i]["busy"] for ranks in record[name]) for i in range(2)]
         rows.append({"contender": name, "counts": list(runs[name].counts), "step_s": statistics.median(wall(name)),
                      "busy_s": busy, "busy_max_over_min": max(busy) / min(busy),
-                     "step_vs_baseline": per_round_ratio(name, baseline[name]), "baseline": baseline[name]})
+                     "step_vs_baseline": per_round_ratio(name, baseline[name])["median"],
+                     "step_vs_baseline_range": [per_round_ratio(name, baseline[name])[k] for k in ("min", "max")],
+                     "baseline": baseline[name]})
     return {"setup": {k: v for k, v in vars(args).items() if k not in ("func", "argv", "json")},
-            "kinds": REAL_KINDS, "rows": rows, "backward_over_forward": ratio, "pictures": pictures}
+            "kinds": REAL_KINDS, "rows": rows, "backward_over_forward": ratio, "layer_times": layer_times,
+            "pictures": pictures}
 
 
 def print_real(result: dict) -> None:
@@ -326,10 +375,14 @@ def print_real(result: dict) -> None:
     for row in result["rows"]:
         busy = "/".join(f"{b:.3f}" for b in row["busy_s"])
         print(f"  {row['contender']:<22} {' '.join(map(str, row['counts'])):<16} {row['step_s']:>7.3f} {busy:>13} "
-              f"{row['busy_max_over_min']:>12.2f} {row['step_vs_baseline']:>8.3f} vs {row['baseline']}")
+              f"{row['busy_max_over_min']:>12.2f} {row['step_vs_baseline']:>8.3f} "
+              f"({row['step_vs_baseline_range'][0]:.2f}-{row['step_vs_baseline_range'][1]:.2f}) vs {row['baseline']}")
     ratio = result["backward_over_forward"]
     print(f"Self-attention layer backward / forward, one process: trainable {ratio['trainable']:.2f}, frozen "
           f"(input gradients only) {ratio['frozen']:.2f}")
+    times = result["layer_times"]
+    print(f"Measured per layer (forward / backward ms): frozen self-attention {1e3 * times['S'][0]:.2f} / "
+          f"{1e3 * times['S'][1]:.2f}, trainable cross-attention {1e3 * times['X'][0]:.2f} / {1e3 * times['X'][1]:.2f}")
     for path in result["pictures"]:
         print(f"wrote {path}")
 

@@ -197,3 +197,12 @@ def test_docs_tables_check_names_what_is_missing_and_refuses_another_bench(tmp_p
     done = subprocess.run([sys.executable, str(ROOT / "bench/docs_tables.py"), "cp-memory", str(saved)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "bench/cp_memory.py's --json output" in done.stderr and "'zero'" in done.stderr
+
+
+def test_the_measured_multimodal_table_is_the_saved_run_rendered():
+    """docs/pipeline.md's measured table (a timing run, not repeatable in a test) is what bench/docs_tables.py
+    renders from the run's saved JSON, docs/runs/multimodal_real.json."""
+    record = json.loads((ROOT / "docs/runs/multimodal_real.json").read_text())
+    rendered = docs_tables.render("multimodal-real", record)
+    assert "replicated depth 8" in rendered and "measured split" in rendered
+    assert docs_tables.missing_lines(rendered, (ROOT / "docs/pipeline.md").read_text()) == []
