@@ -50,6 +50,7 @@ def test_multimodal_real_section():
                          "--image-tokens", "16", "--encoder-width", "16", "--rounds", "1", "--microbatches", "4")
     rows = {row["contender"]: row for row in record["figures"]["rows"]}
     assert set(rows) == {f"{p} depth {d}" for p in ("pipeline", "broadcast", "replicated") for d in (2, 8)} | {
-        "count split"}
+        "count split", "measured split"}
+    assert sum(rows["measured split"]["counts"]) == 12 and set(record["figures"]["layer_times"]) == {"S", "X"}
     assert rows["replicated depth 2"]["step_vs_baseline"] == 1.0  # its own baseline: one round, ratio exactly 1
     assert all(len(row["busy_s"]) == 2 for row in rows.values())
