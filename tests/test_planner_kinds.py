@@ -1,14 +1,13 @@
 """`l3plugin plan --kinds/--frozen/--image-tokens`: layers costed by kind, frozen parameters without fp32
 gradients or optimizer state, StageSplitter's balanced split per layout; without --kinds, today's output."""
 
-import argparse
 import json
 import os
 from dataclasses import replace
 
 import pytest
 
-from l3plugin.planner import ModelSpec, PlanRequest, ScheduleCache, add_plan_parser, evaluate, plan
+from l3plugin.planner import ModelSpec, PlanRequest, ScheduleCache, evaluate, plan
 from l3plugin.planner.costs import FP32, Layout
 from l3plugin.planner.encoder_costs import multimodal_kinds
 from l3plugin.planner.layer_costs import model_layer_costs
@@ -17,6 +16,7 @@ from l3plugin.planner.search import enumerate_layouts
 from l3plugin.schedule.balance import StageSplitter
 from l3plugin.schedule.plan import build_schedule, with_trainable_stages
 from l3plugin.schedule.simulate import simulate
+from test_planner_cli import run
 
 BEFORE = os.path.join(os.path.dirname(__file__), "data", "plan_before_kinds")
 SMALL = ["--model", "llama3-8b", "--gpus", "64", "--seq-len", "8192", "--global-batch-tokens", "4194304"]
@@ -25,14 +25,6 @@ SEVENTY = ["--model", "llama3-70b", "--gpus", "64", "--seq-len", "8192", "--glob
 MM_KINDS = multimodal_kinds(32, 4)  # SSSSX x 8: Llama 3.2 11B-like
 # A small multimodal request: 16 GPUs, 192 text tokens and 1600 image tokens per sample.
 MM = dict(model="llama3-8b", gpus=16, seq_len=192, global_batch_tokens=192 * 128, kinds=MM_KINDS, image_tokens=1600)
-
-
-def run(argv, capsys):
-    parser = argparse.ArgumentParser(prog="l3plugin")
-    add_plan_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["plan", *argv])
-    assert args.func(args) == 0
-    return capsys.readouterr().out
 
 
 def _before(name):

@@ -3,17 +3,15 @@ indices per virtual stage (--json "stages"), and the answer's stages with their 
 
 from __future__ import annotations
 
+from l3plugin.schedule.balance import stage_layer_ids
+
 from .balance_cli import SPEC_HINT
 from .layer_costs import KINDS
 
 
 def stage_lists(layout) -> list[list[int]]:
     """Layer indices (0..L-1, model order) of each virtual stage s (chunk s // pp on rank s % pp)."""
-    out, start = [], 0
-    for n in layout.layers:
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
+    return stage_layer_ids(layout.layers)
 
 
 def layers_text(req) -> str:

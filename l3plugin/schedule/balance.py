@@ -55,11 +55,7 @@ class Split:
 
     def stages(self) -> list[list[int]]:
         """Layer indices (0..L-1, model order) of each virtual stage."""
-        out, start = [], 0
-        for n in self.counts:
-            out.append(list(range(start, start + n)))
-            start += n
-        return out
+        return stage_layer_ids(self.counts)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "counts": list(self.counts), "stages": self.stages(), "makespan": self.makespan,
@@ -226,6 +222,15 @@ def _middle_first(n: int) -> list[int]:
     """Stage indices from the middle outwards (the ends hold the embedding and the head)."""
     centre = (n - 1) / 2
     return sorted(range(n), key=lambda s: (abs(s - centre), s))
+
+
+def stage_layer_ids(counts) -> list[list[int]]:
+    """Layer indices (0..L-1, model order) of each virtual stage, from the layers per stage."""
+    out, start = [], 0
+    for n in counts:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
 
 
 def megatron_layout(counts, pp: int) -> str:
