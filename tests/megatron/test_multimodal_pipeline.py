@@ -4,7 +4,7 @@ self-attention layers and trainable gated cross-attention layers (l3plugin/megat
 image tokens of a small ViT (l3plugin/demo/multimodal_model.py).
 
 Losses and the cross-attention gradients match bit for bit (the text side sums in the same order); the encoder's
-gradients match to fp32 rounding (its image-token gradients are summed per stage, then over stages, where the
+gradients match to 1e-6 (fp32 rounding: its image-token gradients are summed per stage, then over stages, where the
 serial run sums them per micro-batch)."""
 
 import dataclasses
@@ -25,6 +25,11 @@ def run_for(v, m, k, placement, **kwargs):
                          placement=placement, **kwargs)
 
 
+def fp32_close(reference) -> dict:
+    """fp32 rounding of a different summation order: 1e-6 of the tensor's largest element (worst seen: 3e-7)."""
+    return {"rtol": 1e-6, "atol": 1e-6 * float(reference.detach().abs().max())}
+
+
 def assert_matches_one_process(run, pipelined, serial):
     from l3plugin.debug.numerics import assert_bitwise_equal
 
@@ -42,7 +47,7 @@ def assert_matches_one_process(run, pipelined, serial):
         assert got.keys() == serial["encoder"].keys(), f"pipeline rank {rank}"
         for name, g in got.items():
             assert g.abs().max() > 0, f"rank {rank}: encoder {name} got no gradient"
-            torch.testing.assert_close(g, serial["encoder"][name], rtol=1e-5, atol=1e-7,
+            torch.testing.assert_close(g, serial["encoder"][name], **fp32_close(serial["encoder"][name]),
                                        msg=lambda s, n=name, r=rank: f"rank {r} encoder {n}: {s}")
     for rank, r in enumerate(pipelined):
         assert r["frozen_grads"] and all(g is None for g in r["frozen_grads"]), f"pipeline rank {rank}"
@@ -57,7 +62,7 @@ GRID = [(v, m, k) for v in (1, 2) for m, k in [(4, 2), (5, 3), (3, 1)]]
 @pytest.mark.parametrize("v,m,k", GRID, ids=[f"p2v{v}m{m}k{k}" for v, m, k in GRID])
 def test_encoder_placements_match_one_process(ranks, v, m, k, placement):
     """Losses and the cross-attention gradients bit for bit (the text side sums in the same order); the
-    encoder's gradients to fp32 rounding (its image-token gradients are summed per stage, then over stages,
+    encoder's gradients to fp32 rounding (1e-6) (its image-token gradients are summed per stage, then over stages,
     where the one-process run sums them per micro-batch)."""
     run = run_for(v, m, k, placement)
     pipelined = ranks.run(2, train, run, timeout=180)
@@ -87,7 +92,7 @@ def test_replicated_encoders_stay_identical_over_steps(ranks):
     initial = dict(run.encoder().named_parameters())
     for name in first:
         assert torch.equal(first[name], second[name]), f"encoder replicas differ in {name}"
-        torch.testing.assert_close(first[name], serial["encoder_params"][name], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(first[name], serial["encoder_params"][name], **fp32_close(first[name]))
         assert not torch.equal(first[name], initial[name]), f"{name} did not change in {steps} steps"
     torch.testing.assert_close(torch.tensor(pipelined[-1]["step_losses"]), torch.tensor(serial["step_losses"]),
                                rtol=1e-5, atol=1e-7)
@@ -147,5 +152,5 @@ def test_replicated_encoder_gradients_are_summed_over_data_parallel_too(ranks):
     for rank, r in enumerate(pipelined):
         assert r["encoder"].keys() == serial["encoder"].keys(), f"rank {rank}"
         for name, g in r["encoder"].items():
-            torch.testing.assert_close(g, 2 * serial["encoder"][name], rtol=1e-5, atol=1e-7,
+            torch.testing.assert_close(g, 2 * serial["encoder"][name], **fp32_close(2 * serial["encoder"][name]),
                                        msg=lambda s, n=name, q=rank: f"rank {q} encoder {n}: {s}")
