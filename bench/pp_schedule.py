@@ -153,7 +153,7 @@ def _timed_steps(steps, hidden, seq, mbs):
 WIRE_P = 2
 
 
-# Where the flexible executor blocks (l3plugin/schedule/comm.py), timed per step: a receive returns when its
+# Where the flexible executor blocks (l3plugin/schedule/p2p.py), timed per step: a receive returns when its
 # message is here; a send only posts (and completes finished sends); wait_sent / finish block on sends.
 CHANNEL_WAITS = ("recv", "send", "wait_sent", "finish")
 
@@ -161,7 +161,7 @@ CHANNEL_WAITS = ("recv", "send", "wait_sent", "finish")
 def timed_channel_waits(seconds):
     """Within the block, add the seconds spent in each CHANNEL_WAITS method of PipelineChannels to
     ``seconds[method]`` (the stock schedule does not use them: its entries stay 0)."""
-    from l3plugin.schedule.comm import PipelineChannels
+    from l3plugin.schedule.p2p import PipelineChannels
 
     return harness.timed_methods(PipelineChannels, CHANNEL_WAITS, seconds)
 

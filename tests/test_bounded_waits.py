@@ -1,6 +1,6 @@
 """Our own waits are bounded: a peer that never joins gives a rank-named error within the timeout.
 
-One test per kind of wait: the pipeline's P2P receive and send (schedule/comm.py), and CP attention's K/V
+One test per kind of wait: the pipeline's P2P receive and send (schedule/p2p.py), and CP attention's K/V
 all-gather (forward) and dK/dV reduce-scatter (backward). Rank 1 never joins; rank 0 must raise
 ``CommTimeout`` naming itself, the peer or group and the operation, long before the process group's own
 timeout. The harness then rebuilds its pool.
@@ -30,7 +30,7 @@ def timed(fn):
 
 def p2p_peer_never_joins(operation, timeout):
     """Rank 0 runs its pipeline plan (p=2, m=2) until it blocks; rank 1 never posts anything."""
-    from l3plugin.schedule.comm import PipelineChannels
+    from l3plugin.schedule.p2p import PipelineChannels
     from l3plugin.schedule.plan import FORWARD, build_schedule
 
     if dist.get_rank() == 1:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from l3plugin.planner import Hardware, Layout, ModelSpec, PlanRequest, ScheduleCache, evaluate, load_model, plan
 from l3plugin.planner.costs import GIB
-from l3plugin.planner.schedules import warmup_inflight
+from l3plugin.planner.schedule_cache import warmup_inflight
 from l3plugin.planner.search import NoPlanFits, enumerate_layouts, layer_splits
 from l3plugin.schedule.plan import build_schedule
 from l3plugin.schedule.simulate import simulate

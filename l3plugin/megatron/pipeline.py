@@ -9,7 +9,7 @@ forward_backward functions (and ignores unknown future ones). It runs the per-ra
 Differences from the stock interleaved schedule, all deliberate:
 - any m >= 1 and any k in 1..m (k from ``config.microbatch_group_size_per_vp_stage``, default p);
   k < p runs all-forward-all-backward, a last group smaller than p is fine;
-- P2P goes through ``l3plugin.schedule.comm`` (device taken from the model; both peers of a pair post
+- P2P goes through ``l3plugin.schedule.p2p`` (device taken from the model; both peers of a pair post
   their sends and receives in one agreed order), not Megatron's P2PCommunicator, whose receive buffers
   hard-code CUDA and whose batched pp=2 path can silently swap activations and gradients;
 - grad-sync hooks run right after the chunk's last backward (stock delays them by the pipeline rank),
@@ -33,7 +33,7 @@ import torch
 
 from l3plugin.checks import check_int
 from l3plugin.megatron.cp_documents import schedule_step
-from l3plugin.schedule.comm import PipelineChannels, pair_orders
+from l3plugin.schedule.p2p import PipelineChannels, pair_orders
 from l3plugin.schedule.plan import FORWARD, RankPlan, Schedule, build_schedule, with_trainable_stages
 
 

@@ -2,7 +2,7 @@
 (vpp, k) and the ZeRO stage from a model, a cluster and a batch.
 
     models.py     presets and JSON model files       costs.py    memory / communication / time model
-    schedules.py  cached schedule builds/simulations search.py   enumeration and best-first ranking
+    schedule_cache.py  cached schedule builds/simulations search.py   enumeration and best-first ranking
     machine.py    the machine as flags, presets, assumptions  staged.py  the paper's long-context stage rule
     report.py     what ``l3plugin plan`` prints: table, reasons, JSON, Megatron-LM and DeepSpeed configs
     layer_profile.py, layer_report.py   layers that differ (--kinds, --frozen): costs, balanced split, report
@@ -13,7 +13,7 @@ from .cli import add_plan_parser, run_plan
 from .costs import Layout
 from .machine import MACHINES, Hardware
 from .models import PRESETS, ModelSpec, load_model
-from .schedules import ScheduleCache
+from .schedule_cache import ScheduleCache
 from .search import NoPlanFits, PlanRequest, enumerate_layouts, evaluate, plan
 from .staged import Base, StagedPlan, load_base, staged_plan
 

@@ -48,7 +48,7 @@ from .costs import GIB, Layout, LayoutCosts
 from .layer_profile import LayerProfile, balanced_counts, check_layer_flags
 from .machine import Hardware
 from .models import ModelSpec, load_model
-from .schedules import ScheduleCache, warmup_inflight
+from .schedule_cache import ScheduleCache, warmup_inflight
 
 
 # "memory": set by plan() when no layout without CP fits (or divides the batch over all GPUs)

@@ -1,10 +1,10 @@
-"""The P2P posting order of l3plugin.schedule.comm: both ranks of a pair agree on it, and every rank can
+"""The P2P posting order of l3plugin.schedule.p2p: both ranks of a pair agree on it, and every rank can
 post in it while running its actions in plan order (no send has to overtake another)."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from l3plugin.schedule.comm import RECV, SEND, pair_orders
+from l3plugin.schedule.p2p import RECV, SEND, pair_orders
 from l3plugin.schedule.plan import build_schedule
 
 

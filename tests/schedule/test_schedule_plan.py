@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from l3plugin.schedule.comm import SEND, pair_orders
+from l3plugin.schedule.p2p import SEND, pair_orders
 from l3plugin.schedule.plan import (
     Action,
     RankPlan,
