@@ -45,8 +45,10 @@ class ReadAhead:
         from l3plugin.fail_together import OneAgreement
 
         timeout = engine.optimizer.zero.wait_timeout
-        self.verified = OneAgreement(None, what="checkpoint verification", device=engine.device, timeout=timeout)
-        self.applied = OneAgreement(None, what="checkpoint load", device=engine.device, timeout=timeout)
+        # Callables: every rank calls each once (with its error, or None) and all raise if any failed.
+        self.agree_on_verification = OneAgreement(None, what="checkpoint verification", device=engine.device,
+                                                  timeout=timeout)
+        self.agree_on_load = OneAgreement(None, what="checkpoint load", device=engine.device, timeout=timeout)
         self.loaded = None
 
 

@@ -204,22 +204,22 @@ def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_opti
         tag = checkpoint.choose_tag(self, call, options_of(self))
         read.loaded = checkpoint.read_ahead(self, call, options_of(self))
     except Exception as exc:  # noqa: BLE001 - every rank raises in the agreement
-        read.verified(exc)
+        read.agree_on_verification(exc)
     # The tag is in the outcome: ranks that chose different tags (files differ between nodes) all raise.
-    read.verified(None, ("verified the ZeRO partitions" if read.loaded else "found no ZeRO partitions to read")
-                  + (f" of tag {tag!r}" if tag is not None else ""))
+    found = "verified the ZeRO partitions" if read.loaded else "found no ZeRO partitions to read"
+    read.agree_on_verification(None, found + (f" of tag {tag!r}" if tag is not None else ""))
     state_of(self).load = read
     try:
         out = stock(self, **call.kwargs())
     except Exception as exc:  # noqa: BLE001 - every rank raises in the agreement
-        read.applied(exc)
+        read.agree_on_load(exc)
         raise
     finally:
         state_of(self).load = None
     # A no-op when the partitions were applied. Otherwise this rank never applied them (stock returned
     # early: no checkpoint found, load_module_only, ...): fine if no rank did, an error if others did.
     path = out[0] if isinstance(out, tuple) and out else out
-    read.applied(None, f"ended without reading the ZeRO optimizer partitions (load path {path!r})")
+    read.agree_on_load(None, f"ended without reading the ZeRO optimizer partitions (load path {path!r})")
     return out
 
 
@@ -230,7 +230,7 @@ def load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
     if read is not None and read.loaded is not None:
         from l3plugin.zero.checkpoint import READ_PARTITIONS, apply_loaded
 
-        read.applied(None, READ_PARTITIONS)  # DeepSpeed's own part went well on every rank too
+        read.agree_on_load(None, READ_PARTITIONS)  # DeepSpeed's own part went well on every rank too
         apply_loaded(self.optimizer.zero, read.loaded)
         return True
     # Called on its own: read, verify, agree and apply in one go.
