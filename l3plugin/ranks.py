@@ -43,7 +43,7 @@ DEFAULT_TIMEOUT = 120.0
 _POLL = 0.2  # how often the parent checks for dead workers while it waits
 
 
-class DistributedTestError(AssertionError):
+class RanksFailed(AssertionError):
     """A distributed call failed: some rank raised, hung past the timeout, or died."""
 
 
@@ -271,7 +271,7 @@ class RankPool:
         failures = self._failures(outcomes, "start-up", self.start_timeout)
         if failures:
             self._kill()
-            raise DistributedTestError(f"could not start {self.world_size} gloo ranks:\n"
+            raise RanksFailed(f"could not start {self.world_size} gloo ranks:\n"
                                        + "\n".join(map(str, failures)))
 
     def _spawn(self):
@@ -311,7 +311,7 @@ class RankPool:
         for p in self._procs:
             p.join(timeout=10)
             if p.is_alive():  # SIGKILL not delivered in 10 s: only a process stuck in the kernel does that
-                raise DistributedTestError(f"worker {p.name} (pid {p.pid}) survived SIGKILL for 10 s")
+                raise RanksFailed(f"worker {p.name} (pid {p.pid}) survived SIGKILL for 10 s")
 
     @property
     def pids(self) -> list[int]:
@@ -359,7 +359,7 @@ class RankPool:
             failures.sort(key=lambda f: (f.kind != "raised", f.rank))
             self.restart()  # collectives may be half done: never reuse that process group
             summary = ", ".join(f"rank {f.rank} {f.kind}" for f in failures)
-            raise DistributedTestError(
+            raise RanksFailed(
                 f"{getattr(fn, '__qualname__', fn)} failed on {self.world_size} ranks ({summary}):\n"
                 + "\n".join(map(str, failures)))
         return [pickle.loads(outcomes[r]) for r in range(self.world_size)]

@@ -98,9 +98,9 @@ def cp_overlapped_peer_never_joins(operation, timeout):
                                                        "in group ranks [0, 1] did not finish within 2 s"),
 ])
 def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks, fn, operation, expected):
-    from l3plugin.ranks import DistributedTestError
+    from l3plugin.ranks import RanksFailed
 
-    with pytest.raises(DistributedTestError) as err:
+    with pytest.raises(RanksFailed) as err:
         ranks.run(2, fn, operation, TIMEOUT, timeout=60)
     text = str(err.value)
     assert "rank 0 raised" in text and "CommTimeout" in text, text

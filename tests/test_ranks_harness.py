@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from l3plugin.ranks import DistributedTestError, RankPool
+from l3plugin.ranks import RanksFailed, RankPool
 
 
 def rank_and_sum(offset):
@@ -57,7 +57,7 @@ def test_results_in_rank_order_and_single_threaded(pool):
 
 
 def test_rank_that_raises_is_named_with_its_traceback(pool):
-    with pytest.raises(DistributedTestError) as err:
+    with pytest.raises(RanksFailed) as err:
         pool.run(raise_on_rank, 1, timeout=60)
     text = str(err.value)
     assert "rank 1 raised" in text
@@ -71,7 +71,7 @@ def test_rank_that_raises_is_named_with_its_traceback(pool):
 
 def test_rank_that_hangs_past_the_timeout_is_named(pool):
     start = time.monotonic()
-    with pytest.raises(DistributedTestError) as err:
+    with pytest.raises(RanksFailed) as err:
         pool.run(sleep_on_rank, 2, 600, timeout=3)
     assert time.monotonic() - start < 60
     text = str(err.value)
@@ -82,7 +82,7 @@ def test_rank_that_hangs_past_the_timeout_is_named(pool):
 
 
 def test_rank_that_dies_is_named_with_exit_code(pool):
-    with pytest.raises(DistributedTestError) as err:
+    with pytest.raises(RanksFailed) as err:
         pool.run(exit_on_rank, 0, timeout=60)
     assert "rank 0 died" in str(err.value) and "code 3" in str(err.value)
     assert pool.run(sleep_on_rank, 1, 0) == [0, 1, 2]
@@ -118,7 +118,7 @@ def stuck_in_collective():
 
 def test_a_failed_call_kills_the_old_workers(pool):
     old = pool.pids
-    with pytest.raises(DistributedTestError):
+    with pytest.raises(RanksFailed):
         pool.run(raise_on_rank, 1, timeout=60)  # ranks 0 and 2 stay blocked in all_reduce
     assert wait_gone(old, 0.5) == []
     assert set(pool.pids).isdisjoint(old)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ds_models import ds_config, engine_for, train
-from l3plugin.ranks import DistributedTestError
+from l3plugin.ranks import RanksFailed
 
 TIMEOUT = 180
 
@@ -120,7 +120,7 @@ def _assert_resumes_step3(ranks, folder, reference, **plugin):
                                           ("after the partitions, before latest", 0)])
 def test_a_rank_killed_during_save_leaves_latest_on_the_last_complete_tag(ranks, step3, tmp_path, point, victim):
     folder, reference = _fresh_copy(step3, tmp_path)
-    with pytest.raises(DistributedTestError, match=f"rank {victim} died"):
+    with pytest.raises(RanksFailed, match=f"rank {victim} died"):
         ranks.run(2, crash_during_save, folder, point, victim, timeout=TIMEOUT)
     assert _latest(folder) == "step3", f"latest moved to a torn tag after a kill {point}"
     if point == "mid-partition":  # the half-written file has a temporary name, never the partition's
@@ -132,7 +132,7 @@ def test_a_rank_killed_during_save_leaves_latest_on_the_last_complete_tag(ranks,
 
 def test_a_save_failing_on_one_rank_raises_on_all_and_keeps_latest(ranks, step3, tmp_path):
     folder, _ = _fresh_copy(step3, tmp_path)
-    with pytest.raises(DistributedTestError) as err:
+    with pytest.raises(RanksFailed) as err:
         ranks.run(2, crash_during_save, folder, "disk error", 1, timeout=TIMEOUT)
     text = str(err.value)
     assert "rank 1 raised" in text and "No space left on device" in text, text
@@ -186,7 +186,7 @@ def load_explicit(folder, tag, **plugin):
 def test_an_explicit_tag_or_fallback_off_raises_naming_the_file(ranks, step3, tmp_path):
     folder, _, victim = _torn_latest(ranks, step3, tmp_path, _truncate)
     for tag, plugin in (("step5", {}), (None, {"checkpoint_fallback": False})):
-        with pytest.raises(DistributedTestError) as err:
+        with pytest.raises(RanksFailed) as err:
             ranks.run(2, load_explicit, folder, tag, timeout=TIMEOUT, **plugin)
         text = str(err.value)
         assert "TornCheckpoint" in text and "checkpoint tag 'step5'" in text and victim in text, text
@@ -207,7 +207,7 @@ def test_a_missing_partition_names_the_file_and_the_tag(ranks, step3, tmp_path, 
         for name in os.listdir(tag_dir):
             if name.startswith("l3plugin-manifest"):
                 os.remove(os.path.join(tag_dir, name))
-    with pytest.raises(DistributedTestError) as err:
+    with pytest.raises(RanksFailed) as err:
         ranks.run(2, load_without_partition, folder, timeout=TIMEOUT)
     text = str(err.value)
     expected = (f"checkpoint tag 'step3' in {folder}: file {tag_dir}/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt "

@@ -221,10 +221,10 @@ def test_core_rounds_overlap_is_bit_identical(ranks, stage):
 
 
 def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks):
-    from l3plugin.ranks import DistributedTestError
+    from l3plugin.ranks import RanksFailed
 
     start = time.monotonic()
-    with pytest.raises(DistributedTestError) as err:
+    with pytest.raises(RanksFailed) as err:
         ranks.run(2, peer_never_joins, 2.0, timeout=60)
     text = str(err.value)
     assert "rank 0 raised" in text and "CommTimeout" in text
