@@ -94,6 +94,7 @@ class PipelinedTrainer:
         from megatron.core import parallel_state as ps
 
         from l3plugin import mesh
+        from l3plugin.megatron.multimodal import image_encoder_placement
 
         self.run = run
         if init_mesh:
@@ -111,14 +112,14 @@ class PipelinedTrainer:
             params += list(self.encoder.parameters())
         self.optimizer = torch.optim.SGD(params, lr=run.lr)
         self.images, self.batches = run.batches()
+        # Built once: encode / finish keep only one step's state between them.
+        self.placed = image_encoder_placement(run.placement, self.encoder if self.holds_encoder else None)
 
     def step(self, returns_record: bool = True) -> dict | None:
         from l3plugin.megatron import forward_backward_pipelining_flexible
-        from l3plugin.megatron.multimodal import image_encoder_placement
 
-        run = self.run
+        run, placed = self.run, self.placed
         self.optimizer.zero_grad(set_to_none=True)
-        placed = image_encoder_placement(run.placement, self.encoder if self.holds_encoder else None)
         tokens = placed.encode(self.images) if placed is not None else None
         out = forward_backward_pipelining_flexible(
             forward_step_func=functools.partial(forward_step, run.placement, self.images, tokens),
