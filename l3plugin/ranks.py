@@ -1,8 +1,11 @@
 """Run a function on N CPU ranks (gloo) and get each rank's result back, in rank order (``l3plugin demo``
 starts its ranks with it; the tests and benches too).
 
-Worker processes are spawned once per world size and reused for many calls, because importing
-megatron.core and deepspeed costs seconds per process. Every call has a timeout. When a rank raises,
+Worker processes are started once per world size and reused for many calls, because importing
+megatron.core and deepspeed costs seconds per process. They are forked from one server process that has
+imported torch and the pool's ``preload`` modules once (multiprocessing's "forkserver"), so a pool rebuilt
+after a failure, or a pool of another size, starts in a fraction of a second instead of paying the imports
+again on every rank. Every call has a timeout. When a rank raises,
 hangs or dies, the call fails with a message that names the rank, its exception and traceback (or, for
 a hung rank, the Python stack where it hangs), and the pool is rebuilt so the next call starts clean.
 
@@ -10,11 +13,12 @@ a hung rank, the Python stack where it hangs), and the pool is rebuilt so the ne
     results = pool.run(my_module.check_something, arg, timeout=60)   # [rank0_result, rank1_result, ...]
 
 ``fn`` must be importable by the workers (a module-level function); its arguments and result must
-pickle. Workers run with OMP_NUM_THREADS=1 and torch.set_num_threads(1): there are only 2 cores.
+pickle. Workers run with OMP_NUM_THREADS=1 and torch.set_num_threads(1): there are only 2 cores. Upstream
+warnings that mean nothing on a CPU machine are filtered in the workers (``CPU_MEANINGLESS_WARNINGS``).
 
 No worker outlives its pool or its parent, whatever way they end: a failed or timed-out call kills the
 workers (SIGKILL: a rank stuck in a collective ignores everything else) before rebuilding; ``close`` and
-interpreter exit do the same for what is left; a worker dies with its parent (Linux: PR_SET_PDEATHSIG), so
+interpreter exit do the same for what is left; a worker dies with its parent (a thread watches it), so
 a parent killed by SIGKILL, Ctrl-C or a CI timeout leaves nothing behind. ``run_command`` gives launched
 process trees (torchrun, launchers) the same guarantee. ``live_workers()`` lists workers still running.
 """
@@ -27,17 +31,20 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 
 from l3plugin.checks import check_int
+from l3plugin.patchset import PrivateState
 
 DEFAULT_TIMEOUT = 120.0
 _POLL = 0.2  # how often the parent checks for dead workers while it waits
@@ -120,17 +127,33 @@ atexit.register(kill_live_workers)  # a pool nobody closed (the last resort befo
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Linux: have the kernel SIGKILL this process when its parent exits, however the parent ends."""
+    """SIGKILL this worker when ``parent_pid`` (the pool's owner) exits, however that ends. The worker's own
+    parent is the fork server, which lives while any worker does (each holds the server's end-of-owner pipe),
+    so a thread watches the owner (Linux: a pidfd; elsewhere every second); PR_SET_PDEATHSIG covers the
+    server being killed."""
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
         PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
-        return  # not Linux: atexit and close() remain
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        pass
+    try:
+        owner = os.pidfd_open(parent_pid)
+    except ProcessLookupError:  # the owner died before we got here
         os._exit(1)
+    except (AttributeError, OSError):
+        owner = None
+
+    def watch():
+        if owner is not None:
+            select.select([owner], [], [])  # readable once the owner has exited
+        else:
+            while _alive(parent_pid):
+                time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="l3plugin-owner-watch", daemon=True).start()
 
 
 def run_command(cmd, *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
@@ -157,6 +180,25 @@ def run_command(cmd, *, timeout: float, **kwargs) -> subprocess.CompletedProcess
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+# A reused worker accumulates the process groups its calls leave (frameworks cache some, tests make others):
+# each idle gloo group keeps threads that poll, measured at 10% of a core per 100 groups. Destroying them would
+# leave framework caches (DeepSpeed's groups) pointing at dead groups, so past this many the pool is restarted
+# instead: forked from the server, that takes a fraction of a second.
+GROUPS_LEFT_LIMIT = 16
+PROCESS_GROUPS = PrivateState(
+    "torch.distributed.distributed_c10d", "_world",
+    why="RankPool counts the process groups a call left (its .pg_map) and restarts past GROUPS_LEFT_LIMIT: "
+        "without it leaked gloo groups accumulate in reused workers, each polling",
+    version_of="torch")
+
+
+def _groups_left() -> int:
+    """Process groups of this worker besides the world's."""
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map) - 1
+
+
 def _reset_framework_state():
     """Leave no model-parallel state (nor its process groups and their threads) for the next call."""
     if "megatron.core.parallel_state" in sys.modules:
@@ -169,10 +211,11 @@ def _reset_framework_state():
 
 
 def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, collective_timeout,
-                 keep_state, parent_pid):
+                 keep_state, parent_pid, owner_env):
     os.setpgid(0, 0)  # a group of its own: killing it ends what the worker started too (helpers, pools)
     _die_with_parent(parent_pid)
-    _worker_environment(rank, world_size, port)
+    _worker_environment(rank, world_size, port, owner_env)
+    silence_cpu_meaningless_warnings()  # inherited from our server, unless the process's server is another's
     import faulthandler
 
     # On SIGUSR1 the parent gets this rank's Python stack: that is how a hang says where it is.
@@ -180,9 +223,9 @@ def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, 
     faulthandler.register(signal.SIGUSR1, file=stack_fh, all_threads=True)
     try:
         _join_group(rank, world_size, port, preload, collective_timeout)
-        result_q.put(("ready", rank, True, None))
+        result_q.put(("ready", rank, True, None, 0))
     except BaseException:
-        result_q.put(("ready", rank, False, traceback.format_exc()))
+        result_q.put(("ready", rank, False, traceback.format_exc(), 0))
         return
 
     while True:
@@ -195,19 +238,48 @@ def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, 
     dist.destroy_process_group()
 
 
-def _worker_environment(rank, world_size, port):
-    """The rank's environment, set before torch is imported (it reads OMP_NUM_THREADS then), and its filters."""
+# Upstream warnings that mean nothing on CPU ranks, silenced in every worker (the one place they are named), and
+# who says them: megatron.core's imports without TE/apex, its advice to set CUDA_DEVICE_MAX_CONNECTIONS=1 (which
+# orders CUDA kernels; CPU ranks have no CUDA streams), and torch's CPU matmul on mixed dtypes.
+CPU_MEANINGLESS_WARNINGS = {
+    "Transformer Engine and Apex are not installed": "megatron.core",
+    "Apex is not installed": "megatron.core",
+    "full scope is deprecated": "megatron.core",
+    "When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS":
+        "megatron.core",
+    "When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS":
+        "megatron.core",
+    "Mismatch dtype between input and weight": "torch (C++)",
+}
+
+
+def silence_cpu_meaningless_warnings() -> None:
+    """Filter ``CPU_MEANINGLESS_WARNINGS`` (run in the fork server before its imports, and in every worker)."""
+    import re
+    import warnings
+
+    for message in CPU_MEANINGLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning)
+
+
+def _worker_context(preload: tuple[str, ...]):
+    """The forkserver context, its server importing torch and ``preload`` once (a server started earlier by
+    another pool keeps its own list; the worker then imports what is missing itself)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["l3plugin.rank_server", "torch", *preload])
+    return ctx
+
+
+def _worker_environment(rank, world_size, port, owner_env):
+    """The owner's environment when the pool started (the fork server's is older), single-threaded, with the
+    variables torchrun would set."""
+    os.environ.clear()
+    os.environ.update(owner_env)
     os.environ.update({
         "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
-    import warnings
-
-    # Said by megatron.core on every process of a CPU machine without TE/apex: noise in every log.
-    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                    "full scope is deprecated", "Mismatch dtype between input and weight"):
-        warnings.filterwarnings("ignore", message=message)
 
 
 def _join_group(rank, world_size, port, preload, collective_timeout):
@@ -225,7 +297,8 @@ def _join_group(rank, world_size, port, preload, collective_timeout):
 
 
 def _run_task(rank, msg, keep_state):
-    """One call on this worker: (task id, rank, True, pickled result) or (..., False, the error and where)."""
+    """One call on this worker: (task id, rank, True, pickled result, groups left) or (..., False, the error
+    and where, groups left)."""
     task_id, sys_path, payload = msg
     # The parent's sys.path lets us import test modules that pytest put on it after we started.
     for entry in sys_path:
@@ -243,11 +316,11 @@ def _run_task(rank, msg, keep_state):
         except Exception as exc:  # a stale mesh would poison the next call: fail this one instead
             out = (task_id, rank, False, f"cleanup after the call failed: {type(exc).__name__}: {exc}\n"
                                          f"{traceback.format_exc()}")
-    return out
+    return (*out, _groups_left())
 
 
 class RankPool:
-    """``world_size`` spawned worker processes joined in one gloo process group."""
+    """``world_size`` worker processes joined in one gloo process group."""
 
     def __init__(self, world_size: int, *, preload: tuple[str, ...] = (), start_timeout: float = 180.0,
                  grace: float = 5.0, keep_state: bool = False):
@@ -261,6 +334,7 @@ class RankPool:
         self.keep_state = keep_state
         self._ids = itertools.count()
         self._procs: list = []
+        self._groups_left = 0  # the most process groups a rank kept after the last call
         self._start()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -275,7 +349,7 @@ class RankPool:
                                        + "\n".join(map(str, failures)))
 
     def _spawn(self):
-        ctx = mp.get_context("spawn")
+        ctx = _worker_context(self.preload)
         self._tmpdir = tempfile.mkdtemp(prefix="l3plugin-ranks-")
         self._result_q = ctx.Queue()
         self._task_qs = [ctx.Queue() for _ in range(self.world_size)]
@@ -285,7 +359,8 @@ class RankPool:
             p = ctx.Process(
                 target=_worker_main, name=f"l3plugin-rank{rank}", daemon=True,
                 args=(rank, self.world_size, port, self._task_qs[rank], self._result_q, self.preload,
-                      self._stack_file(rank), max(300.0, self.start_timeout), self.keep_state, os.getpid()),
+                      self._stack_file(rank), max(300.0, self.start_timeout), self.keep_state, os.getpid(),
+                      dict(os.environ)),
             )
             p.start()
             _STARTED_WORKERS.add(p.pid)
@@ -362,6 +437,8 @@ class RankPool:
             raise RanksFailed(
                 f"{getattr(fn, '__qualname__', fn)} failed on {self.world_size} ranks ({summary}):\n"
                 + "\n".join(map(str, failures)))
+        if not self.keep_state and self._groups_left > GROUPS_LEFT_LIMIT:
+            self.restart()
         return [pickle.loads(outcomes[r]) for r in range(self.world_size)]
 
     def _send_task(self, fn, args, kwargs) -> int:
@@ -379,13 +456,14 @@ class RankPool:
     def _collect(self, task_id, timeout):
         """Results by rank: pickled bytes on success, RankFailure on error or death."""
         outcomes: dict = {}
+        self._groups_left = 0
         deadline = time.monotonic() + timeout
         while len(outcomes) < self.world_size:
             now = time.monotonic()
             if now >= deadline:
                 break
             try:
-                tid, rank, ok, data = self._result_q.get(timeout=min(_POLL, deadline - now))
+                tid, rank, ok, data, groups_left = self._result_q.get(timeout=min(_POLL, deadline - now))
             except queue.Empty:
                 self._note_deaths(outcomes)
                 if any(isinstance(o, RankFailure) for o in outcomes.values()):
@@ -394,6 +472,7 @@ class RankPool:
             if tid != task_id:
                 continue  # a late answer to an earlier call that we already gave up on
             outcomes[rank] = data if ok else RankFailure(rank, "raised", data)
+            self._groups_left = max(self._groups_left, groups_left)
             if not ok:
                 # The others are probably blocked in a collective with this rank; give them a moment.
                 deadline = min(deadline, time.monotonic() + self.grace)

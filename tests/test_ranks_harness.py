@@ -43,6 +43,15 @@ def exit_on_rank(bad_rank):
     return dist.get_rank()
 
 
+def leave_groups(count):
+    """Make ``count`` process groups and keep them (as a framework's cache would); the worker's thread count."""
+    import torch.distributed as dist
+
+    kept = globals().setdefault("_KEPT_GROUPS", [])
+    kept.extend(dist.new_group(list(range(dist.get_world_size()))) for _ in range(count))
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
+
+
 @pytest.fixture(scope="module")
 def pool():
     with RankPool(3, grace=2.0) as p:  # its own pool: these tests restart it on purpose
@@ -54,6 +63,21 @@ def test_results_in_rank_order_and_single_threaded(pool):
     assert [r[0] for r in results] == [0, 1, 2]
     assert all(r[1] == 0 + 1 + 2 + 3 * 10 for r in results)
     assert all(r[2] == "1" and r[3] == 1 for r in results)
+
+
+def test_workers_that_keep_many_process_groups_are_replaced_after_the_call(pool):
+    """Each idle gloo group keeps polling threads: the pool restarts (cheaply) once a call left more than
+    GROUPS_LEFT_LIMIT groups, and only then; the call itself still returns its results."""
+    from l3plugin.ranks import GROUPS_LEFT_LIMIT
+
+    pool.restart()
+    before = pool.pids
+    pool.run(leave_groups, GROUPS_LEFT_LIMIT)  # exactly at the limit: kept
+    assert pool.pids == before
+    threads = pool.run(leave_groups, 1)
+    assert pool.pids != before and all(t is None or t > 2 * GROUPS_LEFT_LIMIT for t in threads)
+    assert pool.run(leave_groups, 0) != threads  # fresh workers: the groups and their threads are gone
+    assert pool.run(rank_and_sum, 0)[0][1] == 3
 
 
 def test_rank_that_raises_is_named_with_its_traceback(pool):

@@ -5,8 +5,6 @@ single-process reference that runs the same model, data and optimizer in one pie
 from __future__ import annotations
 
 import functools
-import re
-import warnings
 
 import torch
 
@@ -14,19 +12,6 @@ from l3plugin.demo import data, model
 from l3plugin.waits import group_ranks, resolve_timeout, wait_work
 
 _STATE: dict = {}
-
-# Upstream warnings that mean nothing on CPU ranks, silenced in every worker (the one place they are named):
-# Megatron-Core asks for CUDA_DEVICE_MAX_CONNECTIONS=1 to order CUDA kernels; CPU ranks have no CUDA streams.
-CPU_MEANINGLESS_WARNINGS = (
-    "When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
-    "When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
-)
-
-
-def _silence_cpu_meaningless_warnings():
-    for message in CPU_MEANINGLESS_WARNINGS:
-        warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning)
-
 
 @functools.lru_cache(maxsize=None)
 def _packed_params(cu_seqlens: tuple, seq_len: int):
@@ -71,7 +56,6 @@ def setup(opts: dict) -> dict:
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
     from l3plugin.mesh import init_mesh
 
-    _silence_cpu_meaningless_warnings()
     # Process groups with an explicit timeout (the harness's world group has one too); ZeRO's waits are
     # bounded below it (the pipeline's and CP's by $L3PLUGIN_WAIT_TIMEOUT, which run_demo sets).
     mesh = init_mesh(tp=opts["tp"], cp=opts["cp"], pp=opts["pp"], dp=opts["dp"], vpp=opts["vpp"],
@@ -126,7 +110,6 @@ def reference_losses(opts: dict, steps: int) -> list[float]:
     from l3plugin.megatron.zero import megatron_zero
     from l3plugin.mesh import init_mesh
 
-    _silence_cpu_meaningless_warnings()
     init_mesh()
     alone, _ = dist.new_subgroups(group_size=1)
     config = model.llama_config(**opts["model"])
