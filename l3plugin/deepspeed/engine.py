@@ -17,7 +17,7 @@ from l3plugin.deepspeed import checkpoint
 from l3plugin.deepspeed.config import (PluginOptions, check_model_supported, check_supported, config_of_call,
                                        handing_over, options_for, zero_settings)
 from l3plugin.deepspeed.optimizer import DeepSpeedFP32ReduceZero, runs_fp32_reduce_zero
-from l3plugin.patches import DEEPSPEED_CHECKED
+from l3plugin.versions import DEEPSPEED_CHECKED
 from l3plugin.patchset import Patch, PatchSet
 
 _ENGINE, _PIPE = "DeepSpeedEngine", "PipelineEngine"

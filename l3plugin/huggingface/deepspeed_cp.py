@@ -27,7 +27,7 @@ import sys
 
 from typing import TYPE_CHECKING
 
-from l3plugin.patches import DEEPSPEED_CHECKED
+from l3plugin.versions import DEEPSPEED_CHECKED
 from l3plugin.patchset import Patch, PatchSet, PrivateState
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ from l3plugin.megatron.arguments import CPRoute, parsed_options
 from l3plugin.megatron.attention import CP_COMM_TYPE, AllGatherCPCoreAttention
 from l3plugin.megatron.batch_hooks import CP_BATCH
 from l3plugin.megatron.cp_documents import fill_boundaries, sbhd_packed_params
-from l3plugin.patches import MEGATRON_CHECKED
+from l3plugin.versions import MEGATRON_CHECKED
 from l3plugin.patchset import Patch, PatchSet
 
 TE_MODULE = "megatron.core.extensions.transformer_engine"
