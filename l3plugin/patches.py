@@ -20,7 +20,7 @@ from l3plugin.versions import DEEPSPEED_CHECKED, MEGATRON_CHECKED  # noqa: F401 
 DECLARED_IN = (
     "l3plugin.deepspeed.engine",            # DEEPSPEED: the engines' methods and deepspeed.initialize
     "l3plugin.deepspeed.config",            # the config's _param_dict
-    "l3plugin.huggingface.deepspeed_cp",    # ACCELERATE: accelerate's data-loader sharding; sequence-parallel state
+    "l3plugin.deepspeed.sequence_parallel", # ACCELERATE: accelerate's data-loader sharding; sequence-parallel state
     "l3plugin.megatron.install",            # MEGATRON, MEGATRON_LM_ARGS: the schedule selector, the flags
     "l3plugin.megatron.arguments",          # Megatron-LM's _GLOBAL_ARGS
     "l3plugin.megatron.cp_route",           # CP_ROUTE: CP from Megatron-LM's flags (batch_hooks.py's rows too)
