@@ -209,7 +209,7 @@ def test_parsed_options_are_checked_once_per_arguments_object(monkeypatch):
 ])
 def test_bad_combinations_are_refused_naming_the_flag(change, message):
     from l3plugin.megatron.arguments import check_cp_args
-    from l3plugin.te import te_unavailable_reason
+    from l3plugin.megatron.te_backend import te_unavailable_reason
 
     if "transformer_impl" in change and te_unavailable_reason() is None:
         pytest.skip("Transformer Engine is importable here: the TE route is allowed")
@@ -243,7 +243,7 @@ def test_spec_swap_picks_the_backend():
     from l3plugin.megatron.attention import AllGatherCPCoreAttention
     from l3plugin.megatron.arguments import CPRoute
     from l3plugin.megatron.cp_route import l3plugin_core_attention
-    from l3plugin.te import te_unavailable_reason
+    from l3plugin.megatron.te_backend import te_unavailable_reason
 
     route = CPRoute(layout="balanced", cp_kv="keep", documents=True)
     core = l3plugin_core_attention(DotProductAttention, route)
