@@ -145,7 +145,7 @@ def test_documents_matter(ranks, tmp_path, stock_cp1):
 
 def test_without_the_route_stock_megatron_refuses_our_flags(ranks, tmp_path):
     """Why the route exists: the same script and flags without the launcher stop in Megatron's local
-    attention (the failure the issue reports)."""
+    attention (the failure that Megatron-LM users meet without l3plugin)."""
     out = ranks.run(2, run_standin, [*MODEL, *DOCS, *OURS], str(tmp_path), launcher=False, timeout=180)
     assert all("Context parallelism is only supported by TEDotProductAttention" in r for r in out)
 
