@@ -17,7 +17,7 @@ Every rank of a CP group must then see the same batches: accelerate's data loade
 data-parallel ranks only (``prepare_data_loader`` below, set ACCELERATE, which engine.py's install applies
 when accelerate was imported first, as the Trainer does); in your own loop use
 ``data_parallel_rank_and_size()``. DeepSpeed's and accelerate's private state read here is declared at the
-bottom (``l3plugin doctor`` checks it). Nothing upstream is imported at module level.
+bottom (``l3plugin doctor`` checks it).
 """
 
 from __future__ import annotations
