@@ -1,4 +1,4 @@
-"""Hugging Face transformers / accelerate bridge to l3plugin's all-gather CP attention.
+"""Hugging Face transformers bridge to l3plugin's all-gather CP attention.
 
 ``enable_context_parallel(model, group)`` (context_parallel.py) swaps a transformers model's attention for the
 all-gather CP attention through transformers' attention registry (attention.py), shards every batch over the
