@@ -1,5 +1,6 @@
-"""The registry of l3plugin's upstream patches: the version ranges the sets are checked on, and the modules
-that declare sets (each adapter declares its own, beside the replacements: see l3plugin/patchset.py).
+"""The registry of l3plugin's upstream patches: the modules that declare sets (each adapter declares its own,
+beside the replacements: see l3plugin/patchset.py). The version ranges the sets are checked on are
+l3plugin/versions.py's, handed on here.
 
 ``declared()`` imports those modules and returns every set and every ``PrivateState``; ``l3plugin doctor`` is its
 only user. Nothing here imports an adapter or anything upstream until it is called.
@@ -11,11 +12,7 @@ import importlib
 
 from l3plugin.patchset import (PRIVATE_STATE, SETS, UNCHECKED_ENV, Patch, PatchMismatch,  # noqa: F401 - the API
                                PatchSet, PrivateState, VersionOutOfRange)
-
-# DeepSpeed: the latest patch of each minor release from 0.16 to 0.19 was run (compat/deepspeed.sh; docs/verified.md).
-DEEPSPEED_CHECKED = ">=0.16.9,<0.20"
-# Megatron-Core releases every Megatron set was checked on (docs/verified.md; pyproject.toml says the same).
-MEGATRON_CHECKED = ">=0.16.1,<0.20"
+from l3plugin.versions import DEEPSPEED_CHECKED, MEGATRON_CHECKED  # noqa: F401 - the API
 
 # The modules that declare sets or private state, in the order ``l3plugin doctor`` lists them. Importing
 # l3plugin.deepspeed installs its patches (that is how the autoload works): a failed install is reported row
@@ -23,7 +20,7 @@ MEGATRON_CHECKED = ">=0.16.1,<0.20"
 DECLARED_IN = (
     "l3plugin.deepspeed.engine",            # DEEPSPEED: the engines' methods and deepspeed.initialize
     "l3plugin.deepspeed.config",            # the config's _param_dict
-    "l3plugin.huggingface.deepspeed_cp",    # ACCELERATE: accelerate's data-loader sharding; sequence-parallel state
+    "l3plugin.deepspeed.sequence_parallel", # ACCELERATE: accelerate's data-loader sharding; sequence-parallel state
     "l3plugin.megatron.install",            # MEGATRON, MEGATRON_LM_ARGS: the schedule selector, the flags
     "l3plugin.megatron.arguments",          # Megatron-LM's _GLOBAL_ARGS
     "l3plugin.megatron.cp_route",           # CP_ROUTE: CP from Megatron-LM's flags (batch_hooks.py's rows too)

@@ -13,14 +13,14 @@ declared ``PrivateState`` as present or missing.
 Where patches are declared. Each adapter declares its sets in the module that defines their replacements,
 below those functions, and names each replacement by the function object itself; targets stay "module:Attr"
 strings, so a declaration imports nothing upstream. Start-up stays light because nothing imports an adapter
-before it is used and the adapters import no framework at module level: huggingface/deepspeed_cp.py,
-megatron/install.py, cp_route.py, batch_hooks.py, attention.py, demo/model.py and debug/patching.py import
-DeepSpeed, Megatron, transformers and accelerate only inside functions (tests/test_patches.py checks it in a
-fresh interpreter); deepspeed/engine.py is imported only with deepspeed (importing l3plugin.deepspeed is the
-install, which the autoload does once ``import deepspeed`` has finished); l3plugin_autoload, which runs at
+before it is used and the adapters import no framework at module level: megatron/install.py, cp_route.py,
+batch_hooks.py, attention.py, demo/model.py and debug/patching.py import DeepSpeed, Megatron, transformers and
+accelerate only inside functions (tests/test_patches.py checks it in a fresh interpreter); deepspeed/engine.py
+and sequence_parallel.py are imported only with deepspeed (importing l3plugin.deepspeed is the install, which
+the autoload does once ``import deepspeed`` has finished); l3plugin_autoload, which runs at
 every interpreter start and imports nothing of l3plugin there, builds its one set when first needed.
-l3plugin/patches.py is only the registry: the version ranges the sets are checked on, and which modules
-declare sets, imported by ``l3plugin doctor`` to list them (and nothing else). A private upstream name an
+l3plugin/patches.py is only the registry: which modules declare sets, imported by ``l3plugin doctor`` to list
+them (and nothing else); the ranges the sets are checked on are l3plugin/versions.py's. A private upstream name an
 adapter reads is a ``PrivateState`` declared beside its reader; doctor checks it is still there.
 
 Versions. A set names the module whose ``__version__`` it reads (``module``, by default the package name with

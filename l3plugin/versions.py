@@ -1,12 +1,19 @@
 """Upstream versions as l3plugin's patch sets see them (l3plugin/patchset.py): the version of a module as
 IMPORTED (a Megatron-LM checkout first on PYTHONPATH wins over pip's megatron-core, whatever pip's metadata
-says), read once per process, and pip-style version ranges. Imports nothing upstream until asked."""
+says), read once per process, pip-style version ranges, and the ranges l3plugin's patch sets were checked on.
+Imports nothing upstream until asked."""
 
 from __future__ import annotations
 
 import importlib
 import os
 from typing import NamedTuple
+
+# The upstream releases l3plugin's patch sets are checked on (each set declares one of these as ``checked``).
+# DeepSpeed: the latest patch of each minor release from 0.16 to 0.19 was run (compat/deepspeed.sh; docs/verified.md).
+DEEPSPEED_CHECKED = ">=0.16.9,<0.20"
+# Megatron-Core releases every Megatron set was checked on (docs/verified.md; pyproject.toml says the same).
+MEGATRON_CHECKED = ">=0.16.1,<0.20"
 
 
 def installed_version(package: str) -> str:

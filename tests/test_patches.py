@@ -155,7 +155,7 @@ def test_every_l3plugin_patch_names_its_replacement_by_the_object_in_its_adapter
 
 def test_the_hf_rows_are_their_own_set_and_deepspeed_initialize_is_the_deepspeed_adapters():
     from l3plugin.deepspeed.engine import DEEPSPEED, initialize_with_key
-    from l3plugin.huggingface.deepspeed_cp import ACCELERATE, prepare_data_loader
+    from l3plugin.deepspeed.sequence_parallel import ACCELERATE, prepare_data_loader
 
     assert [(p.target, p.replacement) for p in ACCELERATE.patches] == [("accelerate.accelerator", prepare_data_loader)]
     initialize = [p for p in DEEPSPEED.patches if p.target == "deepspeed"]

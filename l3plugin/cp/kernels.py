@@ -309,8 +309,8 @@ def flash_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=No
 
 @functools.lru_cache(maxsize=1)
 def _te_attention_class():
-    """TE's DotProductAttention, or None. Checked here, not through l3plugin.te (an adapter: feature rooms
-    never import adapters); a half-installed TE raises RuntimeError, not ImportError, at import."""
+    """TE's DotProductAttention, or None. Checked here, not through l3plugin.megatron.te_backend (an adapter:
+    feature rooms never import adapters); a half-installed TE raises RuntimeError, not ImportError, at import."""
     try:
         import transformer_engine.pytorch as te
     except Exception:  # noqa: BLE001 - any failure means: no usable TE

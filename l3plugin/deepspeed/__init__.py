@@ -16,7 +16,7 @@ reduce-scatters start from gradient hooks during backward unless ``zero_optimiza
 false. Without the key (or with ``"fp32_reduce_zero": false``)
 DeepSpeed behaves exactly as stock. Options under ``"l3plugin"`` are the JSON-settable fields of
 ``l3plugin.zero.ZeroSettings`` (their help there), checked there, and ``context_parallel_size`` / ``cp_layout``
-(l3plugin/huggingface/deepspeed_cp.py); the block is parsed once per engine into a frozen ``PluginOptions``
+(sequence_parallel.py); the block is parsed once per engine into a frozen ``PluginOptions``
 (``options_of(engine)``). Configs are read by DeepSpeed's own loader (``read_config``), so every form DeepSpeed
 accepts (dict, JSON or hjson file, base64 string, ``args.deepspeed_config``) works with the key and, without it,
 reaches DeepSpeed exactly as given.
@@ -32,12 +32,15 @@ size; or a universal checkpoint with ``checkpoint.load_universal``),
 ``zero_optimization_stage`` + ``PipelineEngine.__init__`` (PipelineEngine refuses stage 2 for DeepSpeed's
 optimizer; ours supports it), ``PipelineEngine._exec_reduce_tied_grads`` (tied weights' gradients live in
 our fp32 buckets, not in ``weight.grad``) and ``PipelineEngine._exec_backward_pass`` (end-of-backward
-reductions), both also in the schedule's instruction table, ``_backward_prologue_per_tensor`` (DeepSpeed 0.18:
+reductions; before DeepSpeed 0.18 also the optimizer's backward prologue), both also in the schedule's
+instruction table, ``_backward_prologue_per_tensor`` (DeepSpeed 0.18:
 the pipeline's earlier stages' gradients divided once); and ``deepspeed.initialize`` (``initialize_with_key``:
-the key read once, CP above 1 through ``l3plugin/huggingface/deepspeed_cp.py``), plus accelerate's
-``prepare_data_loader`` when accelerate was imported first (that adapter's set ACCELERATE).
+the key read once, CP above 1 through ``sequence_parallel.py``), plus accelerate's ``prepare_data_loader``
+when accelerate was imported first (set ACCELERATE, in sequence_parallel.py).
 ``uninstall()`` restores everything. The package: ``config.py`` (the options and what is supported),
-``engine.py`` (the replaced methods), ``optimizer.py`` (the optimizer the engines drive, and what they call),
+``engine.py`` (the replaced methods), ``sequence_parallel.py`` (``context_parallel_size``: DeepSpeed's
+sequence-parallel groups, accelerate's data loaders, a transformers model's attention through
+``l3plugin.huggingface``), ``optimizer.py`` (the optimizer the engines drive, and what they call),
 ``checkpoint.py`` (crash-consistent saves, verified loads, ``export_fp32_state_dict``).
 
 Checkpoints are stock ZeRO-1/2 checkpoints: a stock engine (same config without the key) resumes them with

@@ -59,7 +59,7 @@ class PluginOptions:
     """The whole ``"l3plugin"`` block of one config, checked.
 
     fp32_reduce_zero: the switch of l3plugin's ZeRO; zero: the checked ZeroSettings options the block may set
-    ({name: value or default}, read-only); context_parallel_size, cp_layout: CP (huggingface/deepspeed_cp.py)."""
+    ({name: value or default}, read-only); context_parallel_size, cp_layout: CP (sequence_parallel.py)."""
 
     fp32_reduce_zero: bool
     zero: Mapping

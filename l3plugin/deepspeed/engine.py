@@ -17,7 +17,8 @@ from l3plugin.deepspeed import checkpoint
 from l3plugin.deepspeed.config import (PluginOptions, check_model_supported, check_supported, config_of_call,
                                        handing_over, options_for, zero_settings)
 from l3plugin.deepspeed.optimizer import DeepSpeedFP32ReduceZero, runs_fp32_reduce_zero
-from l3plugin.patches import DEEPSPEED_CHECKED
+from l3plugin.deepspeed.sequence_parallel import ACCELERATE, check_for_hf_users, initialize_with_cp
+from l3plugin.versions import DEEPSPEED_CHECKED
 from l3plugin.patchset import Patch, PatchSet
 
 _ENGINE, _PIPE = "DeepSpeedEngine", "PipelineEngine"
@@ -59,19 +60,15 @@ def _stock(cls: str, name: str):
 
 def install() -> None:
     """Patch DeepSpeed's engines (once) so the ``"l3plugin"`` config key takes effect; with accelerate imported
-    already (the HF Trainer's order), also its data-loader sharding (l3plugin/huggingface/deepspeed_cp.py)."""
+    already (the HF Trainer's order), also its data-loader sharding (sequence_parallel.py's set ACCELERATE)."""
     DEEPSPEED.apply()
     if "accelerate.accelerator" in sys.modules:
-        from l3plugin.huggingface.deepspeed_cp import ACCELERATE
-
         ACCELERATE.apply()
 
 
 def uninstall() -> None:
     """Restore DeepSpeed's methods and accelerate's (tests use it to show the stock behaviour)."""
-    hf = sys.modules.get("l3plugin.huggingface.deepspeed_cp")
-    if hf is not None:
-        hf.ACCELERATE.undo()
+    ACCELERATE.undo()
     DEEPSPEED.undo()
 
 
@@ -79,7 +76,7 @@ def uninstall() -> None:
 def initialize_with_key(*args, **kwargs):
     """``deepspeed.initialize`` reading the ``"l3plugin"`` key once. Without it the call reaches DeepSpeed exactly
     as given; with it the engine built takes the parsed options (``handing_over``), and ``context_parallel_size``
-    above 1 goes through the CP builder of l3plugin/huggingface/deepspeed_cp.py. (Not named ``initialize``:
+    above 1 goes through the CP builder of sequence_parallel.py. (Not named ``initialize``:
     undoing the patch puts DeepSpeed's function back in every module whose global ``initialize`` is this one,
     which would include this module.)"""
     stock = DEEPSPEED.stock("deepspeed.initialize")
@@ -88,14 +85,10 @@ def initialize_with_key(*args, **kwargs):
     if options is None:
         return stock(*args, **kwargs)
     if "accelerate.state" in sys.modules:  # accelerate or the HF Trainer: messages name their settings
-        from l3plugin.huggingface.deepspeed_cp import check_for_hf_users
-
         check_for_hf_users(config, options)
     with handing_over(options):  # the engine keeps these options: its config's block is not parsed again
         if options.context_parallel_size == 1:
             return stock(*args, **kwargs)
-        from l3plugin.huggingface.deepspeed_cp import initialize_with_cp
-
         return initialize_with_cp(stock, call, where, config, options)
 
 
@@ -291,5 +284,5 @@ DEEPSPEED = PatchSet("l3plugin.deepspeed", "deepspeed", DEEPSPEED_CHECKED, [
     Patch("deepspeed", "initialize", initialize_with_key, signature=("args", "model"), rebind=True,
           why='read the "l3plugin" key once and hand its options to the engine; "context_parallel_size": N builds '
               "DeepSpeed's sequence-parallel groups as mpu, counts the batch over DP only and gives a "
-              "transformers model the all-gather CP attention (l3plugin/huggingface/deepspeed_cp.py)"),
+              "transformers model the all-gather CP attention (l3plugin/deepspeed/sequence_parallel.py)"),
 ])

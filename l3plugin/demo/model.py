@@ -11,7 +11,7 @@ import zlib
 
 import torch
 
-from l3plugin.patches import MEGATRON_CHECKED
+from l3plugin.versions import MEGATRON_CHECKED
 from l3plugin.patchset import Patch, PatchSet
 
 

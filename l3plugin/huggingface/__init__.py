@@ -1,11 +1,10 @@
-"""Hugging Face transformers / accelerate bridge to l3plugin's all-gather CP attention.
+"""Hugging Face transformers bridge to l3plugin's all-gather CP attention.
 
-With ``"l3plugin": {"context_parallel_size": N}`` in the DeepSpeed config, ``deepspeed.initialize`` (directly,
-from accelerate or from the Trainer) builds DeepSpeed's own sequence-parallel groups (CP groups of N
-consecutive ranks inside DP; the engine and the ZeRO optimizer reduce over DP x CP), swaps the model's
-attention for the all-gather CP attention through transformers' attention registry, shards every batch
-over the CP group and makes the loss the whole sequence's token mean (deepspeed_cp.py). The pieces can
-also be used alone: ``enable_context_parallel(model, group)`` (model.py).
+``enable_context_parallel(model, group)`` (context_parallel.py) swaps a transformers model's attention for the
+all-gather CP attention through transformers' attention registry (attention.py), shards every batch over the
+CP group (batch.py) and makes the loss the whole sequence's token mean. Nothing here needs DeepSpeed; with
+``"l3plugin": {"context_parallel_size": N}`` in a DeepSpeed config, ``deepspeed.initialize`` (directly, from
+accelerate or from the Trainer) builds the CP groups and calls it (l3plugin/deepspeed/sequence_parallel.py).
 """
 
 from l3plugin.huggingface.attention import ATTENTION_NAME, cp_attention_forward

@@ -4,7 +4,7 @@ transformers (>= 4.48) looks attention functions up by ``config._attn_implementa
 ``AttentionInterface`` registry; registering ``ATTENTION_NAME`` there swaps the attention of every model
 family that uses the registry (Llama, Qwen2, Mistral, ...) with no edit of the modeling files. The name is
 not registered as a mask function, so transformers builds no [S, S] mask for it: documents come from the
-``CPBatch`` the model's forward hook (model.py) passes down as a keyword argument.
+``CPBatch`` the model's forward hook (context_parallel.py) passes down as a keyword argument.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def _check_same_batch_on_cp_ranks(input_ids: torch.Tensor, group) -> None:
             "must get the same full sequences: shard the data over data-parallel ranks only (global rank // "
             "context_parallel_size). HF Trainer and accelerate do this when l3plugin's accelerate hook is "
             "installed (it is when deepspeed is imported after accelerate); in your own loop use "
-            "l3plugin.huggingface.data_parallel_rank_and_size()")
+            "l3plugin.deepspeed.sequence_parallel.data_parallel_rank_and_size()")
 
 
 def shard_inputs(kwargs: dict, group, layout: str) -> dict:

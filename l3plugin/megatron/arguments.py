@@ -66,7 +66,7 @@ def check_cp_args(args) -> CPRoute | None:
                          f"context-parallel attention; set --context-parallel-size 2 or more, or drop the flag")
     impl = getattr(args, "transformer_impl", "transformer_engine")
     if impl == "transformer_engine":
-        from l3plugin.te import te_unavailable_reason
+        from l3plugin.megatron.te_backend import te_unavailable_reason
 
         reason = te_unavailable_reason()
         if reason is not None:

@@ -26,10 +26,17 @@ import torch
 
 from l3plugin.cp.sharding import cu_seqlens_from_eod, shard_batch
 from l3plugin.megatron.arguments import parsed_options
-from l3plugin.patches import MEGATRON_CHECKED
+from l3plugin.versions import MEGATRON_CHECKED
 from l3plugin.patchset import Patch, PatchSet
 
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # what get_batch_on_this_cp_rank shards
+
+
+def eod_token() -> int:
+    """Megatron-LM's end-of-document token (its tokenizer's), where the document boundaries come from."""
+    from megatron.training import get_tokenizer
+
+    return int(get_tokenizer().eod)
 
 
 def _documents_route():
@@ -58,11 +65,9 @@ def tp_batch_with_documents(batch, *args, **kwargs):
     route = _documents_route()
     if route is None:
         return stock(batch, *args, **kwargs)
-    from l3plugin.megatron import cp_route
-
     bound = inspect.signature(stock).bind(batch, *args, **kwargs).arguments
     tokens = batch.get("tokens") if bound["tp_rank"] == 0 else None
-    cu = None if tokens is None else cu_seqlens_from_eod(tokens, cp_route._eod_token())
+    cu = None if tokens is None else cu_seqlens_from_eod(tokens, eod_token())
     out = stock(batch, *args, **kwargs)
     device = next((v.device for v in out.values() if torch.is_tensor(v)), torch.device("cpu"))
     cu = _broadcast_boundaries(cu, bound["broadcast_src_rank"], bound["broadcast_group"], device)

@@ -9,7 +9,7 @@ changes five things, each only while l3plugin's cp_comm_type is selected:
 - Model: every ``SelfAttention`` built with ``cp_comm_type="l3plugin_all_gather"`` (Megatron's
   TransformerLayer passes the config's cp_comm_type when cp > 1) gets l3plugin's all-gather CP attention
   as its core attention: ``AllGatherCPCoreAttention`` for the local spec, the TE subclass from
-  ``l3plugin.te`` for a TE spec (refused with the reason when TE cannot be imported). Keyed on the config,
+  ``te_backend.py`` for a TE spec (refused with the reason when TE cannot be imported). Keyed on the config,
   so it works with Megatron-LM's own model_provider and with any spec, and for Megatron-Core users who set
   ``TransformerConfig.cp_comm_type`` themselves. With the balanced layout every GPTModel's RoPE follows it.
 - Batch (Megatron-LM only): with --reset-attention-mask, ``get_batch_on_this_tp_rank`` adds the document
@@ -38,9 +38,9 @@ import torch
 from l3plugin.cp.sharding import cu_seqlens_from_eod, shard_batch
 from l3plugin.megatron.arguments import CPRoute, parsed_options
 from l3plugin.megatron.attention import CP_COMM_TYPE, AllGatherCPCoreAttention
-from l3plugin.megatron.batch_hooks import CP_BATCH
+from l3plugin.megatron.batch_hooks import CP_BATCH, eod_token
 from l3plugin.megatron.cp_documents import fill_boundaries, sbhd_packed_params
-from l3plugin.patches import MEGATRON_CHECKED
+from l3plugin.versions import MEGATRON_CHECKED
 from l3plugin.patchset import Patch, PatchSet
 
 TE_MODULE = "megatron.core.extensions.transformer_engine"
@@ -87,7 +87,7 @@ def l3plugin_core_attention(core, route: CPRoute):
         return core
     options = dict(cp_layout=route.layout, cp_kv=route.cp_kv, documents_required=route.documents)
     if _is_te(core):
-        from l3plugin.te import te_attention_class
+        from l3plugin.megatron.te_backend import te_attention_class
 
         return functools.partial(te_attention_class(), **options)
     return functools.partial(AllGatherCPCoreAttention, **options)
@@ -120,12 +120,6 @@ def _gpt_model_init(self, *args, **kwargs):
 
 # ---- batch (Megatron-LM): document boundaries from EOD, l3plugin's sharding ----
 
-def _eod_token() -> int:
-    from megatron.training import get_tokenizer
-
-    return int(get_tokenizer().eod)
-
-
 def _boundaries_on_tp_group(batch) -> torch.Tensor:
     """The document boundaries, computed where the tokens are (TP rank 0 holds the whole batch; on the last
     pipeline stage the others get no tokens) and sent to the rest of the TP group."""
@@ -135,11 +129,11 @@ def _boundaries_on_tp_group(batch) -> torch.Tensor:
     tokens = batch.get("tokens")
     group = parallel_state.get_tensor_model_parallel_group()
     if group is None or dist.get_world_size(group) == 1:
-        return cu_seqlens_from_eod(tokens, _eod_token())
+        return cu_seqlens_from_eod(tokens, eod_token())
     device = next(v.device for v in batch.values() if torch.is_tensor(v))
     src = parallel_state.get_tensor_model_parallel_src_rank()
     if dist.get_rank() == src:
-        cu = cu_seqlens_from_eod(tokens, _eod_token()).to(device)
+        cu = cu_seqlens_from_eod(tokens, eod_token()).to(device)
         count = torch.tensor([cu.numel()], dtype=torch.int64, device=device)
     else:
         count = torch.empty(1, dtype=torch.int64, device=device)

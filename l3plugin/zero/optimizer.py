@@ -41,9 +41,10 @@ Megatron-Core wiring: ``l3plugin/megatron/zero.py``. ``megatron_zero`` builds th
 chunks (gradient group DP x CP, norm group TP x PP, TP duplicates and the last stage's tied embedding copy
 counted once in the norm) and registers the sums Megatron's ``finalize_model_grads`` makes (tied embedding /
 output layer over the embedding group, sequence-parallel and qk-layernorm gradients over TP);
-``attach_to_schedule`` makes the flexible schedule call ``end_of_round`` at every round end and, as its
-``finalize_model_grads_func``, ``finish_grad_sync`` plus the 1 / tokens scaling of a per-token loss; it
-refuses what it does not carry over (MoE, MTP, ...), naming the config attribute.
+``attach_to_schedule(config, zero)`` sets the config's ``round_grad_sync_func`` (the flexible schedule calls
+``end_of_round`` at every round end) and its ``finalize_model_grads_func`` (``finalize_grads_func``:
+``finish_grad_sync``, then with a per-token loss the 1 / tokens scaling). ``megatron_zero`` refuses what it does
+not carry over (MoE, MTP, ...), naming the config attribute.
 Do not also wrap the chunks in Megatron's DistributedDataParallel: its hooks would take the gradients.
 The paper runs ZeRO-1 with 1F1B when k >= 2p and ZeRO-2 with all-forward-all-backward when k < 2p.
 

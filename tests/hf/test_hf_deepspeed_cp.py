@@ -55,7 +55,7 @@ def _weights(engine):
 
 
 def run(cp, zero, steps=STEPS, family="llama", save=None, load=None, export=None):
-    from l3plugin.huggingface.deepspeed_cp import release_groups
+    from l3plugin.deepspeed.sequence_parallel import release_groups
 
     deepspeed = quiet_deepspeed()
     import l3plugin.deepspeed  # noqa: F401  (the autoload does this in a real run)

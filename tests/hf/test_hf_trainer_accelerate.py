@@ -69,7 +69,7 @@ def _weights(engine):
 def trainer_run(cp, out_dir, bf16=True, ours=True):
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-    from l3plugin.huggingface.deepspeed_cp import release_groups
+    from l3plugin.deepspeed.sequence_parallel import release_groups
 
     quiet_deepspeed()
     _hook_accelerate()
@@ -125,7 +125,7 @@ def accelerate_run(cp):
     from torch.utils.data import DataLoader
     from transformers import DataCollatorWithFlattening
 
-    from l3plugin.huggingface.deepspeed_cp import release_groups
+    from l3plugin.deepspeed.sequence_parallel import release_groups
 
     quiet_deepspeed()
     _hook_accelerate()

@@ -145,7 +145,7 @@ def test_documents_matter(ranks, tmp_path, stock_cp1):
 
 def test_without_the_route_stock_megatron_refuses_our_flags(ranks, tmp_path):
     """Why the route exists: the same script and flags without the launcher stop in Megatron's local
-    attention (the failure the issue reports)."""
+    attention (the failure that Megatron-LM users meet without l3plugin)."""
     out = ranks.run(2, run_standin, [*MODEL, *DOCS, *OURS], str(tmp_path), launcher=False, timeout=180)
     assert all("Context parallelism is only supported by TEDotProductAttention" in r for r in out)
 
@@ -209,7 +209,7 @@ def test_parsed_options_are_checked_once_per_arguments_object(monkeypatch):
 ])
 def test_bad_combinations_are_refused_naming_the_flag(change, message):
     from l3plugin.megatron.arguments import check_cp_args
-    from l3plugin.te import te_unavailable_reason
+    from l3plugin.megatron.te_backend import te_unavailable_reason
 
     if "transformer_impl" in change and te_unavailable_reason() is None:
         pytest.skip("Transformer Engine is importable here: the TE route is allowed")
@@ -243,7 +243,7 @@ def test_spec_swap_picks_the_backend():
     from l3plugin.megatron.attention import AllGatherCPCoreAttention
     from l3plugin.megatron.arguments import CPRoute
     from l3plugin.megatron.cp_route import l3plugin_core_attention
-    from l3plugin.te import te_unavailable_reason
+    from l3plugin.megatron.te_backend import te_unavailable_reason
 
     route = CPRoute(layout="balanced", cp_kv="keep", documents=True)
     core = l3plugin_core_attention(DotProductAttention, route)

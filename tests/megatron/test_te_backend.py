@@ -2,7 +2,7 @@
 
 import pytest
 
-from l3plugin.te import CP_COMM_TYPE, te_attention_class, te_unavailable_reason
+from l3plugin.megatron.te_backend import CP_COMM_TYPE, te_attention_class, te_unavailable_reason
 
 REASON = te_unavailable_reason()
 

@@ -133,7 +133,7 @@ def _with_the_key(tmp):
     import l3plugin.deepspeed
     import l3plugin.deepspeed.engine as hooks
     from l3plugin.deepspeed import PluginOptions
-    from l3plugin.huggingface.deepspeed_cp import release_groups
+    from l3plugin.deepspeed.sequence_parallel import release_groups
 
     deepspeed = quiet_deepspeed()
     rank = dist.get_rank()

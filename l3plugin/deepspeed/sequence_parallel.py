@@ -1,8 +1,8 @@
 """``"l3plugin": {"context_parallel_size": N}`` in a DeepSpeed config: CP from one key, for DeepSpeed,
 accelerate and the HF Trainer.
 
-``deepspeed.initialize`` (the DeepSpeed adapter's, l3plugin/deepspeed/engine.py: it falls through unchanged
-without the key) hands a config with ``context_parallel_size`` above 1 to ``initialize_with_cp``, which:
+``deepspeed.initialize`` (engine.py's ``initialize_with_key``: it falls through unchanged without the key)
+hands a config with ``context_parallel_size`` above 1 to ``initialize_with_cp``, which:
 
 1. builds DeepSpeed's own sequence-parallel groups (``deepspeed.runtime.sequence_parallel.parallel_state_sp``,
    the groups DeepSpeed's Ulysses uses: N consecutive ranks per group, the sequence-data-parallel group over
@@ -10,11 +10,12 @@ without the key) hands a config with ``context_parallel_size`` above 1 to ``init
    engine, and l3plugin's ZeRO, reduce gradients over ``seq_data_parallel_group`` (DP x CP);
 2. fixes a ``train_batch_size`` that was computed over all ranks (HF "auto" does that) to
    micro-batch x accumulation x (world / N);
-3. for a transformers model, swaps in the all-gather CP attention (model.py) over the CP group.
+3. for a transformers model, swaps in the all-gather CP attention over the CP group
+   (``l3plugin.huggingface.enable_context_parallel``, imported only then).
 
 Every rank of a CP group must then see the same batches: accelerate's data loaders are sharded over
-data-parallel ranks only (``prepare_data_loader`` below, set ACCELERATE, which l3plugin.deepspeed's install
-applies when accelerate was imported first, as the Trainer does); in your own loop use
+data-parallel ranks only (``prepare_data_loader`` below, set ACCELERATE, which engine.py's install applies
+when accelerate was imported first, as the Trainer does); in your own loop use
 ``data_parallel_rank_and_size()``. DeepSpeed's and accelerate's private state read here is declared at the
 bottom (``l3plugin doctor`` checks it).
 """
@@ -25,16 +26,9 @@ import copy
 import inspect
 import sys
 
-from typing import TYPE_CHECKING
-
-from l3plugin.patches import DEEPSPEED_CHECKED
+from l3plugin.deepspeed.config import ARGS_FIELDS, KEY, PluginOptions, options_in
 from l3plugin.patchset import Patch, PatchSet, PrivateState
-
-if TYPE_CHECKING:
-    from l3plugin.deepspeed.config import PluginOptions
-
-# l3plugin.deepspeed (config: KEY, the options) is imported inside the functions: its import installs the
-# DeepSpeed patches, and this module must stay importable without DeepSpeed (and cheap: no upstream import).
+from l3plugin.versions import DEEPSPEED_CHECKED
 
 
 def _sequence_parallel(cp: int | None = None):
@@ -46,8 +40,6 @@ def _sequence_parallel(cp: int | None = None):
         if cp is None:
             return None
         import deepspeed
-
-        from l3plugin.deepspeed.config import KEY
 
         raise ValueError(f'"{KEY}.context_parallel_size" is {cp} but DeepSpeed {deepspeed.__version__} has no '
                          "sequence-parallel groups (deepspeed.runtime.sequence_parallel, added in DeepSpeed 0.17): "
@@ -107,8 +99,6 @@ def _sequence_parallel_groups(cp: int) -> SequenceParallelMpu:
     """DeepSpeed's sequence-parallel module with groups of ``cp`` ranks (built once, reused after), as an mpu."""
     import torch.distributed as dist
 
-    from l3plugin.deepspeed.config import KEY
-
     sp = _sequence_parallel(cp)
     world = dist.get_world_size()
     if world % cp:
@@ -127,8 +117,6 @@ def _sequence_parallel_groups(cp: int) -> SequenceParallelMpu:
 def initialize_with_cp(stock, call: inspect.BoundArguments, where: str, config: dict, options: PluginOptions):
     """``deepspeed.initialize`` (``stock``, bound as ``call``) under ``"context_parallel_size"`` N > 1 (see the
     module docstring); ``where`` the config came from, ``config`` as read, ``options`` its parsed key."""
-    from l3plugin.deepspeed.config import ARGS_FIELDS, KEY
-
     cp = options.context_parallel_size
     _sequence_parallel(cp)  # before anything is built: DeepSpeed < 0.17 has none
     arguments = dict(call.arguments)
@@ -174,8 +162,6 @@ def data_parallel_rank_and_size(cp: int | None = None) -> tuple[int, int]:
 
 def _accelerate_cp() -> int:
     """context_parallel_size of the DeepSpeed config accelerate runs with (1 without one)."""
-    from l3plugin.deepspeed.config import options_in
-
     state = sys.modules.get("accelerate.state")
     if state is None or not state.AcceleratorState._shared_state.get("deepspeed_plugins"):
         return 1
@@ -188,8 +174,6 @@ def _accelerate_cp() -> int:
 def prepare_data_loader(dataloader, *args, num_processes=None, process_index=None, **kwargs):
     """accelerate's ``prepare_data_loader`` sharding over data-parallel ranks only under CP (every CP rank
     of a group gets the same batches; groups are consecutive ranks, as DeepSpeed builds them)."""
-    from l3plugin.deepspeed.config import KEY
-
     stock = ACCELERATE.stock("accelerate.accelerator.prepare_data_loader")
     cp = _accelerate_cp()
     if cp > 1 and num_processes is not None and process_index is not None:
