@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from l3plugin.zero.checkpoint import Loaded, load_agreed, owned_ranges
+from l3plugin.checkpoint.deepspeed_layout import Loaded, load_agreed, owned_ranges
 from l3plugin.zero.optimizer import FP32ReduceZero
 from l3plugin.zero.settings import DEEPSPEED_ONLY
 

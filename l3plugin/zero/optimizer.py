@@ -475,7 +475,7 @@ class FP32ReduceZero(FullTensors):
 
     # -- checkpoints (layout and resharding in checkpoint.py) --------------------------------------------
     def state_dict(self) -> dict:
-        from l3plugin.zero.checkpoint import sharded_state_dict
+        from l3plugin.checkpoint.deepspeed_layout import sharded_state_dict
 
         return sharded_state_dict(self)
 
@@ -483,13 +483,13 @@ class FP32ReduceZero(FullTensors):
                         agree=None) -> None:
         """``sources``: the state dicts (or paths to them) of every rank of the group that saved them, in
         rank order; that group may have had another size. Verified before anything changes; an error on one
-        rank is raised on all (see ``l3plugin.zero.checkpoint``). Collective (ends with the parameter
+        rank is raised on all (see ``l3plugin.checkpoint.deepspeed_layout``). Collective (ends with the parameter
         all-gather)."""
-        from l3plugin.zero.checkpoint import load_sharded_state_dict
+        from l3plugin.checkpoint.deepspeed_layout import load_sharded_state_dict
 
         load_sharded_state_dict(self, sources, optimizer_states, allow_nonfinite=allow_nonfinite, agree=agree)
 
     def export_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        from l3plugin.zero.checkpoint import full_state_dict
+        from l3plugin.checkpoint.deepspeed_layout import full_state_dict
 
         return full_state_dict(self, dtype)

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from l3plugin import comm
 from l3plugin.fail_together import OneAgreement
-from l3plugin.zero.partition_files import (FORMAT, KEY, PartitionFiles, check_checksum, check_finite, check_set,
+from l3plugin.checkpoint.partition_files import (FORMAT, KEY, PartitionFiles, check_checksum, check_finite, check_set,
                                            check_shapes, check_sizes, checksum, fragments, load_file)
 
 READ_PARTITIONS = "read the ZeRO optimizer partitions"  # the outcome agreed on before the first collective
