@@ -92,8 +92,9 @@ def read_ahead(engine, call: LoadCall, options: PluginOptions):
 
 def read_zero(engine, load_dir, tag, optimizer_states: bool, options: PluginOptions):
     """This rank's verified ZeRO state from checkpoint ``load_dir/tag`` (ours, stock's, or universal when
-    the config says so), in new tensors (``l3plugin.checkpoint.deepspeed_layout.Loaded``)."""
-    from l3plugin.checkpoint.deepspeed_layout import read_partitions, read_universal
+    the config says so), in new tensors (``l3plugin.checkpoint.verified_load.Loaded``)."""
+    from l3plugin.checkpoint.deepspeed_layout import read_partitions
+    from l3plugin.checkpoint.deepspeed_universal import read_universal
 
     allow = options.zero["checkpoint_allow_nonfinite"]
     zero = engine.optimizer.zero

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from l3plugin.checkpoint.deepspeed_layout import Loaded, load_agreed, owned_ranges
+from l3plugin.checkpoint.verified_load import Loaded, load_agreed
 from l3plugin.zero.optimizer import FP32ReduceZero
 from l3plugin.zero.settings import DEEPSPEED_ONLY
 
@@ -354,7 +354,7 @@ def _read_dist_state(zero: FP32ReduceZero, state_dict: dict, allow_nonfinite: bo
     staged = []
     for bucket in zero.buckets:
         targets = {key: torch.zeros_like(bucket.master.data) for key in ["param", *keys]}
-        for p, a, b, at in owned_ranges(zero, bucket):
+        for p, a, b, at in zero.owned_ranges(bucket):
             for key, target in targets.items():
                 piece = full[key][p].reshape(-1)[a:b]
                 if not allow_nonfinite and not bool(torch.isfinite(piece).all()):
