@@ -1,10 +1,10 @@
 """The FP32-reducing ZeRO optimizer's state in Megatron-Core's dist_checkpointing (torch_dist format).
 
-    sharded = zero_sharded_state_dict(zero, model_sharded_state_dict)       # save
-    dist_checkpointing.save({"model": model_sharded_state_dict, "optimizer": sharded}, folder)
+    model_sd = model.sharded_state_dict()
+    dist_checkpointing.save({"model": model_sd, "optimizer": zero_sharded_state_dict(zero, model_sd)}, folder)
     loaded = dist_checkpointing.load({"optimizer": zero_sharded_state_dict(zero, model_sd, is_loading=True)},
                                      folder)
-    load_zero_sharded_state_dict(zero, loaded["optimizer"])                # verified, agreed, installed
+    load_zero_sharded_state_dict(zero, loaded["optimizer"])   # verified, agreed across the ranks, installed
 
 Each parameter's master and element-wise states are placed like the model's own ShardedTensor for that
 parameter, so the checkpoint does not depend on the data-parallel size or on the optimizer's buckets.
