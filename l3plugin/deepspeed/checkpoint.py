@@ -1,6 +1,6 @@
 """Checkpoint I/O of a DeepSpeed engine that runs l3plugin's FP32-reducing ZeRO.
 
-Saves are crash-consistent (``l3plugin/checkpoint_commit.py``): every file goes to a temporary name, is fsynced
+Saves are crash-consistent (``l3plugin/checkpoint/commit.py``): every file goes to a temporary name, is fsynced
 and renamed, each rank records its files in a manifest, the ranks agree that all saved, and only then does
 rank 0 point 'latest' at the tag (by rename). A save that fails on one rank raises on all and leaves 'latest'
 where it was.
@@ -56,7 +56,7 @@ def choose_tag(engine, call: LoadCall, options: PluginOptions) -> str | None:
     """Make the tag to load explicit in ``call``: the one given, verified, or without one the tag 'latest'
     names if complete, else the newest complete tag (warned). Raises TornCheckpoint naming the tag and the
     file. None for universal checkpoints (written by DeepSpeed's converter, not by a save)."""
-    from l3plugin.checkpoint_commit import choose_tag as newest_complete, verify_tag
+    from l3plugin.checkpoint.commit import choose_tag as newest_complete, verify_tag
 
     if engine.load_universal_checkpoint():
         return None
@@ -92,8 +92,9 @@ def read_ahead(engine, call: LoadCall, options: PluginOptions):
 
 def read_zero(engine, load_dir, tag, optimizer_states: bool, options: PluginOptions):
     """This rank's verified ZeRO state from checkpoint ``load_dir/tag`` (ours, stock's, or universal when
-    the config says so), in new tensors (``l3plugin.zero.checkpoint.Loaded``)."""
-    from l3plugin.zero.checkpoint import read_partitions, read_universal
+    the config says so), in new tensors (``l3plugin.checkpoint.verified_load.Loaded``)."""
+    from l3plugin.checkpoint.deepspeed_layout import read_partitions
+    from l3plugin.checkpoint.deepspeed_universal import read_universal
 
     allow = options.zero["checkpoint_allow_nonfinite"]
     zero = engine.optimizer.zero
@@ -136,7 +137,7 @@ class RecordingWriter:
         self.records, self.error = {}, None
 
     def save(self, state_dict, path):
-        from l3plugin.checkpoint_commit import save_atomically
+        from l3plugin.checkpoint.commit import save_atomically
 
         if self.error is not None:
             return
@@ -152,7 +153,7 @@ def save_files(engine, stock_save, save_dir, tag, client_state, exclude_frozen_p
     manifest. Returns this rank's error (None: saved), for the agreement."""
     import torch.distributed as dist
 
-    from l3plugin.checkpoint_commit import write_manifest
+    from l3plugin.checkpoint.commit import write_manifest
 
     writer = RecordingWriter(engine.checkpoint_engine, os.path.join(save_dir, tag))
     engine.checkpoint_engine.save = writer.save  # this save only (an instance attribute over the method)
@@ -171,7 +172,7 @@ def point_latest(engine, save_dir, tag) -> None:
     """Rank 0 moves 'latest' to ``tag`` (by rename); every rank raises if it failed."""
     import torch.distributed as dist
 
-    from l3plugin.checkpoint_commit import write_latest
+    from l3plugin.checkpoint.commit import write_latest
     from l3plugin.fail_together import agree
 
     error = None

@@ -221,13 +221,13 @@ def load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
         return _stock(_ENGINE, "_load_zero_checkpoint")(self, load_dir, tag, load_optimizer_states)
     read = state_of(self).load  # set by load_checkpoint above
     if read is not None and read.loaded is not None:
-        from l3plugin.zero.checkpoint import READ_PARTITIONS, apply_loaded
+        from l3plugin.checkpoint.verified_load import READ_PARTITIONS, apply_loaded
 
         read.agree_on_load(None, READ_PARTITIONS)  # DeepSpeed's own part went well on every rank too
         apply_loaded(self.optimizer.zero, read.loaded)
         return True
     # Called on its own: read, verify, agree and apply in one go.
-    from l3plugin.zero.checkpoint import load_agreed
+    from l3plugin.checkpoint.verified_load import load_agreed
 
     load_agreed(self.optimizer.zero, lambda: checkpoint.read_zero(self, load_dir, tag, load_optimizer_states,
                                                                   options_of(self)))

@@ -19,10 +19,10 @@ optimizer or BF16_Optimizer. What the engines call, and what we do:
 - ``step`` -> clip on the global fp32 norm, torch optimizer step on the fp32 shards, bf16 all-gather
   (bucketed; the next bucket's all-gather runs while the previous one is copied into the parameters).
 - checkpoints: ``state_dict`` is what DeepSpeed's own ZeRO-1/2 optimizer writes (layout and keys in
-  ``l3plugin.zero.checkpoint``, plus DeepSpeed's ``ds_version``, ``LossScaler``, ``ZeroStageEnum`` and
-  ``fragment_address`` objects), so a stock engine resumes it and ``zero_to_fp32`` / ``ds_to_universal``
-  read it; loading (ours or stock's, any data-parallel size, or universal) goes through
-  ``l3plugin.deepspeed``'s ``load_checkpoint`` (``checkpoint.py``) and ``l3plugin.zero.checkpoint``.
+  ``l3plugin.checkpoint.deepspeed_layout``, plus DeepSpeed's ``ds_version``, ``LossScaler``, ``ZeroStageEnum``
+  and ``fragment_address`` objects), so a stock engine resumes it and ``zero_to_fp32`` / ``ds_to_universal``
+  read it; loading (ours or stock's, any data-parallel size, or universal) goes through ``l3plugin.deepspeed``'s
+  ``load_checkpoint`` (``checkpoint.py``) and ``l3plugin.checkpoint``.
 - accessors: every trainable parameter gets ``_hp_mapping`` and the ``get_full_hp_param`` /
   ``set_full_hp_param`` / ``get_full_hp_grad`` / ``set_full_hp_grad`` methods that
   ``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` / ``safe_get_full_grad``
@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
+from l3plugin.checkpoint.deepspeed_layout import load_sharded_state_dict, sharded_state_dict
 from l3plugin.zero.optimizer import FP32ReduceZero, ZeroSettings
 
 
@@ -265,7 +266,7 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
         from deepspeed.runtime.zero.config import ZeroStageEnum
         from deepspeed.utils.tensor_fragment import fragment_address
 
-        sd = self.zero.state_dict()
+        sd = sharded_state_dict(self.zero)
         sd["zero_stage"] = ZeroStageEnum(sd["zero_stage"])
         sd["param_slice_mappings"] = [
             OrderedDict((name, fragment_address(numel=m["numel"], start=m["start"])) for name, m in group.items())
@@ -275,8 +276,9 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
 
     def load_partitions(self, sources, load_optimizer_states=True, **checks):
         """Load the partitions saved by every data-parallel rank (paths or dicts), any DP size.
-        ``checks``: ``allow_nonfinite`` and ``agree`` of ``l3plugin.zero.checkpoint.load_sharded_state_dict``."""
-        self.zero.load_state_dict(sources, optimizer_states=load_optimizer_states, **checks)
+        ``checks``: ``allow_nonfinite`` and ``agree`` of ``deepspeed_layout.load_sharded_state_dict``
+        (``l3plugin.checkpoint``)."""
+        load_sharded_state_dict(self.zero, sources, optimizer_states=load_optimizer_states, **checks)
 
     def load_state_dict(self, state_dict_list, load_optimizer_states=True, **unused):
         if any(sd is None for sd in state_dict_list):

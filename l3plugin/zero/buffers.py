@@ -17,7 +17,7 @@ Sharding map
     weights and of every element-wise optimizer state. A parameter at bucket offset ``o`` with ``n``
     elements is therefore split over the ranks whose slices intersect ``[o, o + n)``;
     ``BucketSpec.owners(slot)`` lists them. Which elements belong to which bucket does not depend on W,
-    only the padding does, so a checkpoint can be re-sharded for another W (see ``checkpoint.py``).
+    only the padding does, so a checkpoint can be re-sharded for another W (``l3plugin.checkpoint`` does).
 
 Runtime (``GradBucket``)
     ``full``: the unsharded gradient accumulated over micro-batches in ``accumulate_dtype`` (fp32 by

@@ -1,7 +1,7 @@
 """Whole tensors from the FP32-reducing ZeRO's shards: the one place a parameter's full fp32 master weight,
 optimizer state or reduced gradient is rebuilt from (or written into) the group's shards. Used by DeepSpeed's
-safe_get_full_* accessors, exports and checkpoints. A mixin of ``FP32ReduceZero`` (optimizer.py): it reads
-its buckets, slots, group and optimizer."""
+safe_get_full_* accessors, exports and the checkpoint readers (``owned_ranges``). A mixin of
+``FP32ReduceZero`` (optimizer.py): it reads its buckets, slots, group and optimizer."""
 
 from __future__ import annotations
 
@@ -57,6 +57,21 @@ class FullTensors:
             comm.all_reduce_sum(full, self.group, self.wait_timeout)
             out[param] = full.view(slot.shape)
         return out
+
+    @torch.no_grad()
+    def export_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """{name: whole parameter} from the fp32 master weights, on every rank (collective), on CPU."""
+        return {self.param_names[p]: t.to(dtype=dtype, device="cpu") for p, t in self.full_tensors().items()}
+
+    def owned_ranges(self, bucket: GradBucket):
+        """For each parameter of ``bucket`` overlapping this rank's shard (its padding left out, it stays zero):
+        ``(param, a, b, at)``: the parameter's flat elements ``[a, b)`` sit at ``at`` in the shard."""
+        lo, hi = bucket.spec.shard_range(self.rank)
+        hi = min(hi, bucket.spec.numel)
+        for slot, p in zip(bucket.spec.slots, bucket.params):
+            s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if s < e:
+                yield p, s - slot.offset, e - slot.offset, s - lo
 
     def _local_part(self, param, shard: torch.Tensor, value: torch.Tensor) -> None:
         slot: ParamSlot = self.slots[param]

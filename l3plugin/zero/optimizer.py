@@ -473,24 +473,3 @@ class FP32ReduceZero(FullTensors):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-    # -- checkpoints (layout and resharding in checkpoint.py) --------------------------------------------
-    def state_dict(self) -> dict:
-        from l3plugin.zero.checkpoint import sharded_state_dict
-
-        return sharded_state_dict(self)
-
-    def load_state_dict(self, sources, optimizer_states: bool = True, *, allow_nonfinite: bool = False,
-                        agree=None) -> None:
-        """``sources``: the state dicts (or paths to them) of every rank of the group that saved them, in
-        rank order; that group may have had another size. Verified before anything changes; an error on one
-        rank is raised on all (see ``l3plugin.zero.checkpoint``). Collective (ends with the parameter
-        all-gather)."""
-        from l3plugin.zero.checkpoint import load_sharded_state_dict
-
-        load_sharded_state_dict(self, sources, optimizer_states, allow_nonfinite=allow_nonfinite, agree=agree)
-
-    def export_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        from l3plugin.zero.checkpoint import full_state_dict
-
-        return full_state_dict(self, dtype)

@@ -1,4 +1,4 @@
-"""Crash-consistent saves (l3plugin/checkpoint_commit.py): a rank SIGKILLed at any point of a save never
+"""Crash-consistent saves (l3plugin/checkpoint/commit.py): a rank SIGKILLed at any point of a save never
 leaves 'latest' naming a torn checkpoint, and a restart without a tag resumes the last complete one bit-exact.
 
 A 2-rank DeepSpeed engine with the "l3plugin" key saves tag step3; a second run loads it, trains two steps and
@@ -46,13 +46,13 @@ def crash_during_save(folder, point, victim):
     import torch.distributed as dist
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    from l3plugin import checkpoint_commit
+    from l3plugin.checkpoint import commit
 
     engine = engine_for(_config())
     engine.load_checkpoint(folder, tag="step3")
     train(engine, 2, first_step=3)
     if dist.get_rank() == victim:
-        stock_save, stock_manifest = TorchCheckpointEngine.save, checkpoint_commit.write_manifest
+        stock_save, stock_manifest = TorchCheckpointEngine.save, commit.write_manifest
 
         def save(self, state_dict, path):
             if point == "before the first file":
@@ -72,7 +72,7 @@ def crash_during_save(folder, point, victim):
                 _die()
 
         TorchCheckpointEngine.save = save
-        checkpoint_commit.write_manifest = write_manifest
+        commit.write_manifest = write_manifest
     engine.save_checkpoint(folder, tag="step5")
     return "saved"
 

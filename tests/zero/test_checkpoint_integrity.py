@@ -200,7 +200,7 @@ def test_partition_from_another_checkpoint(ranks, saved, tmp_path):
 
 def _nan_with_consistent_record(folder):
     """A NaN written by the training run itself: the checksums record it, so only the NaN check can object."""
-    from l3plugin.zero.partition_files import KEY, checksum
+    from l3plugin.checkpoint.partition_files import KEY, checksum
 
     paths = [_partition(folder, r) for r in (0, 1)]
     sums = []

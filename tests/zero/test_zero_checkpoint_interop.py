@@ -307,7 +307,8 @@ def test_truncated_partition_is_a_clear_error(ranks, tmp_path):
 def test_foreign_and_unsafe_files_are_clear_errors(tmp_path):
     import datetime
 
-    from l3plugin.zero.checkpoint import load_file, load_sharded_state_dict
+    from l3plugin.checkpoint.deepspeed_layout import load_sharded_state_dict
+    from l3plugin.checkpoint.partition_files import load_file
 
     unsafe = tmp_path / "unsafe.pt"
     torch.save({"when": datetime.date(2024, 1, 1)}, unsafe)  # a pickled global not on the allow-list

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from l3plugin.checkpoint.deepspeed_layout import load_sharded_state_dict, sharded_state_dict
 from l3plugin.zero import FP32ReduceZero, ZeroSettings
 from l3plugin.zero.buffers import plan_buckets
 from l3plugin.debug import record_collectives
@@ -105,7 +106,7 @@ def save_then_continue(stage, path, steps_before=2, steps_after=2):
     for step in range(steps_before):
         run_rounds(chunks, zero, step=step, num_mb=4, k=2)
         zero.step()
-    torch.save(zero.state_dict(), f"{path}/rank{dist.get_rank()}.pt")
+    torch.save(sharded_state_dict(zero), f"{path}/rank{dist.get_rank()}.pt")
     for step in range(steps_before, steps_before + steps_after):
         run_rounds(chunks, zero, step=step, num_mb=4, k=2)
         zero.step()
@@ -115,7 +116,7 @@ def save_then_continue(stage, path, steps_before=2, steps_after=2):
 def load_then_continue(stage, path, saved_world, steps_before=2, steps_after=2):
     chunks = make_chunks(seed=123)  # different weights: everything must come from the checkpoint
     zero = _zero(chunks, stage, lr=1e-2)
-    zero.load_state_dict([f"{path}/rank{r}.pt" for r in range(saved_world)])
+    load_sharded_state_dict(zero, [f"{path}/rank{r}.pt" for r in range(saved_world)])
     for step in range(steps_before, steps_before + steps_after):
         run_rounds(chunks, zero, step=step, num_mb=4, k=2)
         zero.step()
@@ -146,7 +147,7 @@ def tied_grad_sum(when):
 def load_into_other_model(path, saved_world):
     chunks = make_chunks(num_chunks=3)
     try:
-        _zero(chunks, 1).load_state_dict([f"{path}/rank{r}.pt" for r in range(saved_world)])
+        load_sharded_state_dict(_zero(chunks, 1), [f"{path}/rank{r}.pt" for r in range(saved_world)])
     except ValueError as exc:
         return str(exc)
     return None
@@ -162,12 +163,12 @@ def resize_leg(stage, load_from, load_world, save_to, train_steps):
     chunks = make_chunks(seed=7)
     zero = _zero(chunks, stage, lr=1e-2)
     if load_from:
-        zero.load_state_dict([f"{load_from}/rank{r}.pt" for r in range(load_world)])
+        load_sharded_state_dict(zero, [f"{load_from}/rank{r}.pt" for r in range(load_world)])
     loaded = full_state(zero, chunks) if load_from else None
     for step in range(train_steps):
         run_rounds(chunks, zero, step=step, num_mb=4, k=2)
         zero.step()
-    torch.save(zero.state_dict(), f"{save_to}/rank{dist.get_rank()}.pt")
+    torch.save(sharded_state_dict(zero), f"{save_to}/rank{dist.get_rank()}.pt")
     return {"loaded": loaded, "saved": full_state(zero, chunks), "step": zero.optimizer.state[
         zero.buckets[0].master]["step"].item()}
 

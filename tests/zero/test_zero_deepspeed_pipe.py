@@ -158,7 +158,7 @@ def test_pipeline_checkpoint_resume_is_bit_exact(ranks, tmp_path, stage):
     import glob
     import json
 
-    from l3plugin.checkpoint_commit import verify_tag
+    from l3plugin.checkpoint.commit import verify_tag
 
     manifests = sorted(glob.glob(str(tmp_path / "t" / "l3plugin-manifest-rank*.json")))
     assert len(manifests) == 4, manifests

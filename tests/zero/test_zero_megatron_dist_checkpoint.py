@@ -65,7 +65,7 @@ class _TorchDistSaveOnCpu:
 def save_leg(folder):
     from megatron.core import dist_checkpointing
 
-    from l3plugin.megatron.zero import zero_sharded_state_dict
+    from l3plugin.checkpoint.megatron_dist import zero_sharded_state_dict
 
     model, zero = _setup()
     _train(model, zero, 2, seed=0)
@@ -79,7 +79,7 @@ def save_leg(folder):
 def load_leg(folder):
     from megatron.core import dist_checkpointing
 
-    from l3plugin.megatron.zero import load_zero_sharded_state_dict, zero_sharded_state_dict
+    from l3plugin.checkpoint.megatron_dist import load_zero_sharded_state_dict, zero_sharded_state_dict
 
     model, zero = _setup()
     model_sd = model.sharded_state_dict()
@@ -114,7 +114,7 @@ def nan_load_leg(folder, nan_on_rank):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from l3plugin.megatron.zero import load_zero_sharded_state_dict, zero_sharded_state_dict
+    from l3plugin.checkpoint.megatron_dist import load_zero_sharded_state_dict, zero_sharded_state_dict
 
     model, zero = _setup()
     before = [b.master.detach().clone() for b in zero.buckets] + [p.detach().clone() for p in zero.params]

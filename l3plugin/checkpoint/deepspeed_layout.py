@@ -1,8 +1,8 @@
 """Checkpoints of the FP32-reducing ZeRO optimizer, in DeepSpeed's own ZeRO-1/2 layout.
 
-In memory the fp32 master weights and optimizer states are sharded per bucket (``buffers.py``). On disk each
-rank of the W-rank reduction group writes what DeepSpeed's ZeRO-1/2 optimizer (``stage_1_and_2.py``) writes
-for the same model and config, so DeepSpeed's tools and a stock engine read it:
+In memory the fp32 master weights and optimizer states are sharded per bucket (``l3plugin.zero.buffers``). On
+disk each rank of the W-rank reduction group writes what DeepSpeed's ZeRO-1/2 optimizer (``stage_1_and_2.py``)
+writes for the same model and config, so DeepSpeed's tools and a stock engine read it:
 
 - per optimizer param group, the group's trainable parameters back to back in param-group order (our buckets
   keep that order), padded at the end to a multiple of ``2 * W`` (DeepSpeed's ``nccl_start_alignment_factor``
@@ -29,10 +29,9 @@ Each rank reads (memory-mapped, ``weights_only=True``) only the partitions overl
 verifies before touching the model (``partition_files.py``): every file's place (its recorded rank and
 world size, and for any writer, that each fragment sits where its rank's range says), sizes against the
 mappings, the checksums of the partitions it reads, and that the loaded values are finite
-(``allow_nonfinite`` opts out). The ranks then agree (``l3plugin.fail_together``): an error on one rank is
+(``allow_nonfinite`` opts out). The ranks then agree (``verified_load.py``): an error on one rank is
 an error on all of them, raised before the first collective, the final parameter all-gather.
-``load_universal`` reads DeepSpeed universal checkpoints
-(``ds_to_universal`` output: one folder per parameter holding ``fp32.pt``, ``exp_avg.pt``, ...).
+Universal checkpoints (``ds_to_universal`` output) are read by ``deepspeed_universal.py``.
 
 Saving is collective (one all-gather per bucket and state).
 """
@@ -40,19 +39,15 @@ Saving is collective (one all-gather per bucket and state).
 from __future__ import annotations
 
 import copy
-import os
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from l3plugin import comm
-from l3plugin.fail_together import OneAgreement
-from l3plugin.zero.partition_files import (FORMAT, KEY, PartitionFiles, check_checksum, check_finite, check_set,
-                                           check_shapes, check_sizes, checksum, fragments, load_file)
+from l3plugin.checkpoint.partition_files import (FORMAT, KEY, PartitionFiles, check_checksum, check_finite,
+                                                 check_set, check_shapes, check_sizes, checksum, fragments)
+from l3plugin.checkpoint.verified_load import Loaded, load_agreed
 
-READ_PARTITIONS = "read the ZeRO optimizer partitions"  # the outcome agreed on before the first collective
 ALIGNMENT_FACTOR = 2  # DeepSpeed's nccl_start_alignment_factor: each group is padded to a multiple of 2 * W
 
 
@@ -135,26 +130,6 @@ def sharded_state_dict(zero) -> dict:
     }
 
 
-@dataclass
-class Loaded:
-    """What one rank loads, verified, in new tensors; ``apply_loaded`` installs it."""
-
-    staged: list  # [(bucket, fp32 master shard, optimizer state or None to keep the current one)]
-    hyper: list  # per param group: hyper-parameters to set, or None
-    global_state: dict | None = None  # a universal checkpoint's zero/optimizer_state.pt
-
-
-def owned_ranges(zero, bucket):
-    """For each parameter of ``bucket`` overlapping this rank's shard (its padding left out, it stays zero):
-    ``(param, a, b, at)``: the parameter's flat elements ``[a, b)`` sit at ``at`` in the shard."""
-    lo, hi = bucket.spec.shard_range(zero.rank)
-    hi = min(hi, bucket.spec.numel)
-    for slot, p in zip(bucket.spec.slots, bucket.params):
-        s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        if s < e:
-            yield p, s - slot.offset, e - slot.offset, s - lo
-
-
 @torch.no_grad()
 def read_partitions(zero, sources, optimizer_states: bool = True, allow_nonfinite: bool = False) -> Loaded:
     """Read and verify every partition this rank needs (see the module docstring), into new tensors.
@@ -206,7 +181,7 @@ def _read_shard(zero, bucket, src, g, keys, frags, used, allow_nonfinite) -> dic
     targets = {None: torch.zeros_like(bucket.master.data)}
     for key in keys:
         targets[key] = torch.zeros_like(bucket.master.data, dtype=src[0][g].tensors[key].dtype)
-    for p, a, b, at in owned_ranges(zero, bucket):
+    for p, a, b, at in zero.owned_ranges(bucket):
         name = zero.param_names[p]
         for q, start, numel, done in frags[name]:
             x, y = max(a, done), min(b, done + numel)  # in the parameter's flat elements
@@ -235,145 +210,3 @@ def load_sharded_state_dict(zero, sources, optimizer_states: bool = True, *, all
     ``OneAgreement`` over the ZeRO group) is called with this rank's error or None before anything is
     changed. Collective."""
     load_agreed(zero, lambda: read_partitions(zero, sources, optimizer_states, allow_nonfinite), agree)
-
-
-def load_agreed(zero, read, agree=None) -> Loaded:
-    """``read()`` (verify everything into new tensors), then agree across the ranks (default: one
-    ``OneAgreement`` over the ZeRO group), then install; an error on any rank is raised on all of them
-    before anything changes."""
-    agree = agree or load_agreement(zero)
-    try:
-        loaded = read()
-    except Exception as exc:  # noqa: BLE001 - every rank raises in agree()
-        agree(exc)
-        raise
-    agree(None, READ_PARTITIONS)
-    apply_loaded(zero, loaded)
-    return loaded
-
-
-def load_agreement(zero) -> OneAgreement:
-    if not dist.is_initialized():  # one process: nobody to tell
-        return OneAgreement(None, what="ZeRO checkpoint load")
-    return OneAgreement(zero.group, what="ZeRO checkpoint load", timeout=zero.wait_timeout,
-                        device=zero.buckets[0].master.device if zero.buckets else "cpu")
-
-
-@torch.no_grad()
-def apply_loaded(zero, loaded: Loaded) -> None:
-    """Install verified state (after the ranks agreed): the first change to the model, then the parameter
-    all-gather (collective)."""
-    for bucket, master, state in loaded.staged:
-        bucket.master.data.copy_(master)
-        if state is None:
-            continue
-        if state:
-            zero.optimizer.state[bucket.master] = state
-        else:
-            zero.optimizer.state.pop(bucket.master, None)
-    for g, values in enumerate(loaded.hyper):
-        for key, value in (values or {}).items():
-            zero.optimizer.param_groups[g][key] = copy.deepcopy(value)
-    zero.zero_grad()
-    zero.all_gather_params(wait=True)
-
-
-@torch.no_grad()
-def read_universal(zero, folder, optimizer_states: bool = True, allow_nonfinite: bool = False) -> Loaded:
-    """What this rank loads from a universal checkpoint, verified, in new tensors (as ``read_partitions``),
-    with the saved global optimizer state."""
-    root = os.path.join(os.fspath(folder), "zero")
-    if not os.path.isdir(root):
-        raise FileNotFoundError(f"{root} does not exist: not a universal checkpoint (convert with "
-                                "python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state)")
-    global_state = load_file(os.path.join(root, "optimizer_state.pt"), "universal checkpoint optimizer state")
-    saved_groups = global_state.get("param_groups") or []
-    if saved_groups and len(saved_groups) != len(zero.optimizer.param_groups):
-        raise ValueError(f"{root}/optimizer_state.pt holds {len(saved_groups)} param groups, the optimizer has "
-                         f"{len(zero.optimizer.param_groups)}")
-    # Element-wise state keys and the step are the same for every parameter: take them from the first one.
-    first = zero.param_names[zero.params[0]]
-    _, keys = _universal_files(root, first)
-    step = None
-    if optimizer_states and "step" in keys:
-        step = load_file(os.path.join(root, first, "step.pt"), "universal checkpoint file")
-    keys = [k for k in keys if k not in ("fp32", "step")] if optimizer_states else []
-    staged = []
-    for bucket in zero.buckets:
-        master, states = _read_universal_shard(zero, bucket, root, keys, allow_nonfinite)
-        state = None
-        if optimizer_states:
-            state = {key: value if value is not None else torch.zeros_like(bucket.master.data)  # only padding here
-                     for key, value in states.items()}
-            if step is not None:
-                state["step"] = (step.clone() if torch.is_tensor(step)
-                                 else torch.tensor(float(step), dtype=torch.float32))
-        staged.append((bucket, master, state))
-    hyper = [{k: v for k, v in saved.items() if k != "params"} if optimizer_states else None
-             for saved in saved_groups]
-    return Loaded(staged, hyper, global_state)
-
-
-def _universal_files(root, name):
-    """(folder of parameter ``name``, the names of its .pt files): the folder and its fp32.pt must exist."""
-    pdir = os.path.join(root, name)
-    if not os.path.isdir(pdir):
-        raise FileNotFoundError(f"{pdir} does not exist: the universal checkpoint has no parameter {name!r}")
-    files = sorted(f[:-3] for f in os.listdir(pdir) if f.endswith(".pt"))
-    if "fp32" not in files:
-        raise FileNotFoundError(f"{pdir}/fp32.pt does not exist")
-    return pdir, files
-
-
-def _read_universal_shard(zero, bucket, root, keys, allow_nonfinite):
-    """This rank's shard of ``bucket``: (fp32 master, {key: state, None where only padding is here}), copied
-    from the whole parameters' files (checked finite unless allowed)."""
-    master = torch.zeros_like(bucket.master.data)
-    states = {key: None for key in keys}
-    for p, a, b, at in owned_ranges(zero, bucket):
-        name = zero.param_names[p]
-        pdir, _ = _universal_files(root, name)
-        for key in ["fp32", *keys]:
-            path = os.path.join(pdir, f"{key}.pt")
-            full = _universal_tensor(path, name, p)
-            if key == "fp32":
-                target = master
-            else:
-                if states[key] is None:
-                    states[key] = torch.zeros_like(bucket.master.data, dtype=full.dtype)
-                target = states[key]
-            piece = full.reshape(-1)[a:b]
-            if not allow_nonfinite and piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
-                raise ValueError(f"{path}: holds non-finite values in the part rank {zero.rank} loads; refusing "
-                                 "to resume from them (allow_nonfinite=True, or DeepSpeed's "
-                                 '"l3plugin": {"checkpoint_allow_nonfinite": true}, if intended)')
-            target[at:at + b - a] = piece.to(target.device)
-    return master, states
-
-
-def _universal_tensor(path, name, param) -> torch.Tensor:
-    """The whole tensor of one universal checkpoint file, as many elements as ``param``."""
-    loaded = load_file(path, "universal checkpoint file")
-    full = loaded["param"] if isinstance(loaded, dict) else loaded
-    if not torch.is_tensor(full) or full.numel() != param.numel():
-        raise ValueError(f"{path}: holds {getattr(full, 'shape', type(full).__name__)}, parameter "
-                         f"{name!r} has shape {tuple(param.shape)} (tensor-parallel slicing of universal "
-                         "checkpoints is not supported)")
-    return full
-
-
-@torch.no_grad()
-def load_universal(zero, folder, optimizer_states: bool = True, *, allow_nonfinite: bool = False,
-                   agree=None) -> dict:
-    """Restore from a DeepSpeed universal checkpoint folder (``ds_to_universal`` output, the tag folder that
-    holds ``zero/``): ``zero/<param name>/{fp32,exp_avg,...}.pt`` hold whole parameters; every rank copies
-    its shard ranges. Verified and agreed like ``load_sharded_state_dict``. Returns the saved global
-    optimizer state (``zero/optimizer_state.pt``)."""
-    return load_agreed(zero, lambda: read_universal(zero, folder, optimizer_states, allow_nonfinite),
-                       agree).global_state
-
-
-@torch.no_grad()
-def full_state_dict(zero, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """{name: whole parameter} from the fp32 master weights, on every rank (collective), on CPU."""
-    return {zero.param_names[p]: t.to(dtype=dtype, device="cpu") for p, t in zero.full_tensors().items()}
