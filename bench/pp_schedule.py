@@ -248,6 +248,7 @@ def wire_run(pool, link, args):
               f"{1000 * picked['probed']:.1f} ms at {wire.rate_text(picked['probe_rate'])} -> "
               f"{wire.rate_text(link.rate)}")
     rate = figures["rate_bits"] = link.rate
+    figures["wire_mode"] = link.mode
     alone = pool.run(_activation_send_alone, numel)
     send = figures["activation_send_alone_s"] = max(r["activation send, one way"][0] for r in alone)
     print(link.describe())
@@ -344,13 +345,14 @@ def main(argv=None):
     for v in args.vpp:
         if v < 2 or args.layers % (WIRE_P * v):
             parser.error(f"--vpp {v}: needs vpp >= 2 and --layers ({args.layers}) divisible by 2 x vpp")
-    link = harness.enter_wire(args.wire, "float32")
+    link = harness.enter_wire(args.wire, "float32", args.wire_mode)
     with harness.json_output(args.json, "pp_schedule", argv) as figures:
-        if link.inside:
+        if link.on:
             from l3plugin.ranks import RankPool
 
-            with RankPool(2, preload=("megatron.core",)) as pool:
+            with RankPool(2, preload=("megatron.core",), **link.pool_options(2)) as pool:
                 figures["wire"] = wire_run(pool, link, args)
+                harness.report_wire_traffic(link, figures["wire"])
             return 0
         latencies = (0.0, 0.1)
         print("== Paper settings (p = 16) ==")

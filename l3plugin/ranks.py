@@ -169,7 +169,7 @@ def _reset_framework_state():
 
 
 def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, collective_timeout,
-                 keep_state, parent_pid):
+                 keep_state, parent_pid, worker_init=None, master_addr="127.0.0.1"):
     os.setpgid(0, 0)  # a group of its own: killing it ends what the worker started too (helpers, pools)
     _die_with_parent(parent_pid)
     _worker_environment(rank, world_size, port)
@@ -179,7 +179,9 @@ def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, 
     stack_fh = open(stack_file, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_fh, all_threads=True)
     try:
-        _join_group(rank, world_size, port, preload, collective_timeout)
+        if worker_init is not None:
+            worker_init(rank, world_size)
+        _join_group(rank, world_size, master_addr, port, preload, collective_timeout)
         result_q.put(("ready", rank, True, None))
     except BaseException:
         result_q.put(("ready", rank, False, traceback.format_exc()))
@@ -210,7 +212,7 @@ def _worker_environment(rank, world_size, port):
         warnings.filterwarnings("ignore", message=message)
 
 
-def _join_group(rank, world_size, port, preload, collective_timeout):
+def _join_group(rank, world_size, master_addr, port, preload, collective_timeout):
     """One torch thread, the gloo process group of every rank, then the modules to import once."""
     from datetime import timedelta
 
@@ -218,7 +220,7 @@ def _join_group(rank, world_size, port, preload, collective_timeout):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=collective_timeout))
     for module in preload:
         __import__(module)
@@ -250,7 +252,7 @@ class RankPool:
     """``world_size`` spawned worker processes joined in one gloo process group."""
 
     def __init__(self, world_size: int, *, preload: tuple[str, ...] = (), start_timeout: float = 180.0,
-                 grace: float = 5.0, keep_state: bool = False):
+                 grace: float = 5.0, keep_state: bool = False, worker_init=None, master_addr: str = "127.0.0.1"):
         check_int("world_size", world_size)
         self.world_size = world_size
         self.preload = tuple(preload)
@@ -259,6 +261,9 @@ class RankPool:
         # False: Megatron's parallel_state is reset after every call (tests); True: calls build on
         # each other (a training loop driven one step per call).
         self.keep_state = keep_state
+        # worker_init(rank, world_size), if given, runs first in every worker (before it joins the group), e.g.
+        # to enter a network namespace; it must pickle. master_addr: where the workers reach rank 0 then.
+        self.worker_init, self.master_addr = worker_init, master_addr
         self._ids = itertools.count()
         self._procs: list = []
         self._start()
@@ -285,7 +290,8 @@ class RankPool:
             p = ctx.Process(
                 target=_worker_main, name=f"l3plugin-rank{rank}", daemon=True,
                 args=(rank, self.world_size, port, self._task_qs[rank], self._result_q, self.preload,
-                      self._stack_file(rank), max(300.0, self.start_timeout), self.keep_state, os.getpid()),
+                      self._stack_file(rank), max(300.0, self.start_timeout), self.keep_state, os.getpid(),
+                      self.worker_init, self.master_addr),
             )
             p.start()
             _STARTED_WORKERS.add(p.pid)
