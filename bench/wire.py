@@ -351,12 +351,17 @@ def _exit_on_signals() -> None:
         signal.signal(signum, stop)
 
 
+def namespaces() -> dict:
+    """{name: owner pid} of the wire namespaces that exist now (this module's, made by any process)."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    owners = {name: re.fullmatch(NAMESPACE_PREFIX + r"(\d+)(sw|r\d+)?", name) for name in listing}
+    return {name: int(owner.group(1)) for name, owner in owners.items() if owner}
+
+
 def remove_stale_namespaces() -> None:
     """Delete namespaces this module made for processes that are gone (a bench killed with SIGKILL)."""
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    for name in listing:
-        owner = re.fullmatch(NAMESPACE_PREFIX + r"(\d+)(sw|r\d+)?", name)
-        if owner and not os.path.exists(f"/proc/{owner.group(1)}"):
+    for name, owner in namespaces().items():
+        if not os.path.exists(f"/proc/{owner}"):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
