@@ -29,8 +29,9 @@ median over rounds of per-round ratios:
   same work-proportional pieces as the all-gather kernel (l3plugin.cp.kernels.query_blocks) cut to
   each visiting chunk, so it skips fully masked key blocks too, and stacks GQA query heads as the
   kernel does (l3plugin.cp.kernels.pack_heads).
-On a wire (``--wire RATE|PRESET|auto``, bench/wire.py: the bench re-executes itself in a network
-namespace whose loopback is rate-limited, so traffic costs wall time and little CPU, as on GPUs): cp=2 only,
+On a wire (``--wire RATE|PRESET|auto``, bench/wire.py: by default each rank on its own full-duplex link at
+RATE each way, ``--wire-mode shared`` one loopback bus for both; traffic costs wall time and little CPU, as on
+GPUs): cp=2 only,
 all-gather with the "2cp" and "balanced" layouts, each "plain" (overlap=False: one K/V all-gather and
 one dK/dV reduce-scatter, waited at once) and "overlapped" (the default, cp/overlap.py), against the
 ring, and (2cp layout) "overlapped regather" (cp_kv="regather": only the local K/V kept for the backward,

@@ -10,12 +10,12 @@ Simulation costs: forward 1, backward 2, P2P latency 0 or 0.1 forward.
 "Bubble" is the paper's idle / (forward + backward) time of the worst rank; "in-flight" is the peak
 number of microbatch activations a rank holds (in units of one chunk's activations), worst rank.
 
-On a wire (``--wire RATE|PRESET|auto``, bench/wire.py; ``auto``: the rate at which one activation
-send alone takes ``--send-share`` of the smallest chunk's forward, from two measurements, printed): 2 gloo
-ranks (one per core), pp=2, for each vpp stock interleaved (k = p) and flexible k = p, 1.5p, 2p, each with
-the wire shaped and unshaped (the namespace's loopback), interleaved over rounds (bench/harness.py: the order
-rotating by one contender per round; a warm-up round first). Printed: one chunk's forward and one activation
-send alone; per contender the step time (slowest rank, median) off and on the wire, the medians of per-round
+On a wire (``--wire RATE|PRESET|auto``, ``--wire-mode per-rank|shared``, bench/wire.py; ``auto``: the rate at
+which one activation send alone takes ``--send-share`` of the smallest chunk's forward, from two measurements,
+printed): 2 gloo ranks (one per core), pp=2, for each vpp stock interleaved (k = p) and flexible k = p, 1.5p,
+2p, each with the wire shaped and unshaped (every rank's link, or the shared loopback), interleaved over
+rounds (bench/harness.py: the order rotating by one contender per round; a warm-up round first). Printed:
+one chunk's forward and one activation send alone; per contender the step time (slowest rank, median) off and on the wire, the medians of per-round
 ratios wire / no wire and wire / stock on the wire (range), CPU-busy, the peak bytes autograd holds for backward (a census through
 saved_tensors_hooks, larger rank; in-flight activations), the simulated peak in-flight, whether every run's
 gradients are identical, and where the flexible executor blocks (seconds in its receive and send calls).

@@ -43,7 +43,8 @@ stderr. Columns:
   and slower; l3plugin/comm.py): ours shows P2P there.
 - where ours waits (a second table): per rank, the median ms per step spent blocked in the optimizer's waits
   (WAITS below). Tells the wire's tail from waiting for a slower peer's compute.
---wire RATE runs everything on an emulated wire (bench/wire.py); --variants picks a subset.
+--wire RATE runs everything on an emulated wire (bench/wire.py; --wire-mode per-rank, the default: each rank its
+own full-duplex link at RATE each way; shared: one loopback bus at RATE); --variants picks a subset.
 """
 
 from __future__ import annotations
