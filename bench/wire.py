@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
 import json
 import os
 import re
@@ -54,7 +55,7 @@ ENV_NOTE = "L3PLUGIN_WIRE_NOTE"  # how the rate was chosen, for describe()
 BURST_BYTES = 256 * 1024  # tbf bucket: short control messages pass at once, bulk traffic at the rate
 QUEUE_LATENCY = "50ms"  # tbf queue limit, in time at the rate (TCP backs off beyond it)
 MODES = ("per-rank", "shared")
-NAMESPACE_PREFIX = "l3wire"  # + the owner's pid (+ "sw" / "r<rank>" in per-rank mode)
+NAMESPACE_PREFIX = "l3wire"  # + the owner's pid (+ "sw" / "r<rank>" in per-rank mode, "w<n>" before for its n-th wire)
 RANK_INTERFACE = "eth0"  # a rank's end of its link, inside its namespace
 SUBNET = "10.213.0"  # rank r is SUBNET.<r+1>/24, only inside the namespaces (nothing routes out)
 NETNS_DIR = "/var/run/netns"  # where `ip netns add` leaves the namespaces' handles
@@ -178,7 +179,7 @@ class Wire:
         if self.links is not None:
             self.links.set_rate(rate)
         else:
-            _shape(None, "lo", rate)
+            _shape(None, "lo", rate, was_shaped=self.rate is not None)
         self.rate = rate
 
     def pool_options(self, world_size: int) -> dict:
@@ -227,13 +228,17 @@ def enter_rank_namespace(namespaces, rank: int, world_size: int) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = RANK_INTERFACE
 
 
+_LINKS_MADE = itertools.count()
+
+
 class RankLinks:
     """The per-rank namespaces of this process: a switch with a bridge, and per rank a namespace linked to it
     by a veth pair, tbf on both ends. Made on demand (``add_ranks``), deleted by ``close``."""
 
     def __init__(self, rate: int | None):
         self.rate = rate
-        self.owner = f"{NAMESPACE_PREFIX}{os.getpid()}"
+        serial = next(_LINKS_MADE)  # a second wire in one process (tests) gets names of its own
+        self.owner = f"{NAMESPACE_PREFIX}{os.getpid()}" + (f"w{serial}" if serial else "")
         self.switch = f"{self.owner}sw"
         self.namespaces: list[str] = []
 
@@ -256,13 +261,13 @@ class RankLinks:
             _run(["ip", "-n", name, "addr", "add", f"{rank_address(rank)}/24", "dev", RANK_INTERFACE])
             _run(["ip", "-n", name, "link", "set", RANK_INTERFACE, "up"])
             _run(["ip", "-n", self.switch, "link", "set", port, "master", "br0", "up"])
-            _shape(name, RANK_INTERFACE, self.rate)  # the rank's uplink
-            _shape(self.switch, port, self.rate)  # its downlink
+            _shape(name, RANK_INTERFACE, self.rate, was_shaped=False)  # the rank's uplink
+            _shape(self.switch, port, self.rate, was_shaped=False)  # its downlink
 
     def set_rate(self, rate: int | None) -> None:
         for rank, name in enumerate(self.namespaces):
-            _shape(name, RANK_INTERFACE, rate, self.rate)
-            _shape(self.switch, f"r{rank}", rate, self.rate)
+            _shape(name, RANK_INTERFACE, rate, was_shaped=self.rate is not None)
+            _shape(self.switch, f"r{rank}", rate, was_shaped=self.rate is not None)
         self.rate = rate
 
     def traffic(self) -> dict:
@@ -277,14 +282,14 @@ class RankLinks:
         self.namespaces = []
 
 
-def _shape(namespace: str | None, device: str, rate: int | None, current: int | None = 0) -> None:
-    """tbf at ``rate`` on ``device``'s egress in ``namespace`` (None: this process's); ``rate`` None removes it
-    (``current`` None: there is none to remove)."""
+def _shape(namespace: str | None, device: str, rate: int | None, was_shaped: bool) -> None:
+    """tbf at ``rate`` on ``device``'s egress in ``namespace`` (None: this process's); ``rate`` None removes the
+    tbf, if ``was_shaped``."""
     where = ["-n", namespace] if namespace else []
     if rate is not None:
         _run(["tc", *where, "qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{rate}bit",
               "burst", str(BURST_BYTES), "latency", QUEUE_LATENCY])
-    elif current is not None:
+    elif was_shaped:
         _run(["tc", *where, "qdisc", "del", "dev", device, "root"])
 
 
@@ -354,7 +359,7 @@ def _exit_on_signals() -> None:
 def namespaces() -> dict:
     """{name: owner pid} of the wire namespaces that exist now (this module's, made by any process)."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    owners = {name: re.fullmatch(NAMESPACE_PREFIX + r"(\d+)(sw|r\d+)?", name) for name in listing}
+    owners = {name: re.fullmatch(NAMESPACE_PREFIX + r"(\d+)(w\d+)?(sw|r\d+)?", name) for name in listing}
     return {name: int(owner.group(1)) for name, owner in owners.items() if owner}
 
 
@@ -375,7 +380,7 @@ def run_inside(bits: int, command: list[str], note: str = "") -> int:
     child = None
     try:
         _run(["ip", "-n", namespace, "link", "set", "lo", "up"])
-        _shape(namespace, "lo", bits)
+        _shape(namespace, "lo", bits, was_shaped=False)
         env = dict(os.environ, **{ENV_RATE: str(bits), ENV_NOTE: note,
                                   "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"})
         child = subprocess.Popen(["ip", "netns", "exec", namespace, *command], env=env)

@@ -116,28 +116,50 @@ def test_set_rate_and_calibration_shape_both_ends_of_every_link(per_rank):
     link.set_rate(RATE)
 
 
+def test_links_made_unshaped_take_a_rate_later():
+    link = wire.Wire(None, "per-rank")
+    try:
+        link.pool_options(2)
+        ends = [(name, wire.RANK_INTERFACE) for name in link.links.namespaces] + [
+            (link.links.switch, f"r{rank}") for rank in range(2)]
+        assert [shaped_rate(*end) for end in ends] == [None] * 4
+        link.set_rate(RATE)
+        assert [shaped_rate(*end) for end in ends] == [RATE] * 4
+    finally:
+        link.close()
+    assert not {name for name, _ in ends} & set(wire.namespaces())
+
+
 # ---- the shared bus, for comparison ------------------------------------------------------------------------
-SHARED_EXCHANGE = f"""
+SHARED_BENCH = f"""
 import json, sys
 sys.path.append({str(ROOT / "bench")!r})
 import wire
 from l3plugin.ranks import RankPool
-with RankPool(2) as pool:
-    print(json.dumps(pool.run(wire.time_collectives_alone, {NUMEL}, 1)))
+
+if __name__ == "__main__":
+    link = wire.enter("{RATE}bit", mode="shared")  # re-executes this script inside the shaped namespace
+    assert link.mode == "shared" and link.pool_options(2) == {{}}, link.describe()
+    with RankPool(2) as pool:
+        shaped = pool.run(wire.time_collectives_alone, {NUMEL}, 1)
+        link.set_rate(None)
+        unshaped = pool.run(wire.time_collectives_alone, {NUMEL}, 1)
+    print(json.dumps([shaped, unshaped, link.describe()]))
 """
 
 
-def test_shared_bus_exchange_is_half_duplex():
-    """The same exchange on the shared loopback bus: both directions in one bucket, twice the time."""
-    done = subprocess.run([sys.executable, "-c", f"""
-import sys
-sys.path.append({str(ROOT / "bench")!r})
-import wire
-sys.exit(wire.run_inside({RATE}, [sys.executable, "-c", {SHARED_EXCHANGE!r}]))
-"""], capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+def test_shared_bus_exchange_is_half_duplex(tmp_path):
+    """The same exchange on the shared loopback bus: both directions in one bucket, twice the time; with the
+    shaping switched off inside, far less."""
+    script = tmp_path / "shared_bench.py"
+    script.write_text(SHARED_BENCH)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert done.returncode == 0, done.stderr[-3000:]
-    took = exchange_seconds(json.loads(done.stdout.splitlines()[-1]))
-    assert 1.5 * ONE_WAY < took < 3 * ONE_WAY, (took, ONE_WAY)
+    shaped, unshaped, described = json.loads(done.stdout.splitlines()[-1])
+    assert 1.5 * ONE_WAY < exchange_seconds(shaped) < 3 * ONE_WAY, (shaped, ONE_WAY)
+    assert exchange_seconds(unshaped) < 0.5 * ONE_WAY, unshaped
+    assert "shared by every rank and both directions" not in described and "unshaped loopback" in described
 
 
 # ---- namespaces go on every exit ---------------------------------------------------------------------------
