@@ -108,10 +108,13 @@ def test_set_rate_and_calibration_shape_both_ends_of_every_link(per_rank):
     assert [shaped_rate(*end) for end in ends] == [None] * 4
     link.set_rate(RATE)
     assert [shaped_rate(*end) for end in ends] == [RATE] * 4
-    # --wire auto's calibration: the rate at which the exchange takes half its time at RATE is about 2 x RATE
+    # --wire auto's calibration: the exchange timed unshaped and at RATE (>= 0.4 s on the wire), then every end
+    # set to the rate at which it takes 0.2 s: faster than RATE (how much faster depends on the CPU's load)
     picked = harness.calibrate_wire(link, lambda: exchange_seconds(pool.run(wire.time_collectives_alone,
                                                                             NUMEL, 1)), ONE_WAY / 2)
-    assert link.rate == picked["rate"] and 1.4 * RATE < picked["rate"] < 2.8 * RATE, picked
+    assert picked["probed"] > ONE_WAY * 0.5 and picked["probe_rate"] == RATE, picked
+    assert link.rate == picked["rate"] == wire.rate_for_time(ONE_WAY / 2, picked["unshaped"], picked["probed"], RATE)
+    assert picked["rate"] > RATE, picked
     assert [shaped_rate(*end) for end in ends] == [pytest.approx(picked["rate"], rel=0.01)] * 4
     link.set_rate(RATE)
 
@@ -132,33 +135,38 @@ def test_links_made_unshaped_take_a_rate_later():
 
 # ---- the shared bus, for comparison ------------------------------------------------------------------------
 SHARED_BENCH = f"""
-import json, sys
+import json, subprocess, sys
 sys.path.append({str(ROOT / "bench")!r})
 import wire
 from l3plugin.ranks import RankPool
+
+
+def loopback_qdiscs():
+    shown = subprocess.run(["tc", "-j", "qdisc", "show", "dev", "lo"], capture_output=True, text=True, check=True)
+    return [q["kind"] for q in json.loads(shown.stdout)]
+
 
 if __name__ == "__main__":
     link = wire.enter("{RATE}bit", mode="shared")  # re-executes this script inside the shaped namespace
     assert link.mode == "shared" and link.pool_options(2) == {{}}, link.describe()
     with RankPool(2) as pool:
-        shaped = pool.run(wire.time_collectives_alone, {NUMEL}, 1)
+        shaped, qdiscs = pool.run(wire.time_collectives_alone, {NUMEL}, 1), loopback_qdiscs()
         link.set_rate(None)
-        unshaped = pool.run(wire.time_collectives_alone, {NUMEL}, 1)
-    print(json.dumps([shaped, unshaped, link.describe()]))
+    print(json.dumps([shaped, qdiscs, loopback_qdiscs(), link.describe()]))
 """
 
 
 def test_shared_bus_exchange_is_half_duplex(tmp_path):
-    """The same exchange on the shared loopback bus: both directions in one bucket, twice the time; with the
-    shaping switched off inside, far less."""
+    """The same exchange on the shared loopback bus: both directions in one bucket, twice the time; set_rate
+    inside switches the loopback's tbf off."""
     script = tmp_path / "shared_bench.py"
     script.write_text(SHARED_BENCH)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert done.returncode == 0, done.stderr[-3000:]
-    shaped, unshaped, described = json.loads(done.stdout.splitlines()[-1])
+    shaped, qdiscs, qdiscs_unshaped, described = json.loads(done.stdout.splitlines()[-1])
     assert 1.5 * ONE_WAY < exchange_seconds(shaped) < 3 * ONE_WAY, (shaped, ONE_WAY)
-    assert exchange_seconds(unshaped) < 0.5 * ONE_WAY, unshaped
+    assert qdiscs == ["tbf"] and "tbf" not in qdiscs_unshaped, (qdiscs, qdiscs_unshaped)
     assert "shared by every rank and both directions" not in described and "unshaped loopback" in described
 
 
