@@ -26,10 +26,11 @@ A bench adds ``--wire RATE|PRESET|off`` and ``--wire-mode per-rank|shared`` and 
                                      # with and without the wire in one run
         print(link.traffic_text())   # per-rank: the bytes each rank's uplink and downlink carried
 
-``enter`` returns at once when ``--wire off`` (plain loopback, as before); otherwise it exits with a message
-saying why it cannot (not root, no ``ip`` / ``tc``, tc refused the qdisc). Namespaces go on every exit: at the
-end of the bench (also after an exception), on SIGTERM / SIGHUP / Ctrl-C; those of a bench killed with
-SIGKILL are removed by the next one (``remove_stale_namespaces``).
+``enter`` returns at once when ``--wire off`` (plain loopback, as before), or exits with a message saying why
+it cannot (not root, no ``ip`` / ``tc``); an ``ip`` / ``tc`` command that fails raises WireError with its
+command and error. Namespaces go on every exit: at the end of the bench (also after an exception), on
+SIGTERM / SIGHUP / Ctrl-C; those of a bench killed with SIGKILL are removed by the next one
+(``remove_stale_namespaces``).
 
 Presets keep the ratio of compute to communication of a real GPU: the rate is chosen so that this CPU's
 measured matmul throughput / wire bandwidth = the GPU's dense BF16 throughput / its bandwidth per GPU (in
@@ -55,7 +56,7 @@ ENV_NOTE = "L3PLUGIN_WIRE_NOTE"  # how the rate was chosen, for describe()
 BURST_BYTES = 256 * 1024  # tbf bucket: short control messages pass at once, bulk traffic at the rate
 QUEUE_LATENCY = "50ms"  # tbf queue limit, in time at the rate (TCP backs off beyond it)
 MODES = ("per-rank", "shared")
-NAMESPACE_PREFIX = "l3wire"  # + the owner's pid (+ "sw" / "r<rank>" in per-rank mode, "w<n>" before for its n-th wire)
+NAMESPACE_PREFIX = "l3wire"  # + the owner's pid (per-rank mode: + "sw" / "r<rank>"; "w<n>" first for a 2nd wire)
 RANK_INTERFACE = "eth0"  # a rank's end of its link, inside its namespace
 SUBNET = "10.213.0"  # rank r is SUBNET.<r+1>/24, only inside the namespaces (nothing routes out)
 NETNS_DIR = "/var/run/netns"  # where `ip netns add` leaves the namespaces' handles
