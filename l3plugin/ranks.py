@@ -261,8 +261,8 @@ class RankPool:
         # False: Megatron's parallel_state is reset after every call (tests); True: calls build on
         # each other (a training loop driven one step per call).
         self.keep_state = keep_state
-        # worker_init(rank, world_size), if given, runs first in every worker (before it joins the group), e.g.
-        # to enter a network namespace; it must pickle. master_addr: where the workers reach rank 0 then.
+        # worker_init(rank, world_size), if given, runs in every worker before it joins the group (e.g. to enter
+        # a network namespace); it must pickle. master_addr: where the workers reach rank 0 then.
         self.worker_init, self.master_addr = worker_init, master_addr
         self._ids = itertools.count()
         self._procs: list = []
