@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     wire.add_argument(parser)
     harness.add_json_argument(parser)
     args = parser.parse_args(argv)
-    link = wire.enter(args.wire)
+    link = wire.enter(args.wire, mode=args.wire_mode)
     with harness.json_output(args.json, "autoload_startup", argv) as figures:
         tables(args, link, figures)
     return 0

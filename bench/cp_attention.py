@@ -29,8 +29,9 @@ median over rounds of per-round ratios:
   same work-proportional pieces as the all-gather kernel (l3plugin.cp.kernels.query_blocks) cut to
   each visiting chunk, so it skips fully masked key blocks too, and stacks GQA query heads as the
   kernel does (l3plugin.cp.kernels.pack_heads).
-On a wire (``--wire RATE|PRESET|auto``, bench/wire.py: the bench re-executes itself in a network
-namespace whose loopback is rate-limited, so traffic costs wall time and little CPU, as on GPUs): cp=2 only,
+On a wire (``--wire RATE|PRESET|auto``, bench/wire.py: by default each rank on its own full-duplex link at
+RATE each way, ``--wire-mode shared`` one loopback bus for both; traffic costs wall time and little CPU, as on
+GPUs): cp=2 only,
 all-gather with the "2cp" and "balanced" layouts, each "plain" (overlap=False: one K/V all-gather and
 one dK/dV reduce-scatter, waited at once) and "overlapped" (the default, cp/overlap.py), against the
 ring, and (2cp layout) "overlapped regather" (cp_kv="regather": only the local K/V kept for the backward,
@@ -378,7 +379,7 @@ def main(argv=None):
     on_wire = args.wire != "off"
     args.seq = args.seq or ([8192, 16384, 32768] if on_wire else [2048, 4096, 8192])
     args.rounds = args.rounds or (3 if on_wire else 5)
-    link = harness.enter_wire(args.wire, "float32")
+    link = harness.enter_wire(args.wire, "float32", args.wire_mode)
     with harness.json_output(args.json, "cp_attention", argv) as figures:
         figures.update(heads_q=HQ, heads_kv=HKV, head_dim=D, kernel=KERNEL, rounds=args.rounds)
         print(f"{load()} at start ({os.cpu_count()} CPUs)\n")
@@ -397,11 +398,11 @@ def timed(args, link, on_wire, figures):
           f"above; median of {args.rounds} interleaved rounds ==")
     print(link.describe(), flush=True)
     figures["timed"] = []
-    with RankPool(2) as pool:
+    with RankPool(2, **link.pool_options(2)) as pool:
         if args.wire == "auto":
             why, figures["calibration"] = pick_rate(pool, link, min(args.seq), args.kv_share)
             print("  " + why, flush=True)
-        figures["rate_bits"] = link.rate
+        figures["rate_bits"], figures["wire_mode"] = link.rate, link.mode
         for s in args.seq:
             cu_docs = document_lengths(s, torch.Generator().manual_seed(s))
             if not on_wire:
@@ -419,6 +420,7 @@ def timed(args, link, on_wire, figures):
                                (f"all-gather {m} overlapped", f"all-gather {m} overlapped regather")]
             figures["timed"].append(wire_report(s, cu_docs, *timed_rows(
                 pool, wire_contenders(s, cu_docs, args.masks), args.rounds, checks, warm_up=False), gather))
+        harness.report_wire_traffic(link, figures)
     print(f"\n{load()} at the end; timed part {time.perf_counter() - began:.0f} s")
 
 

@@ -9,7 +9,8 @@
   sets), own (this rank's step alone) and busy (this process's CPU seconds in it).
 - ``timed_methods``: the seconds a step spends blocked in chosen methods (a pipeline receive, a collective's wait).
 - ``enter_wire`` / ``calibrate_wire``: ``--wire auto`` (bench/wire.py) enters at PROBE_RATE, then picks the rate
-  at which one transfer takes a target time, from its time unshaped and at the probe rate.
+  at which one transfer takes a target time, from its time unshaped and at the probe rate (in either
+  ``--wire-mode``: the rate is set on the shared loopback or on every rank's link).
 - ``json_output``: ``--json``: the tables go to stderr and every printed figure, with the command line, a UTC
   timestamp and machine facts, goes to stdout as one JSON object (bench/docs_tables.py renders docs tables
   from it).
@@ -108,11 +109,11 @@ def timed_methods(cls, methods, seconds: dict):
 
 
 # ---- the wire --------------------------------------------------------------------------------------------
-def enter_wire(spec: str, dtype_name: str = "bfloat16"):
+def enter_wire(spec: str, dtype_name: str = "bfloat16", mode: str = "per-rank"):
     """wire.enter, with ``auto`` entering at PROBE_RATE (calibrate_wire picks the final rate inside)."""
     import wire
 
-    return wire.enter(PROBE_RATE if spec == "auto" else spec, dtype_name)
+    return wire.enter(PROBE_RATE if spec == "auto" else spec, dtype_name, mode)
 
 
 def calibrate_wire(link, transfer_seconds, target_seconds) -> dict:
@@ -131,6 +132,14 @@ def calibrate_wire(link, transfer_seconds, target_seconds) -> dict:
     rate = wire.rate_for_time(target, unshaped, probed, probe)
     link.set_rate(rate)
     return {"target": target, "unshaped": unshaped, "probed": probed, "probe_rate": probe, "rate": rate}
+
+
+def report_wire_traffic(link, figures: dict) -> None:
+    """On a per-rank wire: print what each rank's link carried and keep it as figures["wire_traffic_bytes"]
+    (rank -> {"up", "down"}): the traffic went through the ranks' own links, and how much of it."""
+    if link.mode == "per-rank":
+        print(link.traffic_text(), flush=True)
+        figures["wire_traffic_bytes"] = {str(rank): counts for rank, counts in link.traffic().items()}
 
 
 # ---- --json ----------------------------------------------------------------------------------------------

@@ -10,12 +10,12 @@ Simulation costs: forward 1, backward 2, P2P latency 0 or 0.1 forward.
 "Bubble" is the paper's idle / (forward + backward) time of the worst rank; "in-flight" is the peak
 number of microbatch activations a rank holds (in units of one chunk's activations), worst rank.
 
-On a wire (``--wire RATE|PRESET|auto``, bench/wire.py; ``auto``: the rate at which one activation
-send alone takes ``--send-share`` of the smallest chunk's forward, from two measurements, printed): 2 gloo
-ranks (one per core), pp=2, for each vpp stock interleaved (k = p) and flexible k = p, 1.5p, 2p, each with
-the wire shaped and unshaped (the namespace's loopback), interleaved over rounds (bench/harness.py: the order
-rotating by one contender per round; a warm-up round first). Printed: one chunk's forward and one activation
-send alone; per contender the step time (slowest rank, median) off and on the wire, the medians of per-round
+On a wire (``--wire RATE|PRESET|auto``, ``--wire-mode per-rank|shared``, bench/wire.py; ``auto``: the rate at
+which one activation send alone takes ``--send-share`` of the smallest chunk's forward, from two measurements,
+printed): 2 gloo ranks (one per core), pp=2, for each vpp stock interleaved (k = p) and flexible k = p, 1.5p,
+2p, each with the wire shaped and unshaped (every rank's link, or the shared loopback), interleaved over
+rounds (bench/harness.py: the order rotating by one contender per round; a warm-up round first). Printed:
+one chunk's forward and one activation send alone; per contender the step time (slowest rank, median) off and on the wire, the medians of per-round
 ratios wire / no wire and wire / stock on the wire (range), CPU-busy, the peak bytes autograd holds for backward (a census through
 saved_tensors_hooks, larger rank; in-flight activations), the simulated peak in-flight, whether every run's
 gradients are identical, and where the flexible executor blocks (seconds in its receive and send calls).
@@ -248,6 +248,7 @@ def wire_run(pool, link, args):
               f"{1000 * picked['probed']:.1f} ms at {wire.rate_text(picked['probe_rate'])} -> "
               f"{wire.rate_text(link.rate)}")
     rate = figures["rate_bits"] = link.rate
+    figures["wire_mode"] = link.mode
     alone = pool.run(_activation_send_alone, numel)
     send = figures["activation_send_alone_s"] = max(r["activation send, one way"][0] for r in alone)
     print(link.describe())
@@ -344,13 +345,14 @@ def main(argv=None):
     for v in args.vpp:
         if v < 2 or args.layers % (WIRE_P * v):
             parser.error(f"--vpp {v}: needs vpp >= 2 and --layers ({args.layers}) divisible by 2 x vpp")
-    link = harness.enter_wire(args.wire, "float32")
+    link = harness.enter_wire(args.wire, "float32", args.wire_mode)
     with harness.json_output(args.json, "pp_schedule", argv) as figures:
-        if link.inside:
+        if link.on:
             from l3plugin.ranks import RankPool
 
-            with RankPool(2, preload=("megatron.core",)) as pool:
+            with RankPool(2, preload=("megatron.core",), **link.pool_options(2)) as pool:
                 figures["wire"] = wire_run(pool, link, args)
+                harness.report_wire_traffic(link, figures["wire"])
             return 0
         latencies = (0.0, 0.1)
         print("== Paper settings (p = 16) ==")

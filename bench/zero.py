@@ -43,7 +43,8 @@ stderr. Columns:
   and slower; l3plugin/comm.py): ours shows P2P there.
 - where ours waits (a second table): per rank, the median ms per step spent blocked in the optimizer's waits
   (WAITS below). Tells the wire's tail from waiting for a slower peer's compute.
---wire RATE runs everything on an emulated wire (bench/wire.py); --variants picks a subset.
+--wire RATE runs everything on an emulated wire (bench/wire.py; --wire-mode per-rank, the default: each rank its
+own full-duplex link at RATE each way; shared: one loopback bus at RATE); --variants picks a subset.
 """
 
 from __future__ import annotations
@@ -373,7 +374,7 @@ def main(argv=None):
     wire.add_argument(parser)
     harness.add_json_argument(parser)
     args = parser.parse_args(argv)
-    link = wire.enter(args.wire, "bfloat16")
+    link = wire.enter(args.wire, "bfloat16", args.wire_mode)
     if args.variants:
         unknown = [n for n in args.variants if n not in VARIANTS]
         if unknown:
@@ -392,9 +393,9 @@ def run(args, link, figures):
     """Every table, for every gas; figures: what they print (bytes, seconds)."""
     bucket = int(args.bucket)
     figures.update(width=args.width, layers=args.layers, micro_batch=args.micro_batch, bucket=bucket,
-                   rounds=args.rounds, rate_bits=link.rate, gas={})
+                   rounds=args.rounds, rate_bits=link.rate, wire_mode=link.mode, gas={})
     began = time.perf_counter()
-    with RankPool(2) as pool:
+    with RankPool(2, **link.pool_options(2)) as pool:
         compute = pool.run(measure_compute, args.width, args.layers, args.micro_batch, timeout=300)
         params = figures["params"] = compute[0][1]
         figures["forward_backward_ms"] = max(ms for ms, _ in compute)
@@ -429,6 +430,7 @@ def run(args, link, figures):
                                         "waits_ms": print_waits(gas, waits),
                                         "load_average": os.getloadavg()[0]}
             print(f"(load average {os.getloadavg()[0]:.1f} at the end of gas {gas})", flush=True)
+        harness.report_wire_traffic(link, figures)
     figures["run_time_s"] = time.perf_counter() - began
     print(f"\ntotal run time {figures['run_time_s']:.0f} s")
 

@@ -211,10 +211,10 @@ def _reset_framework_state():
 
 
 def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, collective_timeout,
-                 keep_state, parent_pid, owner_env):
+                 keep_state, parent_pid, owner_env, worker_init=None, master_addr="127.0.0.1"):
     os.setpgid(0, 0)  # a group of its own: killing it ends what the worker started too (helpers, pools)
     _die_with_parent(parent_pid)
-    _worker_environment(rank, world_size, port, owner_env)
+    _worker_environment(rank, world_size, master_addr, port, owner_env)
     silence_cpu_meaningless_warnings()  # inherited from our server, unless the process's server is another's
     import faulthandler
 
@@ -222,7 +222,9 @@ def _worker_main(rank, world_size, port, task_q, result_q, preload, stack_file, 
     stack_fh = open(stack_file, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_fh, all_threads=True)
     try:
-        _join_group(rank, world_size, port, preload, collective_timeout)
+        if worker_init is not None:
+            worker_init(rank, world_size)
+        _join_group(rank, world_size, master_addr, port, preload, collective_timeout)
         result_q.put(("ready", rank, True, None, 0))
     except BaseException:
         result_q.put(("ready", rank, False, traceback.format_exc(), 0))
@@ -270,7 +272,7 @@ def _worker_context(preload: tuple[str, ...]):
     return ctx
 
 
-def _worker_environment(rank, world_size, port, owner_env):
+def _worker_environment(rank, world_size, master_addr, port, owner_env):
     """The owner's environment when the pool started (the fork server's is older), single-threaded, with the
     variables torchrun would set."""
     os.environ.clear()
@@ -278,11 +280,11 @@ def _worker_environment(rank, world_size, port, owner_env):
     os.environ.update({
         "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
     })
 
 
-def _join_group(rank, world_size, port, preload, collective_timeout):
+def _join_group(rank, world_size, master_addr, port, preload, collective_timeout):
     """One torch thread, the gloo process group of every rank, then the modules to import once."""
     from datetime import timedelta
 
@@ -290,7 +292,7 @@ def _join_group(rank, world_size, port, preload, collective_timeout):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=collective_timeout))
     for module in preload:
         __import__(module)
@@ -323,7 +325,7 @@ class RankPool:
     """``world_size`` worker processes joined in one gloo process group."""
 
     def __init__(self, world_size: int, *, preload: tuple[str, ...] = (), start_timeout: float = 180.0,
-                 grace: float = 5.0, keep_state: bool = False):
+                 grace: float = 5.0, keep_state: bool = False, worker_init=None, master_addr: str = "127.0.0.1"):
         check_int("world_size", world_size)
         self.world_size = world_size
         self.preload = tuple(preload)
@@ -332,6 +334,9 @@ class RankPool:
         # False: Megatron's parallel_state is reset after every call (tests); True: calls build on
         # each other (a training loop driven one step per call).
         self.keep_state = keep_state
+        # worker_init(rank, world_size), if given, runs in every worker before it joins the group (e.g. to enter
+        # a network namespace); it must pickle. master_addr: where the workers reach rank 0 then.
+        self.worker_init, self.master_addr = worker_init, master_addr
         self._ids = itertools.count()
         self._procs: list = []
         self._groups_left = 0  # the most process groups a rank kept after the last call
@@ -360,7 +365,7 @@ class RankPool:
                 target=_worker_main, name=f"l3plugin-rank{rank}", daemon=True,
                 args=(rank, self.world_size, port, self._task_qs[rank], self._result_q, self.preload,
                       self._stack_file(rank), max(300.0, self.start_timeout), self.keep_state, os.getpid(),
-                      dict(os.environ)),
+                      dict(os.environ), self.worker_init, self.master_addr),
             )
             p.start()
             _STARTED_WORKERS.add(p.pid)

@@ -123,7 +123,7 @@ def test_calibrate_wire_finds_the_rate_at_which_the_transfer_takes_the_target():
     assert link.rates[:2] == [None, 2 * 10**9] and link.rate == picked["rate"]
     assert picked["unshaped"] == pytest.approx(0.01) and picked["probed"] == pytest.approx(0.014)
     assert link.transfer() == pytest.approx(0.05, rel=1e-6)  # 8 Mbit in 40 ms: 200 Mbit/s
-    assert harness.enter_wire("off").inside is False
+    assert harness.enter_wire("off").on is False
 
 
 # ---- --json ------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Tiny runs of the benches on bench/harness.py, with --json: each runs to the end, prints only its JSON record
 on stdout (its tables on stderr) and that record holds the figures it printed. Sizes are far too small for the
 timings to mean anything; no timing is asserted. (multimodal_pp simulated, cp_memory and pp_schedule's simulation:
-test_bench_harness.py, against the docs; zero.py and hf_cp.py take longer than a smoke test may: run by hand.)"""
+test_bench_harness.py, against the docs; zero.py and hf_cp.py take longer than a smoke test may: run by hand.)
+On the per-rank wire (root, ip, tc; skipped otherwise), cp_attention, pp_schedule and a one-variant zero.py
+start their ranks on their own links."""
 
 import json
 import os
@@ -9,7 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "bench"))
+import wire  # noqa: E402
 
 
 def json_run(*argv, timeout=300):
@@ -54,3 +60,33 @@ def test_multimodal_real_section():
     assert sum(rows["measured split"]["counts"]) == 12 and set(record["figures"]["layer_times"]) == {"S", "X"}
     assert rows["replicated depth 2"]["step_vs_baseline"] == 1.0  # its own baseline: one round, ratio exactly 1
     assert all(len(row["busy_s"]) == 2 for row in rows.values())
+
+
+# ---- on the per-rank wire (root, ip, tc): each bench starts its ranks on their own links --------------------
+
+
+@pytest.mark.wire
+@pytest.mark.skipif(wire.why_not_here() is not None, reason=f"the wire needs namespaces: {wire.why_not_here()}")
+@pytest.mark.parametrize("bench, options, where", [
+    ("cp_attention", ["--seq", "512", "--rounds", "1", "--work-seq", "--masks", "causal"], ()),
+    ("pp_schedule", ["--vpp", "2", "--layers", "4", "--microbatches", "4", "--rounds", "1", "--hidden", "32",
+                     "--seq", "16", "--mbs", "1"], ("wire",)),
+    ("zero", ["--quick", "--gas", "2", "--rounds", "1", "--variants", "ours ZeRO-1"], ()),
+])
+def test_bench_runs_on_the_per_rank_wire(bench, options, where):
+    """The bench's ranks ran on their own links (each rank's uplink and downlink carried its traffic: rank 0's
+    up is rank 1's down, give or take the control messages), and no namespace outlived the run."""
+    before = wire.namespaces()
+    record, _ = json_run(f"bench/{bench}.py", "--wire", "200mbit", *options, timeout=900)
+    figures = record["figures"]
+    for key in where:
+        figures = figures[key]
+    assert figures["wire_mode"] == "per-rank" and figures["rate_bits"] == 200 * 10**6
+    traffic = figures["wire_traffic_bytes"]
+    assert sorted(traffic) == ["0", "1"]
+    for rank, peer in (("0", "1"), ("1", "0")):
+        assert traffic[rank]["up"] > 100_000, traffic
+        assert abs(traffic[rank]["up"] - traffic[peer]["down"]) < 0.1 * traffic[rank]["up"], traffic
+    leaked = {name for name, pid in wire.namespaces().items()
+              if name not in before and not os.path.exists(f"/proc/{pid}")}
+    assert not leaked, f"{bench} left namespaces behind: {leaked}"

@@ -237,3 +237,25 @@ def test_run_command_leaves_no_process_of_the_tree():
     assert wait_gone([int(err.value.stdout or err.value.output)], 5) == []
     with pytest.raises(subprocess.CalledProcessError):
         run_command(["sh", "-c", "exit 3"], timeout=30, check=True)
+
+
+def mark_rank(rank, world_size, fail_on=None):
+    """A worker_init: leaves a trace the call can read, or fails on one rank."""
+    if rank == fail_on:
+        raise OSError(f"deliberate worker_init failure on rank {rank}")
+    os.environ["L3PLUGIN_TEST_INIT"] = f"{rank}/{world_size}"
+
+
+def init_trace():
+    import torch.distributed as dist
+
+    return os.environ.get("L3PLUGIN_TEST_INIT"), dist.get_rank()
+
+
+def test_worker_init_runs_in_every_worker_before_the_group_and_its_failure_is_named():
+    import functools
+
+    with RankPool(2, worker_init=mark_rank, master_addr="127.0.0.1") as pool:
+        assert pool.run(init_trace) == [("0/2", 0), ("1/2", 1)]
+    with pytest.raises(RanksFailed, match=r"(?s)could not start 2 gloo ranks.*rank 1.*deliberate worker_init"):
+        RankPool(2, worker_init=functools.partial(mark_rank, fail_on=1), start_timeout=60)

@@ -28,8 +28,9 @@ def test_bad_rate_from_enter_is_a_clean_exit():
 
 def test_off_stays_here():
     link = wire.enter("off")
-    assert not link.inside and link.rate is None and "off" in link.describe()
-    with pytest.raises(wire.WireError, match="namespace"):
+    assert link.mode == "off" and not link.on and link.rate is None and "off" in link.describe()
+    assert link.pool_options(2) == {} and link.traffic() == {}
+    with pytest.raises(wire.WireError, match="--wire RATE"):
         link.set_rate(1_000_000)
 
 
@@ -59,3 +60,8 @@ def test_rate_for_time_solves_cpu_time_plus_bytes_over_rate():
     assert wire.rate_for_time(0.012, 0.002, 0.007, 2 * 10**9) == 10**9
     assert wire.rate_for_time(0.001, 0.002, 0.007, 2 * 10**9) == 10**11  # unreachable target: fastest rate
     assert wire.rate_for_time(1e6, 0.002, 0.007, 2 * 10**9) == 10**7     # and the slowest
+
+
+def test_bad_mode_names_the_option_and_the_modes():
+    with pytest.raises(SystemExit, match=r"--wire-mode 'bus': expected one of per-rank, shared"):
+        wire.enter("4gbit", mode="bus")
