@@ -36,30 +36,9 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from l3plugin.schedule.plan import Message, Schedule, execution_order
-from l3plugin.schedule.receives import ReceivePosts
+from l3plugin.schedule.plan import Message, Schedule
+from l3plugin.schedule.receives import RECV, SEND, ReceivePosts, pair_orders  # noqa: F401 (SEND: re-exported)
 from l3plugin.waits import resolve_timeout, wait_work
-
-SEND, RECV = "send", "recv"
-
-
-def pair_orders(schedule: Schedule, pp_rank: int) -> dict[int, deque]:
-    """For each peer: this rank's sends to it and receives from it, as (SEND|RECV, message), in the
-    order of the global replay. Both ranks of a pair derive the same sequence (mirrored)."""
-    ops: dict[int, deque] = {}
-    for rank, index in execution_order(schedule):
-        _, send = schedule.action_messages(rank, schedule.ranks[rank].actions[index])
-        if send is None:
-            continue
-        dst = schedule.owner_of(send.dst_stage)[0]
-        if rank == dst:
-            continue  # pp=1 with chunks: handed over locally
-        if rank == pp_rank:
-            ops.setdefault(dst, deque()).append((SEND, send))
-        elif dst == pp_rank:
-            ops.setdefault(rank, deque()).append((RECV, send))
-    return ops
-
 
 class PipelineChannels:
     """This pipeline rank's receives and sends for one execution of ``schedule``."""

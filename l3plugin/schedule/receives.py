@@ -25,10 +25,31 @@ one agreed order per pair instead (``pair_orders`` in p2p.py).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from l3plugin.checks import check_int
-from l3plugin.schedule.plan import Message, Schedule
+from l3plugin.schedule.plan import Message, Schedule, execution_order
+
+SEND, RECV = "send", "recv"
+
+
+def pair_orders(schedule: Schedule, pp_rank: int) -> dict[int, deque]:
+    """For each peer: this rank's sends to it and receives from it, as (SEND|RECV, message), in the
+    order of the global replay. Both ranks of a pair derive the same sequence (mirrored)."""
+    ops: dict[int, deque] = {}
+    for rank, index in execution_order(schedule):
+        _, send = schedule.action_messages(rank, schedule.ranks[rank].actions[index])
+        if send is None:
+            continue
+        dst = schedule.owner_of(send.dst_stage)[0]
+        if rank == dst:
+            continue  # pp=1 with chunks: handed over locally
+        if rank == pp_rank:
+            ops.setdefault(dst, deque()).append((SEND, send))
+        elif dst == pp_rank:
+            ops.setdefault(rank, deque()).append((RECV, send))
+    return ops
 
 
 @dataclass(frozen=True)
@@ -38,6 +59,7 @@ class PostedReceive:
     post_at: int  # posting point: before this rank's action ``post_at`` runs
     needed_at: int  # index of the action that consumes it
     forced: bool  # posted because it (or a later receive from the same peer) was needed, not ahead
+    after_receive: bool = False  # posted once action ``post_at``'s own receive has arrived (agreed order)
 
 
 @dataclass(frozen=True)
@@ -48,10 +70,6 @@ class ReceivePosts:
     budget: int
     num_actions: int
     receives: tuple[PostedReceive, ...]
-
-    def at(self, point: int) -> tuple[PostedReceive, ...]:
-        """The receives to post at ``point`` (in order)."""
-        return tuple(r for r in self.receives if r.post_at == point)
 
     def inflight(self) -> list[int]:
         """Per posting point: receives posted and not yet consumed (their buffers exist, data or not)."""
@@ -125,3 +143,40 @@ def receive_posts(schedule: Schedule, rank: int, budget: int | None = None) -> R
                 break
             post(min(heads)[1], point, False)
     return ReceivePosts(rank, budget, len(actions), tuple(receives))
+
+
+def agreed_order_posts(schedule: Schedule, rank: int) -> ReceivePosts:
+    """When ``rank`` posts its receives under the agreed pair order (p2p.py without ``posts``, the executor for
+    stream-ordered transports): a receive is posted when needed, or when one of this rank's sends needs the
+    pair's earlier receives posted, or right after the previous receive from that peer arrived if it is next
+    in the pair's order (one ahead). For comparing the two executors, e.g. in the simulator."""
+    check_int("rank", rank, 0, schedule.pp - 1, "pp - 1")
+    _, needed_at = incoming(schedule, rank)
+    queues = {peer: deque(ops) for peer, ops in pair_orders(schedule, rank).items()}
+    receives: list[PostedReceive] = []
+
+    posted = set()
+
+    def post(msg, peer, point, forced, after_receive=False):
+        posted.add(msg)
+        receives.append(PostedReceive(msg, peer, point, needed_at[msg], forced, after_receive))
+
+    def advance(peer, until, point):  # the pair's operations up to ``until``, in the agreed order
+        while queues[peer]:
+            kind, msg = queues[peer].popleft()
+            if kind == RECV:
+                post(msg, peer, point, True)
+            if msg == until:
+                return
+
+    for index, action in enumerate(schedule.ranks[rank].actions):
+        recv, send = schedule.action_messages(rank, action)
+        if recv in needed_at:
+            peer = schedule.owner_of(recv.src_stage)[0]
+            if recv not in posted:
+                advance(peer, recv, index)
+            if queues[peer] and queues[peer][0][0] == RECV:  # one ahead, once this receive has arrived
+                post(queues[peer].popleft()[1], peer, index, False, after_receive=True)
+        if send is not None and schedule.owner_of(send.dst_stage)[0] != rank:
+            advance(schedule.owner_of(send.dst_stage)[0], send, index + 1)
+    return ReceivePosts(rank, 1, len(schedule.ranks[rank].actions), tuple(receives))

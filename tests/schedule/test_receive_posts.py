@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from l3plugin.schedule.plan import build_schedule
-from l3plugin.schedule.receives import incoming, receive_budget, receive_posts
+from l3plugin.schedule.receives import agreed_order_posts, incoming, receive_budget, receive_posts
+from l3plugin.schedule.simulate import simulate, simulate_posted
 
 
 def check_posts(schedule, rank, budget):
@@ -72,3 +73,45 @@ def test_bad_input_names_the_parameter():
         receive_posts(schedule, 0, -1)
     with pytest.raises(ValueError, match=r"rank=2 is out of range: must be an integer in 0..pp - 1 \(=1\)"):
         receive_posts(schedule, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 5), v=st.integers(1, 3), m=st.integers(1, 12), data=st.data())
+def test_agreed_order_posts_each_receive_in_time_in_send_order(p, v, m, data):
+    schedule = build_schedule(p, v, m, data.draw(st.integers(1, m)))
+    for rank in range(p):
+        posts = agreed_order_posts(schedule, rank)
+        by_peer, needed_at = incoming(schedule, rank)
+        assert sorted(map(repr, (r.message for r in posts.receives))) == sorted(map(repr, needed_at))
+        assert all(r.post_at <= r.needed_at and (r.post_at < r.needed_at or not r.after_receive)
+                   for r in posts.receives)
+        for peer, messages in by_peer.items():
+            assert [r.message for r in posts.receives if r.peer == peer] == messages
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 5), v=st.integers(1, 3), m=st.integers(1, 12), data=st.data())
+def test_posted_simulation_without_wire_time_is_the_plain_simulation(p, v, m, data):
+    schedule = build_schedule(p, v, m, data.draw(st.integers(1, m)))
+    for posts in ([receive_posts(schedule, r, 0) for r in range(p)], [agreed_order_posts(schedule, r) for r in range(p)]):
+        makespan, waited = simulate_posted(schedule, posts, 1.0, 2.0, 0.0)
+        assert makespan == simulate(schedule, 1.0, 2.0).makespan
+    # With time on the wire never faster; posting ahead (the budget) never slower than just in time.
+    late = simulate_posted(schedule, [receive_posts(schedule, r, 0) for r in range(p)], 1.0, 2.0, 0.3)[0]
+    early = simulate_posted(schedule, [receive_posts(schedule, r) for r in range(p)], 1.0, 2.0, 0.3)[0]
+    assert simulate(schedule, 1.0, 2.0).makespan <= early <= late
+
+
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("share", [0.1, 0.2, 0.3])
+def test_simulated_pp2_k_above_p_hides_more_when_receives_post_early(v, share):
+    """pp 2, m 8, a message taking ``share`` of a forward: posted early, k = 1.5p is within 1.05x of no wire and
+    ahead of k = p; posted in the agreed pair order, k = 1.5p gains (almost) nothing over k = p."""
+    def makespan(k, posts_of):
+        schedule = build_schedule(2, v, 8, k)
+        return simulate_posted(schedule, [posts_of(schedule, r) for r in range(2)], 1.0, 2.0, share)[0]
+
+    no_wire = simulate(build_schedule(2, v, 8, 2), 1.0, 2.0).makespan
+    assert makespan(3, receive_posts) <= 1.05 * no_wire
+    assert makespan(3, receive_posts) < makespan(2, receive_posts) < makespan(2, agreed_order_posts)
+    assert makespan(3, agreed_order_posts) > 0.99 * makespan(2, agreed_order_posts)
