@@ -74,8 +74,8 @@ class ReceivePosts:
     def inflight(self) -> list[int]:
         """Per posting point: receives posted and not yet consumed (their buffers exist, data or not)."""
         counts = [0] * (self.num_actions + 1)
-        for r in self.receives:
-            for point in range(r.post_at, r.needed_at + 1):
+        for r in self.receives:  # one posted after its action's own receive arrived counts from the next point
+            for point in range(r.post_at + r.after_receive, r.needed_at + 1):
                 counts[point] += 1
         return counts
 
