@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from l3plugin.schedule.plan import Message, Schedule
-from l3plugin.schedule.receives import RECV, SEND, ReceivePosts, pair_orders  # noqa: F401 (SEND: re-exported)
+from l3plugin.schedule.receives import RECV, SEND, ReceivePosts, pair_orders
 from l3plugin.waits import resolve_timeout, wait_work
 
 class PipelineChannels:

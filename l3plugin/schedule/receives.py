@@ -20,7 +20,8 @@ Posting never blocks, sends never wait for receives, and a rank only blocks on a
 needs, so the execution is the replay that :func:`~l3plugin.schedule.plan.validate` checks (deadlock
 free). This relies on a transport where a pending receive does not hold back this rank's own sends
 (gloo); a transport that runs a pair's sends and receives in posting order on one stream (NCCL) needs
-one agreed order per pair instead (``pair_orders`` in p2p.py).
+one order both ranks of a pair agree on instead (:func:`pair_orders`; :func:`agreed_order_posts` says when
+that executor posts, for comparison).
 """
 
 from __future__ import annotations
