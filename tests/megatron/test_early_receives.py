@@ -40,15 +40,10 @@ def run_step(pp, vpp, m, k, early, jitter):
         return toy.forward_step(data_iterator, model)
 
     with mock.patch.object(pipeline, "posts_receives_early", lambda device: early):
-        out = forward_backward_pipelining_flexible(
-            forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-            num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
-    grads = {}
-    for chunk in chunks:
-        grads.update(chunk.grads())
+        result = toy.flexible_step(chunks, batches, seq_length=SEQ, micro_batch_size=MBS,
+                                   forward_step_func=forward_step)
     planned = receive_posts(build_schedule(pp, vpp, m, k), rank)
-    return {"losses": [d["loss"] for d in out], "grads": grads,
-            "waits": dict(forward_backward_pipelining_flexible.last_waits),
+    return {**result, "waits": dict(forward_backward_pipelining_flexible.last_waits),
             "planned_peak": planned.peak_inflight(), "budget": planned.budget}
 
 
