@@ -343,7 +343,7 @@ def wire_table(v, m, times, differ, agreed_order=False, message_bytes=0):
         for label in CHANNEL_WAITS:
             per_rank = [[statistics.median(1000 * ranks[r]["waits"][label] for ranks in times[(name, w)])
                          for r in range(p)] for w in (False, True)]
-            table["waits_ms"][name][label] = {"no_wire": per_rank[0], "wire": per_rank[1]}
+            table["waits_ms"][name][label[:-2]] = {"no_wire": per_rank[0], "wire": per_rank[1]}
             cells.append(f"{label[:-2]} {'/'.join(f'{x:.0f}' for x in per_rank[0])} -> "
                          f"{'/'.join(f'{x:.0f}' for x in per_rank[1])}")
         executed = [max(ranks[r]["waits"]["peak_posted_receives"] for ranks in times[(name, True)]) for r in range(p)]
