@@ -24,8 +24,8 @@ posted, so on a transport where a pending receive does not hold back this rank's
 the channels post each receive at its planned point (``before_action``), ahead of need within the budget, in
 each peer's send order, and post sends at once. Without ``posts`` they keep the agreed pair order above,
 which a transport running a pair's operations in posting order on one stream (NCCL) needs.
-The channels time their own blocking (``waits``): seconds and count of receive waits and of send waits, and
-the most receive buffers posted at once (in-flight receive memory).
+The channels time their own blocking (``waits``): seconds and count of the receive and send waits that found
+their operation unfinished, and the most receive buffers posted at once (in-flight receive memory).
 """
 
 from __future__ import annotations
@@ -143,13 +143,14 @@ class PipelineChannels:
         return f"the {msg.kind} of microbatch {msg.microbatch} (stage {msg.src_stage} -> {msg.dst_stage})"
 
     def _wait(self, work, operation: str, peer: int):
-        start = time.perf_counter()
+        blocks, start = not work.is_completed(), time.perf_counter()
         wait_work(work, timeout=self.wait_timeout,
                   what=f"pipeline rank {self.pp_rank}: {operation} pipeline rank {peer} (global rank "
                        f"{self.global_ranks[peer]})")
-        kind = "recv" if operation.startswith("receive") else "send"
-        self.waits[f"{kind}_s"] += time.perf_counter() - start
-        self.waits[f"{kind}_count"] += 1
+        if blocks:  # counted only when the operation had not finished yet: a wait that blocked
+            kind = "recv" if operation.startswith("receive") else "send"
+            self.waits[f"{kind}_s"] += time.perf_counter() - start
+            self.waits[f"{kind}_count"] += 1
 
     def _complete(self, msg):
         work, tensor, on_complete, peer = self._sends.pop(msg)

@@ -93,7 +93,8 @@ def test_agreed_order_posts_each_receive_in_time_in_send_order(p, v, m, data):
 @given(p=st.integers(1, 5), v=st.integers(1, 3), m=st.integers(1, 12), data=st.data())
 def test_posted_simulation_without_wire_time_is_the_plain_simulation(p, v, m, data):
     schedule = build_schedule(p, v, m, data.draw(st.integers(1, m)))
-    for posts in ([receive_posts(schedule, r, 0) for r in range(p)], [agreed_order_posts(schedule, r) for r in range(p)]):
+    for plan_posts in (lambda r: receive_posts(schedule, r, 0), lambda r: agreed_order_posts(schedule, r)):
+        posts = [plan_posts(r) for r in range(p)]
         makespan, waited = simulate_posted(schedule, posts, 1.0, 2.0, 0.0)
         assert makespan == simulate(schedule, 1.0, 2.0).makespan
     # With time on the wire never faster; posting ahead (the budget) never slower than just in time.
