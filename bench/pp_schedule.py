@@ -18,7 +18,11 @@ rounds (bench/harness.py: the order rotating by one contender per round; a warm-
 one chunk's forward and one activation send alone; per contender the step time (slowest rank, median) off and on the wire, the medians of per-round
 ratios wire / no wire and wire / stock on the wire (range), CPU-busy, the peak bytes autograd holds for backward (a census through
 saved_tensors_hooks, larger rank; in-flight activations), the simulated peak in-flight, whether every run's
-gradients are identical, and where the flexible executor blocks (seconds in its receive and send calls).
+gradients are identical, and where the flexible executor blocks (its own account, per rank: ms waiting for
+receives and for sends, and the most receive buffers it posted at once, beside the plan's count and bytes),
+and the simulator's prediction with the measured per-message time (simulate_posted: a message moves once its
+receive is posted). The flexible executor posts receives early (l3plugin.schedule.receives); --agreed-order adds
+flexible k = p and 1.5p posting in the agreed pair order instead (the executor before early receives).
 Stock runs with deallocate_pipeline_outputs off: it frees an output right after starting its isend, which
 gloo may still be reading (a known trap on gloo; NCCL's stream ordering makes it safe on GPUs).
 """
@@ -40,7 +44,8 @@ import harness  # noqa: E402
 
 from l3plugin.debug.saved_tensors import SavedTensorCensus  # noqa: E402
 from l3plugin.schedule.plan import build_schedule  # noqa: E402
-from l3plugin.schedule.simulate import simulate  # noqa: E402
+from l3plugin.schedule.receives import agreed_order_posts, receive_posts  # noqa: E402
+from l3plugin.schedule.simulate import simulate, simulate_posted  # noqa: E402
 
 
 def stock_accepts(p, v, m, k):
@@ -153,46 +158,50 @@ def _timed_steps(steps, hidden, seq, mbs):
 WIRE_P = 2
 
 
-# Where the flexible executor blocks (l3plugin/schedule/p2p.py), timed per step: a receive returns when its
-# message is here; a send only posts (and completes finished sends); wait_sent / finish block on sends.
-CHANNEL_WAITS = ("recv", "send", "wait_sent", "finish")
+# Where the flexible executor blocks, its own account per step (PipelineChannels.waits, l3plugin/schedule/p2p.py):
+# seconds waiting for receives (a message not here yet) and for sends (an output to free, the step's end).
+CHANNEL_WAITS = ("recv_s", "send_s")
+STOCK, EARLY, AGREED = "stock", "early", "agreed"  # the stock schedule; the flexible one's receive posting
 
 
-def timed_channel_waits(seconds):
-    """Within the block, add the seconds spent in each CHANNEL_WAITS method of PipelineChannels to
-    ``seconds[method]`` (the stock schedule does not use them: its entries stay 0)."""
-    from l3plugin.schedule.p2p import PipelineChannels
-
-    return harness.timed_methods(PipelineChannels, CHANNEL_WAITS, seconds)
-
-
-def wire_contenders(v):
-    """(name, k, stock) timed for one vpp: stock interleaved (k = p) and flexible k = p, 1.5p, 2p."""
+def wire_contenders(v, agreed_order=False):
+    """(name, k, kind) timed for one vpp: stock interleaved (k = p), flexible k = p, 1.5p, 2p (receives posted
+    early) and with ``agreed_order`` flexible k = p, 1.5p posting in the agreed pair order."""
     p = WIRE_P
-    return [(f"stock interleaved k={p}", p, True), (f"flexible k=p={p}", p, False),
-            (f"flexible k=1.5p={3 * p // 2}", 3 * p // 2, False), (f"flexible k=2p={2 * p}", 2 * p, False)]
+    rows = [(f"stock interleaved k={p}", p, STOCK), (f"flexible k=p={p}", p, EARLY),
+            (f"flexible k=1.5p={3 * p // 2}", 3 * p // 2, EARLY), (f"flexible k=2p={2 * p}", 2 * p, EARLY)]
+    if agreed_order:
+        rows += [(f"agreed-order k=p={p}", p, AGREED), (f"agreed-order k=1.5p={3 * p // 2}", 3 * p // 2, AGREED)]
+    return rows
 
 
-def _wire_step(v, m, k, stock, layers, hidden, seq, mbs):
-    """On every rank: one timed training step (wall, CPU busy, peak saved-activation bytes, grads)."""
+def _wire_step(v, m, k, kind, layers, hidden, seq, mbs):
+    """On every rank: one timed training step (wall, CPU busy, peak saved-activation bytes, grads, and the
+    flexible executor's own waits)."""
+    from unittest import mock
+
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from l3plugin.megatron import forward_backward_pipelining_flexible
+    from l3plugin.megatron import forward_backward_pipelining_flexible, pipeline
     import toy_pipeline as toy
     from megatron_cpu_shim import stock_schedules_on_cpu
+
+    stock = kind == STOCK
 
     # Stock frees an output (deallocate_output_tensor) right after starting its isend; on gloo the send may
     # still be reading it, which would corrupt the receiver's input: stock keeps its outputs here.
     mesh, chunks, batches = toy_model(WIRE_P, v, m, k, layers, hidden, seq, mbs, deallocate_outputs=not stock)
     census = SavedTensorCensus()
     fn = get_forward_backward_func() if stock else forward_backward_pipelining_flexible
-    waits = dict.fromkeys(CHANNEL_WAITS, 0.0)
-    with stock_schedules_on_cpu(), census.hooks, timed_channel_waits(waits):
+    forward_backward_pipelining_flexible.last_waits = {}
+    with stock_schedules_on_cpu(), census.hooks, \
+            mock.patch.object(pipeline, "posts_receives_early", lambda device: kind == EARLY):
         timing, _ = harness.barrier_timed(lambda: fn(
             forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
             num_microbatches=m, seq_length=seq, micro_batch_size=mbs), group=mesh.pp_group)
     grads = {lid: g[0] for c in chunks for lid, g in c.grads().items()}
-    return {"wall": timing["wall"], "busy": timing["busy"], "peak": census.peak, "grads": grads, "waits": waits}
+    return {"wall": timing["wall"], "busy": timing["busy"], "peak": census.peak, "grads": grads,
+            "waits": dict(forward_backward_pipelining_flexible.last_waits)}
 
 
 def _chunk_forward_seconds(v, layers, hidden, seq, mbs, repeats=5):
@@ -256,13 +265,14 @@ def wire_run(pool, link, args):
     print("  activation send alone / one chunk's forward: "
           + ", ".join(f"vpp {v} {send / t:.0%}" for v, t in chunk_fwd.items()), flush=True)
     for v in args.vpp:
-        runs = {(name, wired): (k, stock) for name, k, stock in wire_contenders(v) for wired in (False, True)}
+        runs = {(name, wired): (k, kind) for name, k, kind in wire_contenders(v, args.agreed_order)
+                for wired in (False, True)}
         reference, differ = [], set()  # grads of the first run; who ever differed from them
 
         def run(key):
-            (name, wired), (k, stock) = key, runs[key]
+            (name, wired), (k, kind) = key, runs[key]
             link.set_rate(rate if wired else None)
-            result = pool.run(_wire_step, v, m, k, stock, layers, hidden, seq, mbs, timeout=1800)
+            result = pool.run(_wire_step, v, m, k, kind, layers, hidden, seq, mbs, timeout=1800)
             reference[:] = reference or [r["grads"] for r in result]
             if not all(all(torch.equal(a[lid], r["grads"][lid]) for lid in a) for a, r in zip(reference, result)):
                 differ.add(f"{name}{' on the wire' if wired else ''}")
@@ -272,11 +282,29 @@ def wire_run(pool, link, args):
 
         times = harness.interleaved_rounds(runs, run, args.rounds)  # a warm-up round first, not counted
         link.set_rate(rate)
-        figures[f"vpp {v}"] = wire_table(v, m, times, differ)
+        figures[f"vpp {v}"] = wire_table(v, m, times, differ, args.agreed_order, numel * 4)
+        figures[f"vpp {v}"]["simulated"] = simulated_wire(v, m, send / chunk_fwd[v], args.agreed_order)
     return figures
 
 
-def wire_table(v, m, times, differ):
+def simulated_wire(v, m, share, agreed_order):
+    """Print and return the simulator's step / no-wire step per flexible contender, a message taking ``share``
+    of one chunk's forward (measured), backward = 2 forwards, a receive moving its message only once posted."""
+    rows = {}
+    for name, k, kind in wire_contenders(v, agreed_order):
+        if kind == STOCK:
+            continue
+        schedule = build_schedule(WIRE_P, v, m, k)
+        posts = [(receive_posts if kind == EARLY else agreed_order_posts)(schedule, r) for r in range(WIRE_P)]
+        makespan, waited = simulate_posted(schedule, posts, 1.0, 2.0, share)
+        rows[name] = {"wire_over_no_wire": makespan / simulate(schedule, 1.0, 2.0).makespan,
+                      "recv_wait_forwards": waited}
+    print(f"  simulated (simulate_posted, a message = {share:.0%} of a forward, measured): wire / no wire "
+          + ", ".join(f"{name} {row['wire_over_no_wire']:.3f}" for name, row in rows.items()))
+    return rows
+
+
+def wire_table(v, m, times, differ, agreed_order=False, message_bytes=0):
     p = WIRE_P
 
     def walls(key):  # slowest rank, per round
@@ -291,7 +319,7 @@ def wire_table(v, m, times, differ):
           f"peak saved activations (census, larger rank) and simulated peak in-flight (chunk-microbatches)")
     print(f"  {'schedule':<24} {'no wire ms':>10} {'wire ms':>9} {'wire/no-wire':>20} {'wire / stock wire':>20} "
           f"{'CPU-busy wire':>13} {'saved MB':>8} {'in-flight':>9}")
-    for name, k, _ in wire_contenders(v):
+    for name, k, _ in wire_contenders(v, agreed_order):
         off, on = (statistics.median(walls((name, w))) for w in (False, True))
         busy = statistics.median(sum(r["busy"] for r in ranks) / (2 * max(r["wall"] for r in ranks))
                                  for ranks in times[(name, True)])
@@ -305,19 +333,27 @@ def wire_table(v, m, times, differ):
         print(f"  {name:<24} {1000 * off:>10.0f} {1000 * on:>9.0f} {harness.ratio_text(row['wire_over_no_wire']):>20} "
               f"{harness.ratio_text(row['wire_over_stock_wire']):>20} {busy:>13.2f} {peak:>8.1f} {inflight:>9}")
     print(f"  gradients identical in every run: {'yes' if not differ else 'NO, ' + ', '.join(sorted(differ))}")
-    print("  where the flexible executor blocks, ms per step, median, rank 0 / rank 1 (no wire -> wire): "
-          + ", ".join(CHANNEL_WAITS))
-    table["waits_ms"] = {}
-    for name, _, stock in wire_contenders(v):
-        if stock:
+    print("  where the flexible executor blocks (its own account), ms per step, median, rank 0 / rank 1 "
+          "(no wire -> wire): waiting for receives, for sends; receive buffers posted at once, executor (plan)")
+    table["waits_ms"], table["posted_receives"] = {}, {}
+    for name, k, kind in wire_contenders(v, agreed_order):
+        if kind == STOCK:
             continue
         cells, table["waits_ms"][name] = [], {}
         for label in CHANNEL_WAITS:
             per_rank = [[statistics.median(1000 * ranks[r]["waits"][label] for ranks in times[(name, w)])
                          for r in range(p)] for w in (False, True)]
-            table["waits_ms"][name][label] = {"no_wire": per_rank[0], "wire": per_rank[1]}
-            cells.append(f"{label} {'/'.join(f'{x:.0f}' for x in per_rank[0])} -> "
+            table["waits_ms"][name][label[:-2]] = {"no_wire": per_rank[0], "wire": per_rank[1]}
+            cells.append(f"{label[:-2]} {'/'.join(f'{x:.0f}' for x in per_rank[0])} -> "
                          f"{'/'.join(f'{x:.0f}' for x in per_rank[1])}")
+        executed = [max(ranks[r]["waits"]["peak_posted_receives"] for ranks in times[(name, True)]) for r in range(p)]
+        schedule = build_schedule(p, v, m, k)
+        planned = [(receive_posts if kind == EARLY else agreed_order_posts)(schedule, r).peak_inflight()
+                   for r in range(p)]
+        table["posted_receives"][name] = {"executor": executed, "plan": planned, "bytes_each": message_bytes,
+                                          "executor_bytes": [n * message_bytes for n in executed]}
+        cells.append(f"posted {'/'.join(map(str, executed))} ({'/'.join(map(str, planned))}) = "
+                     f"{max(executed) * message_bytes / 1e6:.1f} MB")
         print(f"    {name:<22} " + "; ".join(cells))
     sys.stdout.flush()
     return table
@@ -334,6 +370,8 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=24, help="on a wire: toy model layers (divisible by 2 x vpp)")
     parser.add_argument("--mbs", type=int, default=2, help="on a wire: micro-batch size")
     parser.add_argument("--rounds", type=int, default=3, help="on a wire: timed rounds after a warm-up round")
+    parser.add_argument("--agreed-order", action="store_true", help="on a wire: also flexible k = p and 1.5p "
+                        "posting receives in the agreed pair order (the executor before early receives)")
     parser.add_argument("--send-share", type=float, default=0.25, help="--wire auto: the share of the smallest "
                         "chunk's forward that one activation send alone should take")
     import wire

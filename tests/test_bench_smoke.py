@@ -70,7 +70,7 @@ def test_multimodal_real_section():
 @pytest.mark.parametrize("bench, options, where", [
     ("cp_attention", ["--seq", "512", "--rounds", "1", "--work-seq", "--masks", "causal"], ()),
     ("pp_schedule", ["--vpp", "2", "--layers", "4", "--microbatches", "4", "--rounds", "1", "--hidden", "32",
-                     "--seq", "16", "--mbs", "1"], ("wire",)),
+                     "--seq", "16", "--mbs", "1", "--agreed-order"], ("wire",)),
     ("zero", ["--quick", "--gas", "2", "--rounds", "1", "--variants", "ours ZeRO-1"], ()),
 ])
 def test_bench_runs_on_the_per_rank_wire(bench, options, where):
@@ -82,6 +82,10 @@ def test_bench_runs_on_the_per_rank_wire(bench, options, where):
     for key in where:
         figures = figures[key]
     assert figures["wire_mode"] == "per-rank" and figures["rate_bits"] == 200 * 10**6
+    if bench == "pp_schedule":  # the executor's own count of receive buffers posted at once is its plan's
+        posted = figures["vpp 2"]["posted_receives"]
+        assert sorted(posted) == sorted(figures["vpp 2"]["waits_ms"]) and len(posted) == 5, posted
+        assert all(row["executor"] == row["plan"] for row in posted.values()), posted
     traffic = figures["wire_traffic_bytes"]
     assert sorted(traffic) == ["0", "1"]
     for rank, peer in (("0", "1"), ("1", "0")):

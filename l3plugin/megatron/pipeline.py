@@ -9,9 +9,12 @@ forward_backward functions (and ignores unknown future ones). It runs the per-ra
 Differences from the stock interleaved schedule, all deliberate:
 - any m >= 1 and any k in 1..m (k from ``config.microbatch_group_size_per_vp_stage``, default p);
   k < p runs all-forward-all-backward, a last group smaller than p is fine;
-- P2P goes through ``l3plugin.schedule.p2p`` (device taken from the model; both peers of a pair post
-  their sends and receives in one agreed order), not Megatron's P2PCommunicator, whose receive buffers
-  hard-code CUDA and whose batched pp=2 path can silently swap activations and gradients;
+- P2P goes through ``l3plugin.schedule.p2p`` (device taken from the model; on CPU (gloo) receives are posted
+  as early as the plan allows within a budget, l3plugin.schedule.receives, so transfers overlap compute; on
+  other devices both peers of a pair post their sends and receives in one agreed order), not Megatron's
+  P2PCommunicator, whose receive buffers hard-code CUDA and whose batched pp=2 path can silently swap
+  activations and gradients; after each step ``forward_backward_pipelining_flexible.last_waits`` holds this
+  rank's blocking (seconds and count of receive and send waits) and its most receive buffers posted at once;
 - grad-sync hooks run right after the chunk's last backward (stock delays them by the pipeline rank),
   and a new per-round hook ``config.round_grad_sync_func(chunk_id, params, round_id, is_last_round)``
   runs after the last backward of every (chunk, round of k microbatches): ZeRO-2 reduce-scatters there.
@@ -35,19 +38,21 @@ from l3plugin.checks import check_int
 from l3plugin.megatron.cp_documents import schedule_step
 from l3plugin.schedule.p2p import PipelineChannels, pair_orders
 from l3plugin.schedule.plan import FORWARD, RankPlan, Schedule, build_schedule, with_trainable_stages
+from l3plugin.schedule.receives import receive_posts
 
 
 @functools.lru_cache(maxsize=64)
 def _cached_plan(pp, vpp, m, k, forward_only, rank, trainable):
     """Everything a step derives from the configuration alone, built once rather than every step:
     the schedule (forward-only if asked; ``trainable``: one flag per virtual stage), this rank's P2P order
-    (a replay of the whole plan), and the indices of its actions after which grad sync (chunk done) and
-    round sync (round done) happen."""
+    (a replay of the whole plan), when it posts each receive (early, ``receives.py``), and the indices of its
+    actions after which grad sync (chunk done) and round sync (round done) happen."""
     schedule = with_trainable_stages(build_schedule(pp, vpp, m, k), trainable)
     if forward_only:
         schedule = forward_only_schedule(schedule)
     orders = {peer: tuple(ops) for peer, ops in pair_orders(schedule, rank).items()}
-    return schedule, orders, schedule.ranks[rank].grad_sync_points(), schedule.round_end_points(rank)
+    return (schedule, orders, receive_posts(schedule, rank), schedule.ranks[rank].grad_sync_points(),
+            schedule.round_end_points(rank))
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
@@ -119,6 +124,13 @@ def trainable_stages(model, pp_group, device) -> tuple[bool, ...]:
     if p > 1:
         comm.all_reduce_sum(flags, pp_group, what="trainable stages over the PP group")
     return tuple(bool(f) for f in flags.tolist())
+
+
+def posts_receives_early(device) -> bool:
+    """Whether P2P on ``device`` tensors posts receives early (l3plugin.schedule.receives): on CPU (gloo) a
+    pending receive does not hold back this rank's sends; NCCL runs a pair's operations in posting order
+    on one stream, where an early receive could wait on a send queued behind it."""
+    return torch.device(device).type == "cpu"
 
 
 def _model_device(model) -> torch.device:
@@ -351,7 +363,7 @@ def forward_backward_pipelining_flexible(
     r, is_last_rank = pp_group.rank(), pp_group.rank() == pp_group.size() - 1
     check_int("num_microbatches", num_microbatches)
     device = _model_device(model)
-    schedule, orders, grad_sync_points, round_ends = _step_plan(
+    schedule, orders, posts, grad_sync_points, round_ends = _step_plan(
         config, model, pp_group, num_microbatches, forward_only, device)
 
     seq = (decoder_seq_length or seq_length) // cp_group.size()
@@ -359,7 +371,8 @@ def forward_backward_pipelining_flexible(
         seq //= tp_group.size()
     channels = PipelineChannels(
         schedule, r, orders, dist.get_process_group_ranks(pp_group), pp_group,
-        shape=(seq, micro_batch_size, config.hidden_size), dtype=config.pipeline_dtype, device=device)
+        shape=(seq, micro_batch_size, config.hidden_size), dtype=config.pipeline_dtype, device=device,
+        posts=posts if posts_receives_early(device) else None)
     syncs = SyncHooks(config, model, schedule, r, grad_sync_points, round_ends, forward_only)
     executor = _Executor(
         schedule, r, channels, syncs, forward_step_func=forward_step_func, data_iterator=data_iterator,
@@ -370,6 +383,7 @@ def forward_backward_pipelining_flexible(
     syncs.disable()
     syncs.start_param_gathers(-1)
     for index, action in enumerate(schedule.ranks[r].actions):
+        channels.before_action(index)
         if action.op == FORWARD:
             executor.forward(action)
         else:
@@ -378,4 +392,5 @@ def forward_backward_pipelining_flexible(
     syncs.enable()
     _finish_step(config, model, embedding_module, is_last_rank, tp_group, executor.total_num_tokens,
                  pg_collection, force_all_reduce, forward_only)
+    forward_backward_pipelining_flexible.last_waits = channels.waits  # the step's blocking, for benches
     return executor.forward_data_store

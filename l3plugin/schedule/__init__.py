@@ -1,5 +1,5 @@
 """Flexible interleaved 1F1B pipeline schedule (Llama 3 paper, section 3.1.1): planning,
-validation, simulation and timelines.  Pure Python; matplotlib only for PNG output."""
+validation, receive posting, simulation and timelines.  Pure Python; matplotlib only for PNG output."""
 
 from .plan import (
     Action,
@@ -14,7 +14,8 @@ from .plan import (
     warmup_count,
     with_trainable_stages,
 )
-from .simulate import SimulationResult, TimedAction, simulate
+from .receives import ReceivePosts, agreed_order_posts, receive_budget, receive_posts
+from .simulate import SimulationResult, TimedAction, simulate, simulate_posted
 from .timeline import MissingExtraError, render_png, render_text
 
 __all__ = [
@@ -22,16 +23,21 @@ __all__ = [
     "Message",
     "MissingExtraError",
     "RankPlan",
+    "ReceivePosts",
     "Schedule",
     "ScheduleError",
     "SimulationResult",
     "TimedAction",
+    "agreed_order_posts",
     "build_schedule",
     "execution_order",
     "render_png",
+    "receive_budget",
+    "receive_posts",
     "render_text",
     "schedule_from_warmups",
     "simulate",
+    "simulate_posted",
     "validate",
     "warmup_count",
     "with_trainable_stages",

@@ -18,46 +18,38 @@ Sends are non-blocking and their completion is checked lazily; a rank only ever 
 next compute step needs. Devices and dtypes come from the caller (the model), never hard-coded.
 Every blocking wait is bounded (``wait_timeout``, see l3plugin/waits.py): a peer that never sends or
 receives gives a ``CommTimeout`` naming both ranks and the message instead of a 30-minute hang.
+
+Early receives (``posts``, planned by l3plugin.schedule.receives): a transfer starts only once its receive is
+posted, so on a transport where a pending receive does not hold back this rank's sends (gloo: CPU tensors)
+the channels post each receive at its planned point (``before_action``), ahead of need within the budget, in
+each peer's send order, and post sends at once. Without ``posts`` they keep the agreed pair order above,
+which a transport running a pair's operations in posting order on one stream (NCCL) needs.
+The channels time their own blocking (``waits``): seconds and count of the receive and send waits that found
+their operation unfinished, and the most receive buffers posted at once (in-flight receive memory).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
 import torch.distributed as dist
 
-from l3plugin.schedule.plan import Message, Schedule, execution_order
+from l3plugin.schedule.plan import Message, Schedule
+from l3plugin.schedule.receives import RECV, SEND, ReceivePosts, pair_orders
 from l3plugin.waits import resolve_timeout, wait_work
-
-SEND, RECV = "send", "recv"
-
-
-def pair_orders(schedule: Schedule, pp_rank: int) -> dict[int, deque]:
-    """For each peer: this rank's sends to it and receives from it, as (SEND|RECV, message), in the
-    order of the global replay. Both ranks of a pair derive the same sequence (mirrored)."""
-    ops: dict[int, deque] = {}
-    for rank, index in execution_order(schedule):
-        _, send = schedule.action_messages(rank, schedule.ranks[rank].actions[index])
-        if send is None:
-            continue
-        dst = schedule.owner_of(send.dst_stage)[0]
-        if rank == dst:
-            continue  # pp=1 with chunks: handed over locally
-        if rank == pp_rank:
-            ops.setdefault(dst, deque()).append((SEND, send))
-        elif dst == pp_rank:
-            ops.setdefault(rank, deque()).append((RECV, send))
-    return ops
-
 
 class PipelineChannels:
     """This pipeline rank's receives and sends for one execution of ``schedule``."""
 
     def __init__(self, schedule: Schedule, pp_rank: int, orders, pp_global_ranks: list[int], group, *,
-                 shape, dtype, device, prefetch: bool = True, wait_timeout: float | None = None):
+                 shape, dtype, device, prefetch: bool = True, wait_timeout: float | None = None,
+                 posts: ReceivePosts | None = None):
         """``orders``: ``pair_orders(schedule, pp_rank)`` (callers cache it; None computes it).
-        ``wait_timeout``: seconds any send or receive may take (None: ``l3plugin.waits.resolve_timeout``)."""
+        ``wait_timeout``: seconds any send or receive may take (None: ``l3plugin.waits.resolve_timeout``).
+        ``posts``: ``receive_posts(schedule, pp_rank)`` to post receives early (module docstring); then
+        ``orders`` and ``prefetch`` are not used."""
         self.pp_rank = pp_rank
         self.schedule = schedule
         self.global_ranks = list(pp_global_ranks)
@@ -65,11 +57,20 @@ class PipelineChannels:
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.prefetch = prefetch
         self.wait_timeout = resolve_timeout(wait_timeout)
-        orders = pair_orders(schedule, pp_rank) if orders is None else orders
-        self._ops = {peer: deque(ops) for peer, ops in orders.items()}
+        self.posts = posts
+        if posts is None:
+            orders = pair_orders(schedule, pp_rank) if orders is None else orders
+            self._ops = {peer: deque(ops) for peer, ops in orders.items()}
+        else:  # receives only, each peer's in its send order; sends are posted when they are made
+            self._ops, self._planned_at = {}, {}
+            for planned in posts.receives:
+                self._ops.setdefault(planned.peer, deque()).append((RECV, planned.message))
+                self._planned_at.setdefault(planned.post_at, []).append(planned)
         self._posted: dict[Message, tuple] = {}  # message -> (work, buffer, peer)
         self._local: dict[Message, torch.Tensor] = {}
         self._sends: dict[Message, tuple] = {}  # message -> (work, tensor, on_complete, peer)
+        self.waits = {"recv_s": 0.0, "recv_count": 0, "send_s": 0.0, "send_count": 0,
+                      "peak_posted_receives": 0, "peak_posted_bytes": 0}
 
     def _needs_grad(self, msg: Message) -> bool:
         # Activations arrive as leaf inputs whose .grad the backward step reads, unless nothing trains
@@ -79,6 +80,16 @@ class PipelineChannels:
     def _post_recv(self, peer: int, msg: Message):
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=self._needs_grad(msg))
         self._posted[msg] = (dist.irecv(buf, src=self.global_ranks[peer], group=self.group), buf, peer)
+        if len(self._posted) > self.waits["peak_posted_receives"]:
+            self.waits["peak_posted_receives"] = len(self._posted)
+            self.waits["peak_posted_bytes"] = len(self._posted) * buf.numel() * buf.element_size()
+
+    def before_action(self, index: int):
+        """Post the receives planned before this rank's action ``index`` (``posts``; else nothing)."""
+        if self.posts is not None:
+            for planned in self._planned_at.get(index, ()):
+                if planned.message not in self._posted:
+                    self._advance(planned.peer, planned.message)
 
     def _advance(self, peer: int, until: Message):
         """Post this pair's operations in the agreed order, receives up to ``until``, or up to the
@@ -106,7 +117,7 @@ class PipelineChannels:
         work, buf, _ = self._posted.pop(msg)
         self._wait(work, f"receive of {self._describe(msg)} from", src_rank)
         queue = self._ops.get(src_rank)
-        if self.prefetch and queue and queue[0][0] == RECV:
+        if self.posts is None and self.prefetch and queue and queue[0][0] == RECV:
             kind, nxt = queue.popleft()  # overlap the next receive from this peer with our compute
             self._post_recv(src_rank, nxt)
         return buf
@@ -117,7 +128,8 @@ class PipelineChannels:
             work = None
             self._local[msg] = tensor.detach().requires_grad_(self._needs_grad(msg))
         else:
-            self._advance(dst_rank, msg)
+            if self.posts is None:
+                self._advance(dst_rank, msg)
             work = dist.isend(tensor.contiguous(), dst=self.global_ranks[dst_rank], group=self.group)
         self._sends[msg] = (work, tensor, on_complete, dst_rank)
         self._reap()
@@ -131,9 +143,14 @@ class PipelineChannels:
         return f"the {msg.kind} of microbatch {msg.microbatch} (stage {msg.src_stage} -> {msg.dst_stage})"
 
     def _wait(self, work, operation: str, peer: int):
+        blocks, start = not work.is_completed(), time.perf_counter()
         wait_work(work, timeout=self.wait_timeout,
                   what=f"pipeline rank {self.pp_rank}: {operation} pipeline rank {peer} (global rank "
                        f"{self.global_ranks[peer]})")
+        if blocks:  # counted only when the operation had not finished yet: a wait that blocked
+            kind = "recv" if operation.startswith("receive") else "send"
+            self.waits[f"{kind}_s"] += time.perf_counter() - start
+            self.waits[f"{kind}_count"] += 1
 
     def _complete(self, msg):
         work, tensor, on_complete, peer = self._sends.pop(msg)

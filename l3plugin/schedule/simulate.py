@@ -176,3 +176,48 @@ def check_stage_times(stage_times, num_stages: int) -> list[tuple[float, float]]
                          f"per virtual stage (pp x vpp = {num_stages})")
     return [(_check_time(f"stage_times[{s}] forward", f, allow_zero=False),
              _check_time(f"stage_times[{s}] backward", b, allow_zero=True)) for s, (f, b) in enumerate(stage_times)]
+
+
+def simulate_posted(schedule: Schedule, posts, forward_time: float = 1.0, backward_time: float | None = None,
+                    message_time: float = 0.0) -> tuple[float, list[float]]:
+    """(makespan, per rank: time spent waiting for receives) when a message moves only once its receive is
+    posted (gloo, NCCL). ``posts``: one ``ReceivePosts`` per rank (l3plugin.schedule.receives). A message
+    takes ``message_time`` on the wire, starting when it is sent and its receive is posted, after the
+    previous message in the same direction (first in, first out; each direction its own link, full duplex).
+    A receive posted at point i is posted when action i - 1 ends; ``after_receive``: when action i starts."""
+    message_time = _check_time("message_time", message_time, allow_zero=True)
+    forward_time = _check_time("forward_time", forward_time, allow_zero=False)
+    backward_time = _check_time("backward_time", 2.0 * forward_time if backward_time is None else backward_time,
+                                allow_zero=False)
+    planned = {r.message: (rank, r) for rank, plan in enumerate(posts) for r in plan.receives}
+    previous = {}  # message -> the message before it in its direction
+    last = {}
+    for rank, plan in enumerate(posts):
+        for r in plan.receives:
+            previous[r.message], last[(r.peer, rank)] = last.get((r.peer, rank)), r.message
+    starts = [[0.0] * len(plan.actions) for plan in schedule.ranks]
+    ends = [[0.0] * len(plan.actions) for plan in schedule.ranks]
+    sent_at, arrival = {}, {}
+
+    def arrive(msg):
+        if msg not in arrival:
+            rank, r = planned[msg]
+            posted = (starts[rank][r.post_at] if r.after_receive
+                      else ends[rank][r.post_at - 1] if r.post_at else 0.0)
+            before = previous[msg]
+            arrival[msg] = max(sent_at[msg], posted, arrive(before) if before else 0.0) + message_time
+        return arrival[msg]
+
+    free_at, waited = [0.0] * schedule.pp, [0.0] * schedule.pp
+    for rank, index in execution_order(schedule):
+        action = schedule.ranks[rank].actions[index]
+        recv, send = schedule.action_messages(rank, action)
+        ready = free_at[rank]
+        if recv is not None:
+            ready = max(ready, arrive(recv) if recv in planned else sent_at[recv])
+        waited[rank] += ready - free_at[rank]
+        starts[rank][index] = ready
+        free_at[rank] = ends[rank][index] = ready + (forward_time if action.op == FORWARD else backward_time)
+        if send is not None:
+            sent_at[send] = free_at[rank]
+    return max(free_at), waited
