@@ -12,8 +12,14 @@ MIB = 2**20
 def markdown(header: list[str], rows) -> str:
     """A markdown table: the header, its rule and one line per row (cells already formatted)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    lines += ["|" + "|".join(f" {cell} " if cell != "" else " " for cell in row) + "|" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def sci(x: float) -> str:
+    """x in the docs' scientific notation: 2.5e-3 (Python writes 2.5e-03)."""
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
 
 
 def ratio_range(stats, digits: int = 3, range_digits: int = 2) -> str:
@@ -204,7 +210,11 @@ def cp_regather(figures: dict) -> str:
 
 # ---- zero --------------------------------------------------------------------------------------------------
 def _sent(collective_bytes: dict) -> str:
-    return " + ".join(f"{nbytes / 1e6:.1f} {key}" for key, nbytes in sorted(collective_bytes.items()))
+    """MB per op and dtype, largest first; the norms' and overflow flags' scalars (under 1%) left out."""
+    total = sum(collective_bytes.values())
+    return " + ".join(f"{nbytes / 1e6:.1f} {key}" for key, nbytes in sorted(collective_bytes.items(),
+                                                                             key=lambda item: -item[1])
+                      if nbytes >= 0.01 * total)
 
 
 def zero(figures: dict) -> str:
@@ -216,7 +226,7 @@ def zero(figures: dict) -> str:
                  f"{row['exposed_over_collectives']['median']:.2f}" if row["exposed_over_collectives"] else "",
                  f"{row['cpu_busy']:.2f}", f"{row['grad_bytes_per_param']:.2f}",
                  f"{row['reductions_in_backward']}/{row['reductions']}", _sent(row["collective_bytes"]),
-                 f"{row['grad_error']:.1e}"] for row in table["rows"]]
+                 sci(row["grad_error"])] for row in table["rows"]]
         parts.append(f"gas {gas}:\n\n" + markdown(["variant", "step ms", "ratio", "exposed ms", "exp/coll", "CPU busy",
                                                    "grad B/param", "in bwd", "sent MB", "err"], rows))
     return "\n".join(parts)
