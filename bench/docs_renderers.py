@@ -52,6 +52,25 @@ def multimodal_real(figures: dict) -> str:
     return "".join(line + "\n" for line in text.getvalue().splitlines() if not line.startswith("wrote "))
 
 
+# docs/pipeline.md's selected rows of the text-only splits, (image tokens, p, v), in the docs' order.
+MULTIMODAL_SPLIT_ROWS = ((1200, 4, 1), (1200, 8, 1), (1200, 4, 2), (3000, 4, 1), (3000, 8, 1), (3000, 4, 2))
+
+
+def multimodal_splits(figures: dict) -> str:
+    """docs/pipeline.md's text-pipeline splits (from a run without P2P time, --bandwidth-gbps 0): the selected
+    rows of MULTIMODAL_SPLIT_ROWS that the run has."""
+    by_key = {(row["image_tokens"], row["pp"], row["vpp"]): row["splits"] for row in figures["rows"]}
+    rows = []
+    for key in [key for key in MULTIMODAL_SPLIT_ROWS if key in by_key]:
+        splits = by_key[key]
+        cells = [f"{splits[name]['load_max_over_min']:.2f} / {splits[name]['bubble']:.2f}" if splits[name] else "n/a"
+                 for name in ("count", "grouped", "balanced")]
+        rows.append([*key, *cells, f"{splits['balanced']['makespan'] / splits['count']['makespan']:.3f}",
+                     " ".join(map(str, splits["balanced"]["counts"]))])
+    return markdown(["I", "p", "v", "count: load / bubble", "grouped", "balanced", "balanced step / count",
+                     "balanced layers per stage"], rows)
+
+
 # ---- cp_memory ---------------------------------------------------------------------------------------------
 def cp_memory(figures: dict) -> str:
     """docs/cp.md's table of what one CP attention layer saves for the backward (MiB)."""

@@ -171,6 +171,7 @@ def json_run(tmp_path, *argv, timeout=120):
 
 @pytest.mark.parametrize("table, argv", [
     ("multimodal-simulated", ["bench/multimodal_pp.py", "simulated"]),  # the docs' whole table, defaults
+    ("multimodal-splits", ["bench/multimodal_pp.py", "simulated", "--bandwidth-gbps", "0"]),  # without P2P time
     ("cp-memory", ["bench/cp_memory.py", "--cp", "2", "--seq", "4096"]),  # one row of it (cp 2 and 4: ~2 min)
 ])  # pp-simulated: test_bench_smoke.py, from the run that also renders pp-real
 def test_docs_table_is_what_a_run_made_now_renders(tmp_path, table, argv):
