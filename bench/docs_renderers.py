@@ -131,9 +131,13 @@ def pp_wire(figures: dict) -> str:
                          "1" if stock else f"{row['wire_over_stock_wire']['median']:.3f}",
                          f"{row['saved_mb']:.1f}", row["inflight"]])
     identical = all(wire[key]["identical_gradients"] for key in wire if key.startswith("vpp "))
+    send = wire["activation_send_alone_s"]
+    shares = ", ".join(f"vpp {v} {send / t:.0%}" for v, t in wire["chunk_forward_s"].items())
     return (markdown(["vpp", "schedule", "no wire ms", "wire ms", "wire / no wire", "wire / stock's wire",
                       "saved MB", "in-flight"], rows)
-            + f"\nGradients identical in every run: {'yes' if identical else 'NO'}.\n")
+            + f"\nGradients identical in every run: {'yes' if identical else 'NO'}. One activation "
+              f"({wire['activation_bytes'] / 1e6:.2f} MB) sent alone: {1000 * send:.0f} ms wall; of one chunk's "
+              f"forward: {shares}.\n")
 
 
 # ---- cp_attention ------------------------------------------------------------------------------------------
@@ -210,9 +214,22 @@ def cp_wire(figures: dict) -> str:
         rows.append([seq_text(entry["seq"]), ring_cell("causal", "all-gather causal", True),
                      ring_cell("docs", "all-gather docs 2cp", False), ring_cell("docs", "all-gather docs balanced", False),
                      ", ".join("-" if x is None else f"{x:.3f}" for x in over)])
-    return markdown(["S", "ring / AG causal, plain -> overlapped", "ring / AG docs 2cp, plain -> overlapped",
+    return _kv_alone_line(figures) + markdown(["S", "ring / AG causal, plain -> overlapped", "ring / AG docs 2cp, plain -> overlapped",
                      "ring / AG docs balanced, plain -> overlapped",
                      "overlapped / plain: causal, docs 2cp, docs balanced"], rows)
+
+
+def _kv_alone_line(figures: dict) -> str:
+    """The K/V all-gather alone at each S, and its share of the overlapped all-gather's step (causal, else docs)."""
+    cells = []
+    for entry in figures["timed"]:
+        step = next((entry["contenders"][name]["wall_s"] for name in ("all-gather causal overlapped",
+                                                                      "all-gather docs 2cp overlapped")
+                     if name in entry["contenders"]), None)
+        alone = entry["all_gather_alone_s"]
+        cells.append(f"{seq_text(entry['seq'])} {1000 * alone:.0f} ms" + (f" ({alone / step:.1%})" if step else ""))
+    return ("K/V all-gather alone on this wire (share of the overlapped all-gather step): "
+            + ", ".join(cells) + "\n\n")
 
 
 def cp_regather(figures: dict) -> str:
@@ -260,8 +277,11 @@ def zero_wire(figures: dict) -> str:
              ratio_range(row["exposed_over_collectives"], 2) if row["exposed_over_collectives"] else "",
              f"{row['cpu_busy']:.2f}", f"{row['grad_bytes_per_param']:.2f}"]
             for gas, table in figures["gas"].items() for row in table["rows"]]
-    return markdown(["gas", "variant", "step ms", "ratio to stock", "exposed ms", "exp/coll", "CPU busy",
-                     "grad B/param"], rows)
+    alone = "; ".join(f"{name} {1000 * t['wall']:.0f} ms wall ({1000 * t['cpu']:.0f} ms CPU)"
+                      for name, t in figures["collectives_alone_s"].items())
+    return (f"Forward+backward of one micro-batch: {figures['forward_backward_ms']:.0f} ms. Alone on this wire, no "
+            f"compute: {alone}.\n\n" + markdown(["gas", "variant", "step ms", "ratio to stock", "exposed ms",
+                                                   "exp/coll", "CPU busy", "grad B/param"], rows))
 
 
 # ---- hf_cp, autoload_startup -------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -79,7 +80,7 @@ def wire_statement(record: dict) -> str:
     where = {"per-rank": "per-rank links (each rank its own full-duplex link)",
              "shared": "the shared loopback bus (every rank, both directions)"}.get(mode, f"mode {mode}")
     each = " each way per rank" if mode == "per-rank" else " in total"
-    return f"Wire: {where}, {rate_text(rate)}{each}; run: `{' '.join(record['command'])}`\n\n"
+    return f"Wire: {where}, {rate_text(rate)}{each}; run: `{shlex.join(record['command'])}`\n\n"
 
 
 # Every table of docs/*.md and README.md (its header line), and the prose that gives a bench's figures (its
@@ -102,10 +103,14 @@ DOC_FIGURES = (
     ("docs/benchmarks.md", "| vpp | schedule | no wire ms | wire ms | wire / no wire | wire / stock's wire | saved MB "
      "| in-flight |", ("pp-wire",), ""),
     ("docs/benchmarks.md", "| S | causal / non-causal (cp=1) |", ("cp-timed",), ""),
+    ("docs/benchmarks.md", "Before (issue 14, kernels attending", (),
+     "the kernels before today's, measured then; today's benches cannot run them"),
     ("docs/benchmarks.md", "| S | cp | 2cp layout max/min (mean, worst) |", ("cp-work",), ""),
     ("docs/benchmarks.md", "| S | ring / AG causal, plain -> overlapped |", ("cp-wire",), ""),
     ("docs/benchmarks.md", "`cp_kv=\"keep\"`, as measured; `--wire` adds a 2cp", ("cp-regather",), ""),
     ("docs/benchmarks.md", "| variant | step ms | ratio | exposed ms | exp/coll |", ("zero",), ""),
+    ("docs/benchmarks.md", "- On gloo our reduce-scatter is a point-to-point exchange", (),
+     "gloo's collectives timed alone by hand; no bench records these"),
     ("docs/benchmarks.md", "| gas | variant | step ms | ratio to stock |", ("zero-wire",), ""),
     ("docs/checkpoints.md", "| from -> to |", (), "what interoperates (tests), no figures"),
     ("docs/checkpoints.md", "| fault | outcome on the rank that reads it |", (), "fault injections (tests)"),
