@@ -111,7 +111,7 @@ def pp_simulated(figures: dict) -> str:
 
 def pp_real(figures: dict) -> str:
     """docs/benchmarks.md's real CPU run of flexible against stock interleaved (pp 4, vpp 2, m 8, k 4)."""
-    real = figures["real"]
+    real = figures["real"]  # ranks, pp, vpp, m, k: fixed in pp_schedule.real_run (no option changes them)
     return markdown(["ranks", "pp", "vpp", "m", "k", "hidden", "seq", "steps", "flexible ms", "stock ms",
                      "flexible / stock", "gradients identical"],
                     [[4, 4, 2, 8, 4, real["hidden"], real["seq"], real["steps"], f"{1000 * real['flexible_step_s']:.1f}",
