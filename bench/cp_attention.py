@@ -217,7 +217,7 @@ def report(s, cu_docs, times, diff):
     pair_ratio = pairs(cu_docs) / pairs([0, s])
     figures = {"seq": s, "load_average": os.getloadavg()[0], "documents": len(cu_docs) - 1,
                "pairs_of_causal": pair_ratio, "contenders": {}, "ratios": ratios,
-               "ring_vs_all_gather_max_abs_difference": max(diff.values())}
+               "ring_vs_all_gather_max_abs_difference": max(diff.values()), "work_max_over_min": {}}
     print(f"S={s}  ({load()}; documents: {len(cu_docs) - 1}, pairs {pair_ratio:.3f} of causal)")
     for n in times:
         busy = [statistics.median(ranks[r]["busy"] for ranks in times[n]) for r in range(2)]
@@ -235,6 +235,7 @@ def report(s, cu_docs, times, diff):
                                         ("docs 2cp", "cp1 docs", "cp2 docs 2cp", "2cp", cu_docs),
                                         ("docs balanced", "cp1 docs", "cp2 docs balanced", "balanced", cu_docs)):
         work = rank_work(make_layout(layout, s, 2, cu), cu)
+        figures["work_max_over_min"][label] = imbalance(work)
         if max(ratio(one, two, "wall"), ratio(one, two, "busy")) > 2.0:
             above.append(one)
         print(f"  cp2 speedup, {label + ':':<23}{both(one, two)}   (work max/min {imbalance(work):.3f}, "

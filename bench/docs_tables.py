@@ -10,100 +10,181 @@
     .venv/bin/python bench/pp_schedule.py --no-real --json > pp.json
     .venv/bin/python bench/docs_tables.py pp-simulated pp.json --check docs/benchmarks.md
 
-Tables (TABLES below): the bench that writes the JSON, the doc that holds the table, and the renderer.
+    .venv/bin/python bench/docs_tables.py --docs-check      # every docs table -> its renderer and command
+
+Tables (TABLES below): the bench that writes the JSON, the doc that holds the table, the renderer
+(bench/docs_renderers.py) and the bench command whose --json output regenerates it. A table rendered from a
+run on a wire opens with a line stating the wire's mode and rate and the run's command.
 --check DOC: exit 1, naming the lines, unless every line of the rendered table stands in DOC, in order (a
 run with fewer rows, e.g. `cp_memory.py --cp 2 --seq 4096`, checks those rows).
+--docs-check: DOC_FIGURES names, for every table in docs/ and README.md and every bench figure given in
+prose, the tables that render it, or why no bench makes it; exit 1 if a table is not listed or an entry is stale.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
+import shlex
 import sys
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the renderers and the benches they print with
 
-MIB = 2**20
-
-
-def multimodal_simulated(figures: dict) -> str:
-    """docs/pipeline.md's simulated multimodal tables: the bench's own printout of the same figures."""
-    from multimodal_pp import print_simulated
-
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        print_simulated(figures)
-    return text.getvalue()
+import docs_renderers as r  # noqa: E402
 
 
-def multimodal_real(figures: dict) -> str:
-    """docs/pipeline.md's measured multimodal table (a saved timing run: docs/runs/multimodal_real.json)."""
-    from multimodal_pp import print_real
-
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        print_real(figures)
-    return "".join(line + "\n" for line in text.getvalue().splitlines() if not line.startswith("wrote "))
+class Table(NamedTuple):
+    bench: str  # the bench whose --json record it renders
+    doc: str  # the doc holding the table (or, where the doc gives the figures in prose, those figures)
+    renderer: Callable[[dict], str]
+    run: str  # the bench command whose --json output regenerates it (the docs' figures came from such a run)
 
 
-def cp_memory(figures: dict) -> str:
-    """docs/cp.md's table of what one CP attention layer saves for the backward (MiB)."""
-    lines = ["| cp | S | keep MiB | regather MiB | freed MiB | planner keep / regather / freed | measured / planner |",
-             "|---|---|---|---|---|---|---|"]
-    for row in figures["rows"]:
-        keep, regather = row["keep"], row["regather"]
-        p_keep, p_regather, p_freed = row["planner_keep"], row["planner_regather"], row["planner_gathered_kv"]
-        seq = f"{row['seq'] // 1024}K" if row["seq"] % 1024 == 0 else str(row["seq"])
-        lines.append(f"| {row['cp']} | {seq} | {keep / MIB:.2f} | {regather / MIB:.2f} | {(keep - regather) / MIB:.2f} "
-                     f"| {p_keep / MIB:.2f} / {p_regather / MIB:.2f} / {p_freed / MIB:.2f} "
-                     f"| {keep / p_keep:.3f} / {regather / p_regather:.3f} / {(keep - regather) / p_freed:.3f} |")
-    return "\n".join(lines) + "\n"
-
-
-# docs/benchmarks.md's selected rows of the simulated schedules: (p, v, m, k) and the name the docs give the row.
-PP_ROWS = (((16, 1, 48, 16), "1F1B"), ((16, 1, 48, 1), "all-forward-all-backward (GPipe)"),
-           ((16, 4, 48, 16), "Megatron interleaved, k = p = 16"), ((16, 4, 48, 24), "flexible k = 1.5p = 24"),
-           ((16, 4, 48, 32), "flexible k = 2p = 32"), ((16, 4, 32, 24), "flexible k = 1.5p = 24 (last group 8 < p)"),
-           ((16, 4, 32, 8), "flexible k = p/2 = 8 (AFAB)"), ((4, 1, 9, 4), "1F1B"),
-           ((4, 2, 9, 4), "interleaved k = p = 4 (last group 1)"), ((4, 2, 9, 6), "flexible k = 6 (last group 3)"),
-           ((4, 3, 10, 6), "flexible k = 6"))
-
-
-def pp_simulated(figures: dict) -> str:
-    """docs/benchmarks.md's table of simulated pipeline schedules (the rows of PP_ROWS)."""
-    rows = {}
-    for row in figures["paper_settings"] + figures["small_settings"]:
-        rows.setdefault((row["p"], row["v"], row["m"], row["k"]), row)  # v = 1 rows repeat per v: equal
-    lines = ["| p | v | m | schedule | stock | bubble, lat 0 | bubble, lat 0.1 | in-flight |",
-             "|---|---|---|---|---|---|---|---|"]
-    for key, name in PP_ROWS:
-        row = rows[key]
-        lines.append(f"| {row['p']} | {row['v']} | {row['m']} | {name} | {'yes' if row['stock_accepts'] else 'no'} "
-                     f"| {row['bubble']['0.0']:.3f} | {row['bubble']['0.1']:.3f} | {row['inflight']} |")
-    return "\n".join(lines) + "\n"
-
-
-# name: (the bench whose --json it reads, the doc holding the table, renderer)
 TABLES = {
-    "multimodal-simulated": ("multimodal_pp", "docs/pipeline.md", multimodal_simulated),
-    "multimodal-real": ("multimodal_pp", "docs/pipeline.md", multimodal_real),
-    "cp-memory": ("cp_memory", "docs/cp.md", cp_memory),
-    "pp-simulated": ("pp_schedule", "docs/benchmarks.md", pp_simulated),
+    "multimodal-simulated": Table("multimodal_pp", "docs/pipeline.md", r.multimodal_simulated,
+                                  "bench/multimodal_pp.py --json"),
+    "multimodal-splits": Table("multimodal_pp", "docs/pipeline.md", r.multimodal_splits,
+                               "bench/multimodal_pp.py simulated --bandwidth-gbps 0 --json"),
+    "multimodal-real": Table("multimodal_pp", "docs/pipeline.md", r.multimodal_real,
+                             "bench/multimodal_pp.py real --rounds 15 --png docs --json"),
+    "cp-memory": Table("cp_memory", "docs/cp.md", r.cp_memory, "bench/cp_memory.py --json"),
+    "pp-simulated": Table("pp_schedule", "docs/benchmarks.md", r.pp_simulated, "bench/pp_schedule.py --no-real --json"),
+    "pp-posting-simulated": Table("pp_schedule", "docs/pipeline.md", r.pp_posting_simulated,
+                                  "bench/pp_schedule.py --no-real --json"),
+    "pp-real": Table("pp_schedule", "docs/benchmarks.md", r.pp_real, "bench/pp_schedule.py --json"),
+    "pp-wire": Table("pp_schedule", "docs/benchmarks.md", r.pp_wire, "bench/pp_schedule.py --wire auto --rounds 5 --json"),
+    "cp-timed": Table("cp_attention", "docs/benchmarks.md", r.cp_timed, "bench/cp_attention.py --json"),
+    "cp-work": Table("cp_attention", "docs/benchmarks.md", r.cp_work, "bench/cp_attention.py --json"),
+    "cp-wire": Table("cp_attention", "docs/benchmarks.md", r.cp_wire, "bench/cp_attention.py --wire auto --json"),
+    "cp-regather": Table("cp_attention", "docs/cp.md", r.cp_regather, "bench/cp_attention.py --wire auto --seq 8192 "
+                         "16384 --rounds 3 --masks causal --work-seq --json"),
+    "zero": Table("zero", "docs/benchmarks.md", r.zero, "bench/zero.py --json"),
+    "zero-wire": Table("zero", "docs/benchmarks.md", r.zero_wire,
+                       "bench/zero.py --wire 4gbit --gas 4 8 --rounds 3 --micro-batch 2 --json"),
+    "hf-cp": Table("hf_cp", "docs/huggingface.md", r.hf_cp, "bench/hf_cp.py --json"),
+    "autoload-startup": Table("autoload_startup", "docs/zero.md", r.autoload_startup,
+                              "bench/autoload_startup.py --rounds 100 --json"),
 }
+
+
+def wire_statement(record: dict) -> str:
+    """For a run on a wire: the line stating its mode, rate and command, which every wire table carries."""
+    figures = record["figures"]
+    shaped = figures.get("wire", figures)  # pp_schedule keeps its wire run under "wire"
+    mode, rate = shaped.get("wire_mode", "off"), shaped.get("rate_bits")
+    if mode == "off":
+        return ""
+    from wire import rate_text
+
+    where = {"per-rank": "per-rank links (each rank its own full-duplex link)",
+             "shared": "the shared loopback bus (every rank, both directions)"}.get(mode, f"mode {mode}")
+    each = " each way per rank" if mode == "per-rank" else " in total"
+    return f"Wire: {where}, {rate_text(rate)}{each}; run: `{shlex.join(record['command'])}`\n\n"
+
+
+# Every table of docs/*.md and README.md (its header line), and the prose that gives a bench's figures (its
+# opening words): the doc, that line, and the TABLES that render its figures, or () and why no bench does.
+DOC_FIGURES = (
+    ("README.md", "| command | wall time | what it did |", (), "make demo / make test wall times, by hand"),
+    ("README.md", "| | Megatron-Core 0.16.1 | DeepSpeed 0.19.8 | Transformer Engine 2.x | torch.distributed.pipelining "
+     "(2.13) | l3plugin |", (), "a feature comparison, no figures"),
+    ("README.md", "| page | what |", (), "an index"),
+    ("README.md", "- Pipeline: with P2P latency,", ("pp-simulated", "pp-wire"), ""),
+    ("README.md", "- Multimodal pipelines (paper 3.2):", ("multimodal-real",), ""),
+    ("README.md", "- CP attention: cp=2 over a fair cp=1", ("cp-timed", "cp-work", "cp-wire", "cp-memory"), ""),
+    ("README.md", "- ZeRO: reduced-gradient relative error", ("zero",), ""),
+    ("docs/benchmarks.md", "| table | command (per-rank links) | time |", (), "the commands, no figures"),
+    ("docs/benchmarks.md", "Measured here (2 ranks exchanging 4 MB fp32 each way,", (),
+     "the wire's own exchange, timed by hand (wire.time_collectives_alone); no bench records it"),
+    ("docs/benchmarks.md", "| p | v | m | schedule | stock | bubble, lat 0 | bubble, lat 0.1 | in-flight |",
+     ("pp-simulated",), ""),
+    ("docs/benchmarks.md", "Real CPU run, same script: 4 gloo ranks,", ("pp-real",), ""),
+    ("docs/pipeline.md", "| vpp | message / forward | k=p agreed order | k=p early |", ("pp-posting-simulated",), ""),
+    ("docs/benchmarks.md", "| vpp | schedule | no wire ms | wire ms | wire / no wire | wire / stock's wire | saved MB "
+     "| in-flight |", ("pp-wire",), ""),
+    ("docs/benchmarks.md", "| S | causal / non-causal (cp=1) |", ("cp-timed",), ""),
+    ("docs/benchmarks.md", "Before (issue 14, kernels attending", (),
+     "the kernels before today's, measured then; today's benches cannot run them"),
+    ("docs/benchmarks.md", "| S | cp | 2cp layout max/min (mean, worst) |", ("cp-work",), ""),
+    ("docs/benchmarks.md", "| S | ring / AG causal, plain -> overlapped |", ("cp-wire",), ""),
+    ("docs/benchmarks.md", "`cp_kv=\"keep\"`, as measured; `--wire` adds a 2cp", ("cp-regather",), ""),
+    ("docs/benchmarks.md", "| variant | step ms | ratio | exposed ms | exp/coll |", ("zero",), ""),
+    ("docs/benchmarks.md", "- On gloo our reduce-scatter is a point-to-point exchange", (),
+     "gloo's collectives timed alone by hand; no bench records these"),
+    ("docs/benchmarks.md", "| gas | variant | step ms | ratio to stock |", ("zero-wire",), ""),
+    ("docs/checkpoints.md", "| from -> to |", (), "what interoperates (tests), no figures"),
+    ("docs/checkpoints.md", "| fault | outcome on the rank that reads it |", (), "fault injections (tests)"),
+    ("docs/checkpoints.md", "| kill / fault during the save of step5 |", (), "fault injections (tests)"),
+    ("docs/cp.md", "| cp | S | keep MiB | regather MiB |", ("cp-memory",), ""),
+    ("docs/cp.md", "overlapped regather / overlapped keep =", ("cp-regather",), ""),
+    ("docs/huggingface.md", "| S | documents | cp=1 step | cp=2 step |", ("hf-cp",), ""),
+    ("docs/pipeline.md", "| I | p | v | count: load / bubble |", ("multimodal-splits",), ""),
+    ("docs/pipeline.md", "| placement | where the encoder runs |", (), "what each placement does, no figures"),
+    ("docs/pipeline.md", "Simulated: llama3-8b shapes,", ("multimodal-simulated",), ""),
+    ("docs/pipeline.md", "Measured: 2 gloo ranks (pp 2, one core each)", ("multimodal-real",), ""),
+    ("docs/reliability.md", "| fault | outcome | time to a clear error |", (), "fault injections (tests)"),
+    ("docs/upstream.md", "| set (declared in) | applied by | what |", (), "the patch registry, no figures"),
+    ("docs/upstream.md", "| name | declared beside |", (), "upstream private state, no figures"),
+    ("docs/verified.md", "| Megatron-Core (tag) |", (), "test counts of the compat runs"),
+    ("docs/verified.md", "| run | 1 | 2 | 3 | 4 | 5 |", (), "Megatron-LM losses (tests/examples)"),
+    ("docs/verified.md", "| run (core_v0.19.0) | 1 | 2 | 3 |", (), "Megatron-LM losses (tests/examples)"),
+    ("docs/verified.md", "| deepspeed | transformers | accelerate |", (), "test counts of the compat runs"),
+    ("docs/zero.md", "| | reduce-scatter | gradient memory between micro-batches |", (), "what each stage does"),
+    ("docs/zero.md", "| option | what it does | cost |", (), "the options (the measured cost: zero-wire)"),
+    ("docs/zero.md", "| Megatron-Core does | l3plugin's ZeRO |", (), "a feature comparison, no figures"),
+    ("docs/zero.md", "(`bench/autoload_startup.py`, this loaded 2-core machine,", ("autoload-startup",), ""),
+)
+
+
+def doc_tables(text: str) -> list[str]:
+    """The header lines of the markdown tables in ``text``."""
+    lines = text.splitlines()
+    return [head for head, rule in zip(lines, lines[1:]) if head.startswith("|") and rule.startswith("|---")]
+
+
+def docs_check(root: Path) -> list[str]:
+    """What is wrong with DOC_FIGURES against the docs under ``root``: a table no entry names, an entry whose
+    line is gone, an entry naming no table and giving no reason, or an unknown table."""
+    problems, texts = [], {}
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        texts[str(path.relative_to(root))] = path.read_text()
+    for doc, line, names, why in DOC_FIGURES:
+        if doc not in texts or not any(text_line.startswith(line) for text_line in texts[doc].splitlines()):
+            problems.append(f"{doc}: no line starts with {line!r} (DOC_FIGURES is stale)")
+        problems += [f"{doc}: {line!r} names no table {name!r}" for name in names if name not in TABLES]
+        if not names and not why:
+            problems.append(f"{doc}: {line!r}: no table renders it and no reason is given")
+    for doc, text in texts.items():
+        listed = [line for d, line, _, _ in DOC_FIGURES if d == doc]
+        problems += [f"{doc}: table {head!r} is not in DOC_FIGURES (name its renderer or why none)"
+                     for head in doc_tables(text) if not any(head.startswith(line) for line in listed)]
+    return problems
+
+
+def listing() -> str:
+    """Every DOC_FIGURES entry: the doc, its line, and the commands that regenerate it (or why none)."""
+    out = []
+    for doc, line, names, why in DOC_FIGURES:
+        out.append(f"{doc}: {line[:80]}")
+        for name in names:
+            out.append(f"    {name}: {TABLES[name].run} > RUN.json; bench/docs_tables.py {name} RUN.json")
+        if not names:
+            out.append(f"    not from a bench: {why}")
+    return "\n".join(out) + "\n"
 
 
 def render(name: str, record: dict) -> str:
     """The table ``name`` from a bench's --json record (checked to come from the right bench)."""
     if name not in TABLES:
         raise ValueError(f"table {name!r}: valid names are {sorted(TABLES)}")
-    bench, _, renderer = TABLES[name]
-    if record.get("bench") != bench:
-        raise ValueError(f"table {name!r} renders bench/{bench}.py's --json output; this JSON is from "
+    table = TABLES[name]
+    if record.get("bench") != table.bench:
+        raise ValueError(f"table {name!r} renders bench/{table.bench}.py's --json output; this JSON is from "
                          f"{record.get('bench')!r} ({' '.join(record.get('command', []))})")
-    return renderer(record["figures"])
+    return wire_statement(record) + table.renderer(record["figures"])
 
 
 def missing_lines(table: str, doc: str) -> list[str]:
@@ -119,10 +200,20 @@ def missing_lines(table: str, doc: str) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("table", choices=sorted(TABLES))
-    parser.add_argument("json", type=Path, help="a bench's --json output (its last line is read)")
+    parser.add_argument("table", nargs="?", choices=sorted(TABLES))
+    parser.add_argument("json", nargs="?", type=Path, help="a bench's --json output (its last line is read)")
     parser.add_argument("--check", type=Path, metavar="DOC", help="exit 1 unless DOC holds the rendered table")
+    parser.add_argument("--docs-check", action="store_true", help="list every docs table and bench figure with "
+                        "the table that renders it and its command (or why no bench makes it); exit 1 if a docs "
+                        "table is not listed or the list is stale")
     args = parser.parse_args(argv)
+    if args.docs_check:
+        sys.stdout.write(listing())
+        problems = docs_check(Path(__file__).resolve().parent.parent)
+        print("\n".join(problems) if problems else "every docs table is listed", file=sys.stderr)
+        return 1 if problems else 0
+    if args.table is None or args.json is None:
+        parser.error("give TABLE and JSON (or --docs-check)")
     lines = args.json.read_text().strip().splitlines()
     if not lines:
         parser.error(f"{args.json}: empty; expected a bench's --json output")

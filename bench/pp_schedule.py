@@ -161,6 +161,7 @@ WIRE_P = 2
 # Where the flexible executor blocks, its own account per step (PipelineChannels.waits, l3plugin/schedule/p2p.py):
 # seconds waiting for receives (a message not here yet) and for sends (an output to free, the step's end).
 CHANNEL_WAITS = ("recv_s", "send_s")
+POSTING_SHARES = (0.1, 0.2, 0.3)  # the simulated posting table: a message's time / a chunk's forward
 STOCK, EARLY, AGREED = "stock", "early", "agreed"  # the stock schedule; the flexible one's receive posting
 
 
@@ -299,7 +300,7 @@ def simulated_wire(v, m, share, agreed_order):
         makespan, waited = simulate_posted(schedule, posts, 1.0, 2.0, share)
         rows[name] = {"wire_over_no_wire": makespan / simulate(schedule, 1.0, 2.0).makespan,
                       "recv_wait_forwards": waited}
-    print(f"  simulated (simulate_posted, a message = {share:.0%} of a forward, measured): wire / no wire "
+    print(f"  simulated (simulate_posted, a message = {share:.0%} of a forward): wire / no wire "
           + ", ".join(f"{name} {row['wire_over_no_wire']:.3f}" for name, row in rows.items()))
     return rows
 
@@ -399,6 +400,9 @@ def main(argv=None):
         print("== Small settings (p = 4) ==")
         figures["small_settings"] = simulation_table([(4, 2, m) for m in (4, 6, 8, 9, 12)] + [(4, 3, 10)],
                                                      latencies)
+        print(f"== Receive posting on a wire (simulated: pp {WIRE_P}, m {args.microbatches}) ==")
+        figures["posting_simulated"] = {f"vpp {v}": {f"{share:g}": simulated_wire(v, args.microbatches, share, True)
+                                                     for share in POSTING_SHARES} for v in (2, 3, 4)}
         if not args.no_real:
             figures["real"] = real_run(args.steps, args.hidden, args.seq, mbs=2)
     return 0

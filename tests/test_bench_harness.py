@@ -171,12 +171,12 @@ def json_run(tmp_path, *argv, timeout=120):
 
 @pytest.mark.parametrize("table, argv", [
     ("multimodal-simulated", ["bench/multimodal_pp.py", "simulated"]),  # the docs' whole table, defaults
+    ("multimodal-splits", ["bench/multimodal_pp.py", "simulated", "--bandwidth-gbps", "0"]),  # without P2P time
     ("cp-memory", ["bench/cp_memory.py", "--cp", "2", "--seq", "4096"]),  # one row of it (cp 2 and 4: ~2 min)
-    ("pp-simulated", ["bench/pp_schedule.py", "--no-real"]),  # the docs' selected rows of every simulated one
-])
+])  # pp-simulated: test_bench_smoke.py, from the run that also renders pp-real
 def test_docs_table_is_what_a_run_made_now_renders(tmp_path, table, argv):
     saved, record = json_run(tmp_path, *argv)
-    bench, doc, _ = docs_tables.TABLES[table]
+    bench, doc = docs_tables.TABLES[table].bench, docs_tables.TABLES[table].doc
     assert record["bench"] == bench and record["command"] == [*argv, "--json"]
     rendered = docs_tables.render(table, record)
     assert len(rendered.splitlines()) >= 3
@@ -197,6 +197,34 @@ def test_docs_tables_check_names_what_is_missing_and_refuses_another_bench(tmp_p
     done = subprocess.run([sys.executable, str(ROOT / "bench/docs_tables.py"), "cp-memory", str(saved)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "bench/cp_memory.py's --json output" in done.stderr and "'zero'" in done.stderr
+
+
+def test_the_load_balance_table_row_is_what_the_bench_computes():
+    """docs/benchmarks.md's S = 8K load-balance row (analytic, seeded) is what cp_attention's work table gives."""
+    import contextlib
+    import io
+
+    import cp_attention
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        record = {"bench": "cp_attention", "command": ["bench/cp_attention.py"],
+                  "figures": {"work": cp_attention.work_table([8192], 20)}}
+    rendered = docs_tables.render("cp-work", record)
+    assert rendered.splitlines()[2].startswith("| 8K | 2 / 4 / 8 | ")
+    assert docs_tables.missing_lines(rendered, (ROOT / "docs/benchmarks.md").read_text()) == []
+
+
+def test_every_docs_table_is_listed_with_the_table_that_renders_it(tmp_path):
+    assert docs_tables.docs_check(ROOT) == []
+    listed = run_bench("bench/docs_tables.py", "--docs-check")
+    assert ("    cp-wire: bench/cp_attention.py --wire auto --json > RUN.json; bench/docs_tables.py cp-wire RUN.json"
+            in listed.stdout.splitlines())
+    # A table nobody listed, and an entry whose line is gone, are named.
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("| x | y |\n|---|---|\n| 1 | 2 |\n")
+    problems = docs_tables.docs_check(tmp_path)
+    assert "README.md: table '| x | y |' is not in DOC_FIGURES (name its renderer or why none)" in problems
+    assert any(p.startswith("docs/cp.md: no line starts with") for p in problems)
 
 
 def test_the_measured_multimodal_table_is_the_saved_run_rendered():

@@ -1,9 +1,9 @@
 """Tiny runs of the benches on bench/harness.py, with --json: each runs to the end, prints only its JSON record
-on stdout (its tables on stderr) and that record holds the figures it printed. Sizes are far too small for the
-timings to mean anything; no timing is asserted. (multimodal_pp simulated, cp_memory and pp_schedule's simulation:
-test_bench_harness.py, against the docs; zero.py and hf_cp.py take longer than a smoke test may: run by hand.)
-On the per-rank wire (root, ip, tc; skipped otherwise), cp_attention, pp_schedule and a one-variant zero.py
-start their ranks on their own links."""
+on stdout (its tables on stderr), that record holds the figures it printed, and bench/docs_tables.py renders
+each docs table of the bench from it (the docs' header; the simulated pipeline table: the docs' rows). Sizes are
+far too small for the timings to mean anything; no timing is asserted. (multimodal_pp simulated and cp_memory:
+test_bench_harness.py, against the docs.) On the per-rank wire (root, ip, tc; skipped otherwise), cp_attention,
+pp_schedule and a one-variant zero.py start their ranks on their own links, and their wire tables say so."""
 
 import json
 import os
@@ -15,7 +15,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "bench"))
+import docs_tables  # noqa: E402
 import wire  # noqa: E402
+
+
+def rendered_rows(table, record):
+    """The table ``table`` rendered from ``record`` (bench/docs_tables.py): its header matches the docs table it
+    regenerates (where the docs hold one, DOC_FIGURES names it); returns its data rows, cells split."""
+    text = docs_tables.render(table, record)
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    assert lines[1].startswith("|---") and len(lines) > 2, text
+    doc = ROOT / docs_tables.TABLES[table].doc
+    in_docs = [line for d, line, names, _ in docs_tables.DOC_FIGURES if table in names and line.startswith("|")]
+    if in_docs:
+        assert lines[0] in docs_tables.doc_tables(doc.read_text()), f"{table}: header not in {doc}: {lines[0]}"
+    width = lines[0].count("|")
+    assert all(line.count("|") == width for line in lines), text
+    return [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[2:]]
 
 
 def json_run(*argv, timeout=300):
@@ -41,6 +57,12 @@ def test_cp_attention_timed_rows():
                                         "cp2 docs balanced", "ring causal", "ring docs"}
     assert timed["ring_vs_all_gather_max_abs_difference"] < 1e-4  # the ring baseline computes the same attention
     assert all(c["wall_s"] > 0 and len(c["busy_s"]) == 2 for c in timed["contenders"].values())
+    (row,) = rendered_rows("cp-timed", record)
+    assert row[0] == "512" and row[2].endswith("(pairs 1.000)") and "work max/min" in row[6]
+    (row,) = rendered_rows("cp-work", record)
+    assert row[:2] == ["2K", "2 / 4 / 8"] and row[3].count(" / ") == 2
+    with pytest.raises(ValueError, match="this run was on loopback"):
+        docs_tables.render("cp-wire", record)
 
 
 def test_autoload_startup_rows():
@@ -49,6 +71,39 @@ def test_autoload_startup_rows():
     assert [r["label"] for r in rows] == ["installed", "copy, compiled", "copy, cached"]
     assert all(r["with_s"] > 0 and r["without_s"] > 0 for r in rows)
     assert "import_deepspeed" not in record["figures"]
+    rows = rendered_rows("autoload-startup", record)
+    assert [row[0] for row in rows] == ["`python -c pass`, installed", "`python -c pass`, copy, compiled",
+                                        "`python -c pass`, copy, cached"]
+    assert all(row[1] == "1" and float(row[2]) > 0 for row in rows)
+
+
+def test_zero_table():
+    record, _ = json_run("bench/zero.py", "--quick", "--gas", "2", "--rounds", "1", "--variants", "ours ZeRO-1")
+    assert docs_tables.render("zero", record).startswith("gas 2:\n")  # on loopback: no wire line
+    rows = {row[0]: row for row in rendered_rows("zero", record)}
+    assert list(rows) == ["stock ZeRO-1", "ours ZeRO-1", "ours ZeRO-1 no overlap"]
+    assert rows["stock ZeRO-1"][2] == "" and rows["ours ZeRO-1"][2].count("(") == 1  # ratio against stock
+    assert rows["ours ZeRO-1"][4] != "" and rows["ours ZeRO-1"][8].startswith("0.3 P2P fp32 + ")
+    with pytest.raises(ValueError, match="this run was on loopback"):
+        docs_tables.render("zero-wire", record)
+
+
+def test_hf_cp_table():
+    record, _ = json_run("bench/hf_cp.py", "--seq", "1024", "--rounds", "1")
+    (row,) = rendered_rows("hf-cp", record)
+    assert row[:2] == ["1024", str(record["figures"]["rows"][0]["documents"])] and row[2].endswith(" s")
+
+
+def test_pp_schedule_real_run_and_simulated_tables():
+    """One run of both parts: the simulated tables (schedules, receive posting) are the docs' ones; the real
+    run's row renders."""
+    record, _ = json_run("bench/pp_schedule.py", "--steps", "1", "--hidden", "32", "--seq", "16")
+    assert docs_tables.missing_lines(docs_tables.render("pp-simulated", record),
+                                     (ROOT / "docs/benchmarks.md").read_text()) == []
+    assert docs_tables.missing_lines(docs_tables.render("pp-posting-simulated", record),
+                                     (ROOT / "docs/pipeline.md").read_text()) == []
+    (row,) = rendered_rows("pp-real", record)
+    assert row[:8] == ["4", "4", "2", "8", "4", "32", "16", "1"] and row[-1] == "yes"
 
 
 def test_multimodal_real_section():
@@ -67,15 +122,17 @@ def test_multimodal_real_section():
 
 @pytest.mark.wire
 @pytest.mark.skipif(wire.why_not_here() is not None, reason=f"the wire needs namespaces: {wire.why_not_here()}")
-@pytest.mark.parametrize("bench, options, where", [
-    ("cp_attention", ["--seq", "512", "--rounds", "1", "--work-seq", "--masks", "causal"], ()),
+@pytest.mark.parametrize("bench, options, where, tables", [
+    ("cp_attention", ["--seq", "512", "--rounds", "1", "--work-seq", "--masks", "causal"], (),
+     ["cp-wire", "cp-regather"]),
     ("pp_schedule", ["--vpp", "2", "--layers", "4", "--microbatches", "4", "--rounds", "1", "--hidden", "32",
-                     "--seq", "16", "--mbs", "1", "--agreed-order"], ("wire",)),
-    ("zero", ["--quick", "--gas", "2", "--rounds", "1", "--variants", "ours ZeRO-1"], ()),
+                     "--seq", "16", "--mbs", "1", "--agreed-order"], ("wire",), ["pp-wire"]),
+    ("zero", ["--quick", "--gas", "2", "--rounds", "1", "--variants", "ours ZeRO-1"], (), ["zero-wire", "zero"]),
 ])
-def test_bench_runs_on_the_per_rank_wire(bench, options, where):
+def test_bench_runs_on_the_per_rank_wire(bench, options, where, tables):
     """The bench's ranks ran on their own links (each rank's uplink and downlink carried its traffic: rank 0's
-    up is rank 1's down, give or take the control messages), and no namespace outlived the run."""
+    up is rank 1's down, give or take the control messages), no namespace outlived the run, and its docs
+    tables render from the record, stating the wire."""
     before = wire.namespaces()
     record, _ = json_run(f"bench/{bench}.py", "--wire", "200mbit", *options, timeout=900)
     figures = record["figures"]
@@ -86,6 +143,11 @@ def test_bench_runs_on_the_per_rank_wire(bench, options, where):
         posted = figures["vpp 2"]["posted_receives"]
         assert sorted(posted) == sorted(figures["vpp 2"]["waits_ms"]) and len(posted) == 5, posted
         assert all(row["executor"] == row["plan"] for row in posted.values()), posted
+    for table in tables:  # each states the wire's mode, rate and the run's command above the table
+        assert docs_tables.render(table, record).startswith(
+            "Wire: per-rank links (each rank its own full-duplex link), 200mbit (25.0 MB/s) each way per rank; "
+            f"run: `bench/{bench}.py --wire 200mbit "), table
+        assert rendered_rows(table, record), table
     traffic = figures["wire_traffic_bytes"]
     assert sorted(traffic) == ["0", "1"]
     for rank, peer in (("0", "1"), ("1", "0")):
