@@ -16,7 +16,7 @@ gradient messages into a frozen prefix on both sides, and an activation carries 
 (requires_grad) only into a stage after the first trainable one.
 Sends are non-blocking and their completion is checked lazily; a rank only ever blocks on a receive its
 next compute step needs. Devices and dtypes come from the caller (the model), never hard-coded.
-Every blocking wait is bounded (``wait_timeout``, see l3plugin/waits.py): a peer that never sends or
+Every blocking wait is bounded (``wait_timeout``, see l3plugin/collective/waits.py): a peer that never sends or
 receives gives a ``CommTimeout`` naming both ranks and the message instead of a 30-minute hang.
 """
 
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from l3plugin.schedule.plan import Message, Schedule, execution_order
-from l3plugin.waits import resolve_timeout, wait_work
+from l3plugin.collective.waits import resolve_timeout, wait_work
 
 SEND, RECV = "send", "recv"
 
@@ -57,7 +57,7 @@ class PipelineChannels:
     def __init__(self, schedule: Schedule, pp_rank: int, orders, pp_global_ranks: list[int], group, *,
                  shape, dtype, device, prefetch: bool = True, wait_timeout: float | None = None):
         """``orders``: ``pair_orders(schedule, pp_rank)`` (callers cache it; None computes it).
-        ``wait_timeout``: seconds any send or receive may take (None: ``l3plugin.waits.resolve_timeout``)."""
+        ``wait_timeout``: seconds any send or receive may take (None: ``l3plugin.collective.waits.resolve_timeout``)."""
         self.pp_rank = pp_rank
         self.schedule = schedule
         self.global_ranks = list(pp_global_ranks)

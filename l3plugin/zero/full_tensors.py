@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from l3plugin import comm
+from l3plugin.collective import comm
 from l3plugin.zero.buffers import GradBucket, ParamSlot
 
 

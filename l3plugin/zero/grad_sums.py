@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from l3plugin import comm
-from l3plugin.fail_together import agree
+from l3plugin.collective import comm
+from l3plugin.collective.fail_together import agree
 
 
 @dataclass(frozen=True)

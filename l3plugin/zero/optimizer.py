@@ -62,9 +62,9 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from l3plugin import comm
-from l3plugin.fail_together import agree
-from l3plugin.waits import resolve_timeout
+from l3plugin.collective import comm
+from l3plugin.collective.fail_together import agree
+from l3plugin.collective.waits import resolve_timeout
 from l3plugin.zero.buffers import GradBucket, GradBufferMemory, plan_buckets
 from l3plugin.zero.grad_sums import apply_grad_sum, make_grad_sum
 from l3plugin.zero.full_tensors import FullTensors

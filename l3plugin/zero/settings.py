@@ -14,7 +14,7 @@ from dataclasses import InitVar, dataclass, field, fields
 
 import torch
 
-from l3plugin.waits import resolve_timeout
+from l3plugin.collective.waits import resolve_timeout
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
