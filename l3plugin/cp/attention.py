@@ -28,12 +28,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from l3plugin.collective.waits import resolve_timeout
 from l3plugin.cp.kernels import select_kernel
 from l3plugin.cp.kv_gather import GatherKV, check_cp_kv
 from l3plugin.cp.layout import check_bool, check_cu_seqlens, make_layout
 from l3plugin.cp.overlap import PARTS, overlapped_attention, part_plan
 from l3plugin.cp.sharding import document_metadata
-from l3plugin.collective.waits import resolve_timeout
 
 
 def _check_inputs(q, k, v):

@@ -40,8 +40,8 @@ import sys
 
 import torch
 
-from l3plugin.megatron.arguments import parsed_options
 from l3plugin.collective.waits import resolve_timeout, wait_work
+from l3plugin.megatron.arguments import parsed_options
 
 BOUNDARY_TAG = 0x3CD0000  # point-to-point tags of the boundary messages (count, then boundaries)
 _step = {"depth": 0, "channel": None}

@@ -27,8 +27,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from l3plugin.schedule.plan import Message, Schedule, execution_order
 from l3plugin.collective.waits import resolve_timeout, wait_work
+from l3plugin.schedule.plan import Message, Schedule, execution_order
 
 SEND, RECV = "send", "recv"
 

@@ -66,8 +66,8 @@ from l3plugin.collective import comm
 from l3plugin.collective.fail_together import agree
 from l3plugin.collective.waits import resolve_timeout
 from l3plugin.zero.buffers import GradBucket, GradBufferMemory, plan_buckets
-from l3plugin.zero.grad_sums import apply_grad_sum, make_grad_sum
 from l3plugin.zero.full_tensors import FullTensors
+from l3plugin.zero.grad_sums import apply_grad_sum, make_grad_sum
 from l3plugin.zero.settings import ZeroSettings
 
 class FP32ReduceZero(FullTensors):
