@@ -15,6 +15,7 @@ import contextvars
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from l3plugin.checks import check_int
 from l3plugin.patchset import PrivateState
 from l3plugin.zero.settings import boolean, json_options, whole_number
 
@@ -231,9 +232,12 @@ def check_supported(engine, options: PluginOptions) -> None:
     if every is not None and stage == 1:
         problems.append(f'"{KEY}.reduce_every" is {every} with zero_optimization.stage 1; ZeRO-1 reduce-scatters '
                         "once per step (at the gradient-accumulation boundary): remove reduce_every or use stage 2")
-    elif every is not None and every > engine.gradient_accumulation_steps():
-        problems.append(f'"{KEY}.reduce_every" is {every}; valid range is 1..gradient_accumulation_steps '
-                        f"({engine.gradient_accumulation_steps()})")
+    elif every is not None:
+        try:
+            check_int(f'"{KEY}.reduce_every"', every, 1, engine.gradient_accumulation_steps(),
+                      "gradient_accumulation_steps")
+        except ValueError as exc:
+            problems.append(str(exc))
     if options.zero["carry_reductions"] and stage == 1:
         problems.append(f'"{KEY}.carry_reductions" is true with zero_optimization.stage 1; ZeRO-1 reduce-scatters '
                         "only in the last micro-batch, whose reductions the step needs: remove it or use stage 2")
