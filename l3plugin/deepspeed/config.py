@@ -5,7 +5,9 @@ A config is read only by DeepSpeed's own loader (``read_config``: a dict, a JSON
 whatever DeepSpeed accepts). ``deepspeed.initialize`` (engine.py's ``initialize_with_key``) parses the block
 once and hands the result to the engine it builds (``handing_over``); an engine built some other way parses its
 own config's block when first asked. To add an option of the ZeRO optimizer: one field in
-l3plugin/zero/settings.py (the block accepts it when the field says ``json=``).
+l3plugin/zero/settings.py (the block accepts it when the field says ``json=``; listed in its ``DEEPSPEED_ONLY``
+when Megatron's entry point must refuse it). An option of the block itself (the switch, CP): its help in
+``OWN_OPTIONS``, its ``PluginOptions`` field and its check in ``PluginOptions.parse``, all in this file.
 """
 
 from __future__ import annotations
