@@ -271,10 +271,10 @@ def wire_contenders(s, cu_docs, masks):
 
 def kv_collectives_alone(seq_len):
     """Wall and CPU seconds of the K/V all-gather and the dK/dV reduce-scatter of cp=2 attention at S,
-    alone (the calls all_gather_attention makes: l3plugin/comm.py). Run on every rank."""
+    alone (the calls all_gather_attention makes: l3plugin/collective/comm.py). Run on every rank."""
     import torch.distributed as dist
 
-    from l3plugin import comm
+    from l3plugin.collective import comm
     import wire
 
     group = dist.group.WORLD

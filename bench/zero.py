@@ -40,7 +40,7 @@ stderr. Columns:
 - coll MB/step: input bytes handed to collectives in the recorded step (l3plugin.debug.record_collectives, rank 0)
   per op (RS reduce-scatter, AR all-reduce, AG all-gather, R reduce, P2P point-to-point sends) and dtype. On
   gloo, l3plugin reduce-scatters by a point-to-point exchange (gloo's reduce-scatter is an all-reduce underneath
-  and slower; l3plugin/comm.py): ours shows P2P there.
+  and slower; l3plugin/collective/comm.py): ours shows P2P there.
 - where ours waits (a second table): per rank, the median ms per step spent blocked in the optimizer's waits
   (WAITS below). Tells the wire's tail from waiting for a slower peer's compute.
 --wire RATE runs everything on an emulated wire (bench/wire.py; --wire-mode per-rank, the default: each rank its
@@ -330,7 +330,7 @@ def collectives_alone(params, bucket, repeats=3):
     import torch
     import torch.distributed as dist
 
-    from l3plugin import comm
+    from l3plugin.collective import comm
 
     world = dist.get_world_size()
     sizes = [min(bucket, params - start) for start in range(0, params, bucket)]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from l3plugin.waits import DEFAULT_TIMEOUT, ENV_VAR, resolve_timeout
+from l3plugin.collective.waits import DEFAULT_TIMEOUT, ENV_VAR, resolve_timeout
 
 TIMEOUT = 2.0  # seconds rank 0 waits; rank 1 stays away longer than that
 AWAY = TIMEOUT + 1.0
@@ -128,7 +128,7 @@ def test_timeout_setting_comes_from_argument_environment_or_default(monkeypatch)
 
 UNCAUGHT = """
 import threading, time, torch.distributed as dist
-from l3plugin.waits import wait_work
+from l3plugin.collective.waits import wait_work
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 # A non-daemon thread that never ends stands for the backend thread still stuck in the collective:
 # interpreter shutdown would wait for it.

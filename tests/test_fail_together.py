@@ -1,4 +1,4 @@
-"""Fail together (l3plugin/fail_together.py): an error on one rank is raised on every rank, at once.
+"""Fail together (l3plugin/collective/fail_together.py): an error on one rank is raised on every rank, at once.
 
 The checkpoint faults are in tests/zero/test_checkpoint_integrity.py; here the agreement itself and the ZeRO
 optimizer's setup, where a rank that fails (or holds another model) used to leave its peers in the first
@@ -21,7 +21,7 @@ def outcome_of(fn):
 
 
 def agree_leg(failing_rank, outcomes):
-    from l3plugin.fail_together import agree
+    from l3plugin.collective.fail_together import agree
 
     rank = dist.get_rank()
     error = ValueError(f"bad input on rank {rank}") if rank == failing_rank else None

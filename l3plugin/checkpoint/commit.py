@@ -5,7 +5,7 @@ files, so a rank killed mid-save leaves ``latest`` naming a torn checkpoint that
 
 - every file a rank saves goes to a temporary name, is fsynced, then renamed (``save_atomically``); its size
   and CRC-32 go into the rank's manifest ``<tag>/l3plugin-manifest-rank<R>.json`` (written the same way);
-- the ranks agree that all of them saved (``l3plugin.fail_together``); only then does rank 0 replace
+- the ranks agree that all of them saved (``l3plugin.collective.fail_together``); only then does rank 0 replace
   ``latest`` by rename;
 - loading without a tag checks the tag ``latest`` names against its manifests (every rank's manifest
   present, every file there with its size and CRC-32) and, if it is torn, falls back to the newest tag that

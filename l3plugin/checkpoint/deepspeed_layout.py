@@ -43,10 +43,10 @@ from collections import OrderedDict
 
 import torch
 
-from l3plugin import comm
 from l3plugin.checkpoint.partition_files import (FORMAT, KEY, PartitionFiles, check_checksum, check_finite,
                                                  check_set, check_shapes, check_sizes, checksum, fragments)
 from l3plugin.checkpoint.verified_load import Loaded, load_agreed
+from l3plugin.collective import comm
 
 ALIGNMENT_FACTOR = 2  # DeepSpeed's nccl_start_alignment_factor: each group is padded to a multiple of 2 * W
 

@@ -132,7 +132,7 @@ def load_zero_sharded_state_dict(zero: FP32ReduceZero, state_dict: dict, *, allo
     """Restore from what ``dist_checkpointing.load(zero_sharded_state_dict(..., is_loading=True), dir)``
     returned (each rank copies its shard ranges; ends with the parameter all-gather). Checked before anything
     changes (shapes; finite values unless ``allow_nonfinite``); an error on one rank is raised on every rank
-    of the ZeRO group before the first collective (``l3plugin.fail_together``)."""
+    of the ZeRO group before the first collective (``l3plugin.collective.fail_together``)."""
     load_agreed(zero, lambda: _read_dist_state(zero, state_dict, allow_nonfinite))
 
 

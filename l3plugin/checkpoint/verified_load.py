@@ -2,7 +2,7 @@
 
 A reader (``deepspeed_layout.read_partitions``, ``deepspeed_universal.read_universal``,
 ``megatron_dist``'s) returns a ``Loaded`` without touching the model or the optimizer and without a
-collective. ``load_agreed`` runs it and has the ranks agree (``l3plugin.fail_together``): an error on one
+collective. ``load_agreed`` runs it and has the ranks agree (``l3plugin.collective.fail_together``): an error on one
 rank is an error on all of them, raised before the first change and the first collective; then
 ``apply_loaded`` installs the state and all-gathers the parameters.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from l3plugin.fail_together import OneAgreement
+from l3plugin.collective.fail_together import OneAgreement
 
 READ_PARTITIONS = "read the ZeRO optimizer partitions"  # the outcome agreed on before the first collective
 

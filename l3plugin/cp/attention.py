@@ -17,8 +17,8 @@ What stays in memory for the backward (``cp_kv``):
 Both give bit-identical results: the kernels save views of the gathered buffer, and the same values are
 put back at the same places before any of them runs its backward (``GatheredKV``).
 
-Both collectives come from l3plugin/comm.py, shared with ZeRO: started asynchronously and waited with a
-bound (``wait_timeout``, see l3plugin/waits.py), so a CP peer that never joins gives a ``CommTimeout``
+Both collectives come from l3plugin/collective/comm.py, shared with ZeRO: started asynchronously and waited with a
+bound (``wait_timeout``, see l3plugin/collective/waits.py), so a CP peer that never joins gives a ``CommTimeout``
 naming this rank, the CP group and the operation; on gloo the dK/dV reduce-scatter is a point-to-point
 exchange (gloo's own reduce-scatter cannot be waited with a bound).
 """
@@ -28,12 +28,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from l3plugin.collective.waits import resolve_timeout
 from l3plugin.cp.kernels import select_kernel
 from l3plugin.cp.kv_gather import GatherKV, check_cp_kv
 from l3plugin.cp.layout import check_bool, check_cu_seqlens, make_layout
 from l3plugin.cp.overlap import PARTS, overlapped_attention, part_plan
 from l3plugin.cp.sharding import document_metadata
-from l3plugin.waits import resolve_timeout
 
 
 def _check_inputs(q, k, v):
@@ -63,7 +63,7 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
     boundaries over the FULL sequence ([0, ..., S]; [0, S] is one document; "balanced" derives the
     layout from it); group: the CP process group (None or size 1: no CP).
     wait_timeout: seconds the K/V all-gather and the dK/dV reduce-scatter may take (None:
-    ``l3plugin.waits.resolve_timeout``, i.e. $L3PLUGIN_WAIT_TIMEOUT or 600).
+    ``l3plugin.collective.waits.resolve_timeout``, i.e. $L3PLUGIN_WAIT_TIMEOUT or 600).
     overlap: gather K/V and reduce-scatter dK/dV in parts, each waited only when a local range needs it
     (cp/overlap.py; bit-identical to False at cp=2); False: one collective each way, waited at once.
     cp_kv: "regather" (keep only the local K/V for the backward, all-gather them again there) or "keep"

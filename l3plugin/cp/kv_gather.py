@@ -2,7 +2,7 @@
 
 ``GatherKV``: one all-gather of this rank's K/V, placed at their sequence positions; its backward
 reduce-scatters dK/dV. ``GatheredKV``: the gathered buffer, released after the forward and refilled in the
-backward when cp_kv="regather". Both collectives come from l3plugin/comm.py (bounded waits; on gloo the
+backward when cp_kv="regather". Both collectives come from l3plugin/collective/comm.py (bounded waits; on gloo the
 reduce-scatter is a point-to-point exchange).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from l3plugin import comm
+from l3plugin.collective import comm
 
 CP_KV_MODES = ("regather", "keep")  # what CP keeps for the backward (the planner's --cp-kv, torch-free)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from l3plugin import comm
+from l3plugin.collective import comm
 from l3plugin.cp.kv_gather import GatheredKV, alias
 from l3plugin.cp.layout import CPLayout
 

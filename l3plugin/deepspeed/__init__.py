@@ -26,7 +26,7 @@ engine.py beside them; ``l3plugin doctor`` checks them against the installed Dee
 through to the stock one unless the key is on: ``_do_sanity_check`` (validate the config first),
 ``_do_optimizer_sanity_check`` (route to ZeRO), ``_configure_zero_optimizer`` (build ours),
 ``save_checkpoint`` (crash-consistent: ``latest`` moves only after every rank saved),
-``load_checkpoint`` (verify the partitions first and fail together, see ``fail_together.py``),
+``load_checkpoint`` (verify the partitions first and fail together, see ``collective/fail_together.py``),
 ``_load_zero_checkpoint`` (read every rank's partition, ours or stock DeepSpeed's: resume on another DP
 size; or a universal checkpoint with ``checkpoint.load_universal``),
 ``zero_optimization_stage`` + ``PipelineEngine.__init__`` (PipelineEngine refuses stage 2 for DeepSpeed's

@@ -42,7 +42,7 @@ class ReadAhead:
     """One ``load_checkpoint`` of our engine: its two agreements and the verified partitions."""
 
     def __init__(self, engine):
-        from l3plugin.fail_together import OneAgreement
+        from l3plugin.collective.fail_together import OneAgreement
 
         timeout = engine.optimizer.zero.wait_timeout
         # Callables: every rank calls each once (with its error, or None) and all raise if any failed.
@@ -173,7 +173,7 @@ def point_latest(engine, save_dir, tag) -> None:
     import torch.distributed as dist
 
     from l3plugin.checkpoint.commit import write_latest
-    from l3plugin.fail_together import agree
+    from l3plugin.collective.fail_together import agree
 
     error = None
     if dist.get_rank() == 0:

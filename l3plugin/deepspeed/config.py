@@ -5,7 +5,9 @@ A config is read only by DeepSpeed's own loader (``read_config``: a dict, a JSON
 whatever DeepSpeed accepts). ``deepspeed.initialize`` (engine.py's ``initialize_with_key``) parses the block
 once and hands the result to the engine it builds (``handing_over``); an engine built some other way parses its
 own config's block when first asked. To add an option of the ZeRO optimizer: one field in
-l3plugin/zero/settings.py (the block accepts it when the field says ``json=``).
+l3plugin/zero/settings.py (the block accepts it when the field says ``json=``; listed in its ``DEEPSPEED_ONLY``
+when Megatron's entry point must refuse it). An option of the block itself (the switch, CP): its help in
+``OWN_OPTIONS``, its ``PluginOptions`` field and its check in ``PluginOptions.parse``, all in this file.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextvars
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from l3plugin.checks import check_int
 from l3plugin.patchset import PrivateState
 from l3plugin.zero.settings import boolean, json_options, whole_number
 
@@ -231,9 +234,12 @@ def check_supported(engine, options: PluginOptions) -> None:
     if every is not None and stage == 1:
         problems.append(f'"{KEY}.reduce_every" is {every} with zero_optimization.stage 1; ZeRO-1 reduce-scatters '
                         "once per step (at the gradient-accumulation boundary): remove reduce_every or use stage 2")
-    elif every is not None and every > engine.gradient_accumulation_steps():
-        problems.append(f'"{KEY}.reduce_every" is {every}; valid range is 1..gradient_accumulation_steps '
-                        f"({engine.gradient_accumulation_steps()})")
+    elif every is not None:
+        try:
+            check_int(f'"{KEY}.reduce_every"', every, 1, engine.gradient_accumulation_steps(),
+                      "gradient_accumulation_steps")
+        except ValueError as exc:
+            problems.append(str(exc))
     if options.zero["carry_reductions"] and stage == 1:
         problems.append(f'"{KEY}.carry_reductions" is true with zero_optimization.stage 1; ZeRO-1 reduce-scatters '
                         "only in the last micro-batch, whose reductions the step needs: remove it or use stage 2")

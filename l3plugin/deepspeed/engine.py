@@ -172,7 +172,7 @@ def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
     stock = _stock(_ENGINE, "save_checkpoint")
     if not runs_fp32_reduce_zero(self):
         return stock(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-    from l3plugin.fail_together import agree
+    from l3plugin.collective.fail_together import agree
 
     tag = str(f"global_step{self.global_steps}" if tag is None else tag)
     error = checkpoint.save_files(self, stock, save_dir, tag, client_state, exclude_frozen_parameters)

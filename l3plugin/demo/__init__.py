@@ -90,9 +90,9 @@ def _pictures(opts, losses, reference, results: Path):
 
 
 def run_demo(args) -> int:
+    from l3plugin.collective import waits
     from l3plugin.demo import train
     from l3plugin.demo.mesh_check import check_reports, mesh_report
-    from l3plugin import waits
     from l3plugin.ranks import RankPool
 
     opts = options(args)

@@ -93,8 +93,8 @@ def tied_embeddings_on_cpu(original, _name):
     # skipped, then the same all-reduce where the weight is (gloo on the CPU).
     import functools
 
-    from l3plugin.comm import all_reduce_sum
-    from l3plugin.waits import resolve_timeout
+    from l3plugin.collective.comm import all_reduce_sum
+    from l3plugin.collective.waits import resolve_timeout
 
     @functools.wraps(original)
     def setup(self, *args, **kwargs):

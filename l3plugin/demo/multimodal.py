@@ -256,7 +256,7 @@ def run_multimodal_demo(args) -> int:
     import os
     from pathlib import Path
 
-    from l3plugin import waits
+    from l3plugin.collective import waits
     from l3plugin.demo import _progress, finish, learned
     from l3plugin.ranks import RankPool
 

@@ -8,8 +8,8 @@ import functools
 
 import torch
 
+from l3plugin.collective.waits import group_ranks, resolve_timeout, wait_work
 from l3plugin.demo import data, model
-from l3plugin.waits import group_ranks, resolve_timeout, wait_work
 
 _STATE: dict = {}
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from l3plugin import comm
-from l3plugin.waits import resolve_timeout
+from l3plugin.collective import comm
+from l3plugin.collective.waits import resolve_timeout
 
 from .placement import image_shares, share_size
 

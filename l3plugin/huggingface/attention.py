@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from l3plugin import comm
+from l3plugin.collective import comm
+from l3plugin.collective.waits import resolve_timeout
 from l3plugin.cp import all_gather_attention
-from l3plugin.waits import resolve_timeout
 
 ATTENTION_NAME = "l3plugin_all_gather_cp"
 # Attention features the all-gather CP kernel does not have: refused when a model passes them set.

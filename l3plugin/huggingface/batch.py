@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from l3plugin import comm
+from l3plugin.collective import comm
+from l3plugin.collective.waits import resolve_timeout
 from l3plugin.cp import make_layout
 from l3plugin.cp.layout import CPLayout
-from l3plugin.waits import resolve_timeout
 
 IGNORE_INDEX = -100
 # Keys DataCollatorWithFlattening may add for flash-attn: they describe the unsharded row, which the CP

@@ -14,7 +14,7 @@ document boundaries. Here the first stage sends them to every other stage:
   micro-batch n in every schedule (stock 1F1B, stock interleaved, l3plugin's flexible; forward-only too). On
   the source the first chunk's forward of micro-batch n posts the sends before any stage can need them (every
   stage's forward of n depends on that chunk's output); a receiver receives at its first forward of n, in
-  order, and waits with the bound of ``l3plugin.waits`` (naming this rank, the source and the micro-batch).
+  order, and waits with the bound of ``l3plugin.collective.waits`` (naming this rank, the source and the micro-batch).
   A chunk given no ``packed_seq_params`` gets ``PackedSeqParams(sbhd, cu_seqlens_q=<global boundaries>)``,
   exactly what the data-reading stages build (``sbhd_packed_params``).
 - The source waits for its sends when the schedule call returns (``schedule_step``: around Megatron's stock
@@ -40,8 +40,8 @@ import sys
 
 import torch
 
+from l3plugin.collective.waits import resolve_timeout, wait_work
 from l3plugin.megatron.arguments import parsed_options
-from l3plugin.waits import resolve_timeout, wait_work
 
 BOUNDARY_TAG = 0x3CD0000  # point-to-point tags of the boundary messages (count, then boundaries)
 _step = {"depth": 0, "channel": None}
@@ -68,7 +68,7 @@ def _boundary_group(pp_group, device, timeout):
     exist, measured on torch 2.13). Called at a schedule call, where every rank of the world is."""
     import torch.distributed as dist
 
-    from l3plugin.comm import start_all_gather
+    from l3plugin.collective.comm import start_all_gather
 
     ranks = tuple(dist.get_process_group_ranks(pp_group))
     key = (dist.group.WORLD, ranks)

@@ -115,7 +115,7 @@ def _takes_model_type(backward_step) -> bool:
 def trainable_stages(model, pp_group, device) -> tuple[bool, ...]:
     """Whether each virtual stage (pipeline order) has a parameter with requires_grad: this rank's chunks'
     flags summed over the PP group (collective; every PP rank calls it at the same point)."""
-    from l3plugin import comm
+    from l3plugin.collective import comm
 
     p, r = pp_group.size(), pp_group.rank()
     flags = torch.zeros(p * len(model), dtype=torch.float32, device=device)

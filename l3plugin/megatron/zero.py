@@ -192,8 +192,8 @@ def finalize_grads_func(zero: FP32ReduceZero):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from l3plugin import comm
-    from l3plugin.waits import group_ranks, wait_work
+    from l3plugin.collective import comm
+    from l3plugin.collective.waits import group_ranks, wait_work
 
     pp_group = ps.get_pipeline_model_parallel_group()
 

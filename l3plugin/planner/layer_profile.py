@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from l3plugin.checks import check_int
 from l3plugin.schedule.balance import LayerCost, StageSplitter
 from l3plugin.schedule.plan import build_schedule
 
@@ -63,8 +64,7 @@ class LayerProfile:
 
 def check_layer_flags(kinds: str | None, frozen: str, image_tokens) -> None:
     """--kinds / --frozen / --image-tokens of ``l3plugin plan``, each refused by name."""
-    if isinstance(image_tokens, bool) or not isinstance(image_tokens, int) or image_tokens < 0:
-        raise ValueError(f"--image-tokens={image_tokens!r} is out of range: must be an integer >= 0")
+    check_int("--image-tokens", image_tokens, low=0)
     if kinds is None:
         if frozen or image_tokens:
             given = "--frozen" if frozen else "--image-tokens"

@@ -16,7 +16,7 @@ gradient messages into a frozen prefix on both sides, and an activation carries 
 (requires_grad) only into a stage after the first trainable one.
 Sends are non-blocking and their completion is checked lazily; a rank only ever blocks on a receive its
 next compute step needs. Devices and dtypes come from the caller (the model), never hard-coded.
-Every blocking wait is bounded (``wait_timeout``, see l3plugin/waits.py): a peer that never sends or
+Every blocking wait is bounded (``wait_timeout``, see l3plugin/collective/waits.py): a peer that never sends or
 receives gives a ``CommTimeout`` naming both ranks and the message instead of a 30-minute hang.
 
 Early receives (``posts``, planned by l3plugin.schedule.receives): a transfer starts only once its receive is
@@ -36,9 +36,9 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from l3plugin.collective.waits import resolve_timeout, wait_work
 from l3plugin.schedule.plan import Message, Schedule
 from l3plugin.schedule.receives import RECV, SEND, ReceivePosts, pair_orders
-from l3plugin.waits import resolve_timeout, wait_work
 
 class PipelineChannels:
     """This pipeline rank's receives and sends for one execution of ``schedule``."""
@@ -47,7 +47,7 @@ class PipelineChannels:
                  shape, dtype, device, prefetch: bool = True, wait_timeout: float | None = None,
                  posts: ReceivePosts | None = None):
         """``orders``: ``pair_orders(schedule, pp_rank)`` (callers cache it; None computes it).
-        ``wait_timeout``: seconds any send or receive may take (None: ``l3plugin.waits.resolve_timeout``).
+        ``wait_timeout``: seconds any send or receive may take (None: ``l3plugin.collective.waits.resolve_timeout``).
         ``posts``: ``receive_posts(schedule, pp_rank)`` to post receives early (module docstring); then
         ``orders`` and ``prefetch`` are not used."""
         self.pp_rank = pp_rank

@@ -76,15 +76,17 @@ class BucketSpec:
         """Bucket elements [start, end) owned by ``rank`` of the reduction group."""
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
+    def shard_part(self, slot: ParamSlot, rank: int) -> tuple[int, int, int] | None:
+        """The part of ``slot`` in ``rank``'s shard: ``(a, b, at)``, the parameter's flat elements ``[a, b)`` sit
+        at ``at`` in the shard; None when the shard holds none of it (a slot never covers padding)."""
+        lo, hi = self.shard_range(rank)
+        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        return (start - slot.offset, end - slot.offset, start - lo) if start < end else None
+
     def owners(self, slot: ParamSlot) -> list[tuple[int, int, int]]:
         """(rank, start, end) in bucket coordinates for each rank holding part of ``slot``."""
-        out = []
-        for rank in range(self.world_size):
-            lo, hi = self.shard_range(rank)
-            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if start < end:
-                out.append((rank, start, end))
-        return out
+        parts = [(rank, self.shard_part(slot, rank)) for rank in range(self.world_size)]
+        return [(rank, slot.offset + part[0], slot.offset + part[1]) for rank, part in parts if part]
 
 
 def plan_buckets(params: list[tuple[int, int, torch.dtype, tuple[int, ...]]], world_size: int,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from l3plugin import comm
+from l3plugin.collective import comm
 from l3plugin.zero.buffers import GradBucket, ParamSlot
 
 
@@ -49,11 +49,11 @@ class FullTensors:
             slot: ParamSlot = self.slots[param]
             bucket = self.buckets[slot.bucket]
             shard = self._shard(bucket, what).float()
-            lo, hi = bucket.spec.shard_range(self.rank)
             full = torch.zeros(slot.numel, dtype=torch.float32, device=shard.device)
-            s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if s < e:
-                full[s - slot.offset:e - slot.offset] = shard[s - lo:e - lo]
+            part = bucket.spec.shard_part(slot, self.rank)
+            if part:
+                a, b, at = part
+                full[a:b] = shard[at:at + b - a]
             comm.all_reduce_sum(full, self.group, self.wait_timeout)
             out[param] = full.view(slot.shape)
         return out
@@ -66,19 +66,18 @@ class FullTensors:
     def owned_ranges(self, bucket: GradBucket):
         """For each parameter of ``bucket`` overlapping this rank's shard (its padding left out, it stays zero):
         ``(param, a, b, at)``: the parameter's flat elements ``[a, b)`` sit at ``at`` in the shard."""
-        lo, hi = bucket.spec.shard_range(self.rank)
-        hi = min(hi, bucket.spec.numel)
         for slot, p in zip(bucket.spec.slots, bucket.params):
-            s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if s < e:
-                yield p, s - slot.offset, e - slot.offset, s - lo
+            part = bucket.spec.shard_part(slot, self.rank)
+            if part:
+                yield (p, *part)
 
     def _local_part(self, param, shard: torch.Tensor, value: torch.Tensor) -> None:
+        """Write this rank's part of the whole ``value`` of ``param`` into ``shard``."""
         slot: ParamSlot = self.slots[param]
-        lo, hi = self.buckets[slot.bucket].spec.shard_range(self.rank)
-        s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        if s < e:
-            shard[s - lo:e - lo] = value.reshape(-1)[s - slot.offset:e - slot.offset].to(shard.dtype)
+        part = self.buckets[slot.bucket].spec.shard_part(slot, self.rank)
+        if part:
+            a, b, at = part
+            shard[at:at + b - a] = value.reshape(-1)[a:b].to(shard.dtype)
 
     def full_master(self, param, state_key: str | None = None) -> torch.Tensor:
         """The whole fp32 master weight (or optimizer state ``state_key``) of ``param`` (collective)."""

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from l3plugin import comm
-from l3plugin.fail_together import agree
+from l3plugin.collective import comm
+from l3plugin.collective.fail_together import agree
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,10 @@ def owned_pieces(zero, params) -> list[Piece]:
     out = []
     for p in params:
         slot = zero.slots[p]
-        spec = zero.buckets[slot.bucket].spec
-        lo, hi = spec.shard_range(zero.rank)
-        s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        if s < e:
-            out.append(Piece(slot.bucket, s - lo, e - lo, s - slot.offset))
+        part = zero.buckets[slot.bucket].spec.shard_part(slot, zero.rank)
+        if part:
+            a, b, at = part
+            out.append(Piece(slot.bucket, at, at + b - a, a))
     return out
 
 

@@ -62,12 +62,12 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from l3plugin import comm
-from l3plugin.fail_together import agree
-from l3plugin.waits import resolve_timeout
+from l3plugin.collective import comm
+from l3plugin.collective.fail_together import agree
+from l3plugin.collective.waits import resolve_timeout
 from l3plugin.zero.buffers import GradBucket, GradBufferMemory, plan_buckets
-from l3plugin.zero.grad_sums import apply_grad_sum, make_grad_sum
 from l3plugin.zero.full_tensors import FullTensors
+from l3plugin.zero.grad_sums import apply_grad_sum, make_grad_sum
 from l3plugin.zero.settings import ZeroSettings
 
 class FP32ReduceZero(FullTensors):
@@ -152,25 +152,22 @@ class FP32ReduceZero(FullTensors):
 
     # -- construction helpers -----------------------------------------------------------------------
     def _initial_master(self, spec, params) -> torch.nn.Parameter:
-        lo, hi = spec.shard_range(self.rank)
-        device = params[0].device
-        shard = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+        shard = torch.zeros(spec.shard_numel, dtype=torch.float32, device=params[0].device)
         for slot, p in zip(spec.slots, params):
-            s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if s < e:
-                shard[s - lo:e - lo] = p.detach().reshape(-1)[s - slot.offset:e - slot.offset]
+            part = spec.shard_part(slot, self.rank)
+            if part:
+                a, b, at = part
+                shard[at:at + b - a] = p.detach().reshape(-1)[a:b]
         return torch.nn.Parameter(shard)
 
     def _norm_mask(self, bucket, counts_in_norm):
         """Shard-local [start, end) ranges that count in the norm (None: the whole shard counts)."""
         if counts_in_norm is None or all(counts_in_norm(p) for p in bucket.params):
             return None
-        lo, hi = bucket.spec.shard_range(self.rank)
         keep = []
-        for slot, p in zip(bucket.spec.slots, bucket.params):
-            s, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if s < e and counts_in_norm(p):
-                keep.append((s - lo, e - lo))
+        for p, a, b, at in self.owned_ranges(bucket):
+            if counts_in_norm(p):
+                keep.append((at, at + b - a))
         return keep
 
     # -- gradients ------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from dataclasses import InitVar, dataclass, field, fields
 
 import torch
 
-from l3plugin.waits import resolve_timeout
+from l3plugin.checks import check_int
+from l3plugin.collective.waits import resolve_timeout
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -31,12 +32,15 @@ def _bad(name: str, value, source: str | None, rule: str) -> ValueError:
 
 
 def whole_number(low: int, why: str = ""):
-    """Check: an integer >= low (in Python also a float with a whole value)."""
+    """Check: an integer >= low (also a float with a whole value), in the words of ``check_int``; ``why``
+    (what the number counts) follows them."""
     def check(name, value, source):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low \
-                or (isinstance(value, float) and not value.is_integer()):
-            raise _bad(name, value, source, f"must be {'a whole number ' if source is None else ''}>= {low}{why}")
-        return int(value)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        try:
+            return check_int(_name(name, source), value, low)
+        except ValueError as exc:
+            raise ValueError(f"{exc}{why}") from None
     return check
 
 

@@ -73,7 +73,7 @@ def logged_attention(cp_kv):
     """The order of kernel calls, K/V part waits and dK/dV part starts/waits on this rank (2cp, S=16)."""
     import torch.distributed as dist
 
-    from l3plugin import comm
+    from l3plugin.collective import comm
     from l3plugin.cp import kernels
 
     log = []

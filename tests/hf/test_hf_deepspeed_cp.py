@@ -122,10 +122,11 @@ def test_checkpoint_resume_also_to_cp1_and_zero_to_fp32_export(ranks, tmp_path):
 
 
 @pytest.mark.parametrize("block, message", [
-    ({"context_parallel_size": 0}, r'"l3plugin.context_parallel_size" must be >= 1 \(ranks per context-parallel '
-                                   r'group\), got 0'),
-    ({"context_parallel_size": 1.5}, r'"l3plugin.context_parallel_size" must be >= 1 .*got 1.5'),
-    ({"context_parallel_size": True}, r'"l3plugin.context_parallel_size" must be >= 1 .*got True'),
+    ({"context_parallel_size": 0}, r'"l3plugin.context_parallel_size"=0 is out of range: must be an integer >= 1 '
+                                   r'\(ranks per context-parallel group\)'),
+    ({"context_parallel_size": 1.5}, r'"l3plugin.context_parallel_size"=1.5 is out of range: must be an integer >= 1'),
+    ({"context_parallel_size": True}, r'"l3plugin.context_parallel_size"=True is out of range: must be an '
+                                      r'integer >= 1'),
     ({"cp_layout": "ring"}, r'"l3plugin.cp_layout" must be one of \[\'2cp\', \'balanced\'\], got \'ring\''),
 ])
 def test_bad_cp_options_name_the_key_and_the_range(block, message):

@@ -57,7 +57,7 @@ def test_reduce_scatter_timing_follows_the_rounds(ranks, stage):
     p, v, m, k = 2, 2, 7, 3  # rounds per chunk: ceil(7/3) = 3
     results = ranks.run(4, zero_step, stage, p, v, m, k, timeout=120)
     for r in results:
-        # On gloo a bucket's reduce-scatter is a point-to-point exchange in the DP group (l3plugin.comm):
+        # On gloo a bucket's reduce-scatter is a point-to-point exchange in the DP group (l3plugin.collective.comm):
         # with DP = 2, one isend per bucket.
         rs = [op for op in r["ops"] if op[0] == "reduce_scatter_tensor" or (op[0] == "isend" and op[3] == "dp")]
         assert all(dtype == "torch.float32" for _, dtype, _, _ in rs)

@@ -234,12 +234,13 @@ def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks):
 
 
 @pytest.mark.parametrize("stage,options,expected", [
-    (2, {"reduce_every": 0}, '"l3plugin.reduce_every" must be >= 1'),
+    (2, {"reduce_every": 0}, '"l3plugin.reduce_every"=0 is out of range: must be an integer >= 1'),
     (2, {"reduce_every": 1.5}, '"l3plugin.reduce_every" must be int, got 1.5'),
     (2, {"reduce_every": True}, '"l3plugin.reduce_every" must be int, got True'),
-    (2, {"reduce_every": 5}, '"l3plugin.reduce_every" is 5; valid range is 1..gradient_accumulation_steps (4)'),
+    (2, {"reduce_every": 5}, '"l3plugin.reduce_every"=5 is out of range: must be an integer in '
+                              '1..gradient_accumulation_steps (=4)'),
     (1, {"reduce_every": 2}, '"l3plugin.reduce_every" is 2 with zero_optimization.stage 1'),
-    (2, {"bucket_numel": 0}, '"l3plugin.bucket_numel" must be >= 1, got 0'),
+    (2, {"bucket_numel": 0}, '"l3plugin.bucket_numel"=0 is out of range: must be an integer >= 1'),
     (2, {"wait_timeout": 0}, '"l3plugin.wait_timeout"=0 is invalid: must be a finite number of seconds > 0'),
     (2, {"wait_timeout": float("nan")}, '"l3plugin.wait_timeout"=nan is invalid: must be a finite number of'),
 ])
@@ -255,8 +256,8 @@ def test_zero_bucket_size_from_deepspeed_is_checked(ranks):
 
 
 @pytest.mark.parametrize("kwargs,expected", [
-    ({"bucket_numel": 1.7}, "bucket_numel=1.7 must be a whole number >= 1"),
-    ({"bucket_numel": 0}, "bucket_numel=0 must be a whole number >= 1"),
+    ({"bucket_numel": 1.7}, "bucket_numel=1.7 is out of range: must be an integer >= 1"),
+    ({"bucket_numel": 0}, "bucket_numel=0 is out of range: must be an integer >= 1"),
     ({"clip_grad": float("nan")}, "clip_grad=nan must be a finite number >= 0"),
     ({"wait_timeout": -1}, "wait_timeout=-1 is invalid: must be a finite number of seconds > 0"),
     ({"overlap": "yes"}, "overlap='yes' must be True or False"),

@@ -2,9 +2,10 @@
 waited with a bound.
 
 Every collective is started with ``async_op=True`` and returns an ``InFlight``; ``wait`` gives its result.
-The blocking helpers (``all_gather_shards``, ``all_reduce_sum``) are start + wait. Waits are bounded (``l3plugin.waits``): a collective that does not
-finish raises ``CommTimeout`` naming this rank, the group, the operation and what it carried, instead of
-blocking until the process group's own timeout (30 minutes by default).
+The blocking helpers (``all_gather_shards``, ``all_reduce_sum``) are start + wait. Waits are bounded
+(``l3plugin.collective.waits``): a collective that does not finish raises ``CommTimeout`` naming this rank,
+the group, the operation and what it carried, instead of blocking until the process group's own timeout
+(30 minutes by default).
 
 All calls look ``torch.distributed`` functions up at call time, so ``l3plugin.debug.record_collectives``
 (which patches them) sees every call. Devices come from the tensors; nothing here assumes CUDA.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from l3plugin.waits import DEFAULT_TIMEOUT, group_ranks, wait_work
+from l3plugin.collective.waits import DEFAULT_TIMEOUT, group_ranks, wait_work
 
 
 def _describe(op: str, tensor: torch.Tensor, group, what: str) -> str:

@@ -4,7 +4,7 @@ Without this, a rank that raises (say, while reading its checkpoint partition) l
 the next collective until a timeout. Here every rank reports success or its error in one all-gather of a
 small fixed-size message, placed before the first collective of the operation; if any rank failed, every
 rank raises: the failing ranks their own error, the others ``PeerFailed`` naming the failing ranks and
-their messages. The exchange is waited with a bound (``l3plugin.waits``; at least the job-wide one, since
+their messages. The exchange is waited with a bound (``l3plugin.collective.waits``; at least the job-wide one, since
 ranks may arrive seconds apart), so a rank that died outright still gives a ``CommTimeout``, not a hang.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from l3plugin import comm
-from l3plugin.waits import group_ranks, resolve_timeout
+from l3plugin.collective import comm
+from l3plugin.collective.waits import group_ranks, resolve_timeout
 
 MESSAGE_BYTES = 1024  # per rank; longer messages are cut (the full one is raised on its own rank)
 
