@@ -27,7 +27,7 @@ DECLARED_IN = (
     "l3plugin.megatron.attention",          # ROPE: RoPE of the positions a rank holds
     "l3plugin.demo.model",                  # CPU_ROPE, TIED_EMBEDDINGS: Megatron's CUDA-only pieces on CPU
     "l3plugin.debug.patching",              # COLLECTIVES: record_collectives, local_collectives
-    "l3plugin.ranks",                       # torch's process-group map (RankPool counts what a call left)
+    "l3plugin.rank_worker",                 # torch's process-group map (RankPool counts what a call left)
 )
 
 

@@ -3,7 +3,7 @@ single-threaded (only 2 cores: OMP/MKL read these at load) and with the CPU-only
 
 import os
 
-from l3plugin.ranks import silence_cpu_meaningless_warnings
+from l3plugin.rank_worker import silence_cpu_meaningless_warnings
 
 os.environ.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
 silence_cpu_meaningless_warnings()
