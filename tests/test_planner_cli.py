@@ -119,11 +119,16 @@ def test_emit_deepspeed(capsys):
     config = json.loads(run(SMALL + ["--emit", "deepspeed"], capsys))
     assert config["bf16"] == {"enabled": True}
     assert config["zero_optimization"]["stage"] in (1, 2)
-    assert config["l3plugin"]["fp32_reduce_zero"] is True
-    ours = config["l3plugin"]
-    assert (config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * ours["dp"]
+    # The block is one l3plugin's own parser takes (it refuses unknown keys), as deepspeed.initialize would.
+    from l3plugin.deepspeed.config import options_in
+
+    options = options_in(config)
+    assert options.fp32_reduce_zero is True
+    layout = config["l3plugin_plan"]
+    assert options.context_parallel_size == layout["cp"]
+    assert (config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * layout["dp"]
             == config["train_batch_size"] == 512)
-    assert ours["tp"] * ours["cp"] * ours["pp"] * ours["dp"] == 64
+    assert layout["tp"] * layout["cp"] * layout["pp"] * layout["dp"] == 64
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -172,7 +172,8 @@ def test_shared_bus_exchange_is_half_duplex(tmp_path):
 
 # ---- namespaces go on every exit ---------------------------------------------------------------------------
 OWNER = f"""
-import json, sys, time
+import json, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C's KeyboardInterrupt, even if started ignored
 sys.path.append({str(ROOT / "bench")!r})
 import wire
 how = sys.argv[1]

@@ -363,7 +363,13 @@ def layout_string(layers) -> str:
 
 
 def deepspeed_config(ev: Evaluation) -> dict:
+    """A DeepSpeed config for the plan. Its "l3plugin" block holds only options l3plugin reads (the optimizer and
+    CP); the layout (TP, PP, schedule, layers per stage: DeepSpeed's and Megatron's settings, not l3plugin's) is
+    recorded under "l3plugin_plan", which neither DeepSpeed nor l3plugin reads."""
     L, req = ev.layout, ev.request
+    plugin = {"fp32_reduce_zero": True}
+    if L.cp > 1:
+        plugin["context_parallel_size"] = L.cp
     return {
         "train_batch_size": req.sequences,
         "train_micro_batch_size_per_gpu": req.micro_batch_size,
@@ -373,9 +379,9 @@ def deepspeed_config(ev: Evaluation) -> dict:
                               "contiguous_gradients": True},
         "data_types": {"grad_accum_dtype": "fp32"},
         "communication_data_type": "fp32",
-        "l3plugin": {"fp32_reduce_zero": True, "tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp,
-                     "vpp": L.vpp, "group_size": L.group_size, "schedule": L.schedule_name,
-                     "layers_per_stage": list(L.layers)},
+        "l3plugin": plugin,
+        "l3plugin_plan": {"tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp, "vpp": L.vpp, "group_size": L.group_size,
+                          "schedule": L.schedule_name, "layers_per_stage": list(L.layers)},
     }
 
 
