@@ -236,10 +236,11 @@ def test_the_measured_multimodal_table_is_the_saved_run_rendered():
     assert docs_tables.missing_lines(rendered, (ROOT / "docs/pipeline.md").read_text()) == []
 
 
-def test_the_measured_per_rank_pipeline_table_is_the_saved_run_rendered():
-    """docs/benchmarks.md's per-rank pipeline wire table (early against agreed-order receives) is what
-    bench/docs_tables.py renders from the run's saved JSON, docs/runs/pp_wire_early_vpp2.json."""
-    record = json.loads((ROOT / "docs/runs/pp_wire_early_vpp2.json").read_text())
+@pytest.mark.parametrize("run", ["pp_wire_early_vpp2.json", "pp_wire_early_vpp4.json"])
+def test_the_measured_per_rank_pipeline_table_is_the_saved_run_rendered(run):
+    """docs/benchmarks.md's per-rank pipeline wire tables (early against agreed-order receives) are what
+    bench/docs_tables.py renders from the runs' saved JSON under docs/runs/."""
+    record = json.loads((ROOT / "docs/runs" / run).read_text())
     rendered = docs_tables.render("pp-wire", record)
     assert rendered.startswith("Wire: per-rank links") and "agreed-order k=1.5p=3" in rendered
     assert docs_tables.missing_lines(rendered, (ROOT / "docs/benchmarks.md").read_text()) == []
