@@ -156,3 +156,11 @@ def test_bench_runs_on_the_per_rank_wire(bench, options, where, tables):
     leaked = {name for name, pid in wire.namespaces().items()
               if name not in before and not os.path.exists(f"/proc/{pid}")}
     assert not leaked, f"{bench} left namespaces behind: {leaked}"
+
+
+def test_idle_groups_rows():
+    record, _ = json_run("bench/idle_groups.py", "--groups", "0", "3", "--idle", "0.2", "--reduces", "10")
+    rows = record["figures"]["rows"]
+    assert [row["groups"] for row in rows] == [0, 3]
+    assert all(b > a for a, b in zip(rows[0]["threads"], rows[1]["threads"]))  # every kept group has its threads
+    assert all(len(row["idle_cpu_per_s"]) == 2 and row["loop_wall_s"] > 0 for row in rows)
