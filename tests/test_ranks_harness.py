@@ -1,11 +1,16 @@
 """The CPU multi-process harness: results in rank order, and clear failures for raise, hang and death."""
 
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from l3plugin.ranks import RanksFailed, RankPool
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from idle_groups import keep_groups  # noqa: E402  (workers get this sys.path with every call)
 
 
 def rank_and_sum(offset):
@@ -43,15 +48,6 @@ def exit_on_rank(bad_rank):
     return dist.get_rank()
 
 
-def leave_groups(count):
-    """Make ``count`` process groups and keep them (as a framework's cache would); the worker's thread count."""
-    import torch.distributed as dist
-
-    kept = globals().setdefault("_KEPT_GROUPS", [])
-    kept.extend(dist.new_group(list(range(dist.get_world_size()))) for _ in range(count))
-    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
-
-
 @pytest.fixture(scope="module")
 def pool():
     with RankPool(3, grace=2.0) as p:  # its own pool: these tests restart it on purpose
@@ -72,11 +68,11 @@ def test_workers_that_keep_many_process_groups_are_replaced_after_the_call(pool)
 
     pool.restart()
     before = pool.pids
-    pool.run(leave_groups, GROUPS_LEFT_LIMIT)  # exactly at the limit: kept
+    pool.run(keep_groups, GROUPS_LEFT_LIMIT)  # exactly at the limit: kept
     assert pool.pids == before
-    threads = pool.run(leave_groups, 1)
-    assert pool.pids != before and all(t is None or t > 2 * GROUPS_LEFT_LIMIT for t in threads)
-    assert pool.run(leave_groups, 0) != threads  # fresh workers: the groups and their threads are gone
+    kept = pool.run(keep_groups, 1)
+    assert pool.pids != before and all(n == GROUPS_LEFT_LIMIT + 1 and t > 2 * GROUPS_LEFT_LIMIT for n, t in kept)
+    assert all(n == 0 for n, _ in pool.run(keep_groups, 0))  # fresh workers: the groups and their threads are gone
     assert pool.run(rank_and_sum, 0)[0][1] == 3
 
 

@@ -40,6 +40,7 @@ from l3plugin.collective.waits import resolve_timeout, wait_work
 from l3plugin.schedule.plan import Message, Schedule
 from l3plugin.schedule.receives import RECV, SEND, ReceivePosts, pair_orders
 
+
 class PipelineChannels:
     """This pipeline rank's receives and sends for one execution of ``schedule``."""
 
