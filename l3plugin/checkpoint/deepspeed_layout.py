@@ -95,7 +95,7 @@ def sharded_state_dict(zero) -> dict:
                 shard = bucket.master.detach() if key is None else state[key]
                 if key not in out:
                     out[key] = torch.zeros(size, dtype=shard.dtype)
-                full = comm.all_gather_shards(shard, zero.group)
+                full = comm.all_gather_shards(shard, zero.group, zero.wait_timeout)
                 s, e = max(lo, start), min(lo + size, start + bucket.spec.numel)
                 if s < e:
                     out[key][s - lo:e - lo] = full[s - start:e - start].cpu()

@@ -193,7 +193,6 @@ def finalize_grads_func(zero: FP32ReduceZero):
     from megatron.core import parallel_state as ps
 
     from l3plugin.collective import comm
-    from l3plugin.collective.waits import group_ranks, wait_work
 
     pp_group = ps.get_pipeline_model_parallel_group()
 
@@ -202,12 +201,8 @@ def finalize_grads_func(zero: FP32ReduceZero):
         if num_tokens is None:
             return
         # The last stage counted the tokens; every stage scales by the global count.
-        tokens = num_tokens.detach().clone()
-        if pp_group.size() > 1:
-            work = dist.broadcast(tokens, src=dist.get_process_group_ranks(pp_group)[-1], group=pp_group,
-                                  async_op=True)
-            wait_work(work, timeout=zero.wait_timeout,
-                      what=f"token count broadcast from the last stage over the PP group {group_ranks(pp_group)}")
+        tokens = comm.broadcast_from(num_tokens.detach().clone(), pp_group.size() - 1, pp_group, zero.wait_timeout,
+                                     "token count from the last stage")
         comm.all_reduce_sum(tokens, zero.group, zero.wait_timeout, "token count")
         if float(tokens) > 0:
             zero.scale_grads(1.0 / float(tokens))
