@@ -61,6 +61,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from l3plugin.schedule.layers import layer_ranges
+
 from .models import ModelSpec
 
 from .machine import GIB, Hardware  # noqa: F401 (GIB re-exported for report.py and tests)
@@ -183,12 +185,6 @@ class LayoutCosts:
         self.mean_bwd = sum(self.stage_bwd) / self.num_stages
 
     # ---- layers that differ (--kinds, --frozen: a LayerProfile) ----------------------------------
-    def _stage_layers(self):
-        start = 0
-        for n in self.layout.layers:
-            yield range(start, start + n)
-            start += n
-
     def _per_layer_memory(self, profile, tokens: float) -> None:
         """Activations and parameters summed over each stage's own layers: a layer keeps what layer_costs
         says (nothing in a frozen prefix), frozen parameters keep only their bf16 weights."""
@@ -197,7 +193,7 @@ class LayoutCosts:
         gathered = self.gathered_kv if L.cp > 1 and self.hw.cp_kv == "keep" else 0.0
         trained = [profile.trainable(kind) for kind in profile.kinds]
         self.stage_act, self.stage_params, self.stage_trainable = [], [], []
-        for s, ids in enumerate(self._stage_layers()):
+        for s, ids in enumerate(layer_ranges(self.layout.layers)):
             saved = [profile.layers[i].activation for i in ids]
             self.stage_act.append(sum(saved) / shard + sum(a > 0 for a in saved) * gathered
                                   + (profile.head.activation / shard if s == last else 0.0))
@@ -215,7 +211,7 @@ class LayoutCosts:
         cp_f, cp_b = self.cp_fwd_collectives, self.cp_bwd_collectives
         self.stage_fwd, self.stage_bwd, self.stage_tp_count, self.stage_cp_count = [], [], [], []
         self.stage_compute, self.stage_tp, self.stage_cp = [], [], []
-        for s, ids in enumerate(self._stage_layers()):
+        for s, ids in enumerate(layer_ranges(self.layout.layers)):
             parts = [profile.layers[i] for i in ids] + [profile.embedding] * (s == 0) + [profile.head] * (s == last)
             flops_f, flops_b = sum(c.forward for c in parts), sum(c.backward for c in parts)
             n_b = sum(profile.layers[i].backward > 0 for i in ids)

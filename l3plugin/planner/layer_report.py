@@ -3,7 +3,7 @@ indices per virtual stage (--json "stages"), and the answer's stages with their 
 
 from __future__ import annotations
 
-from l3plugin.schedule.balance import stage_layer_ids
+from l3plugin.schedule.layers import layer_ranges
 
 from .balance_cli import SPEC_HINT
 from .layer_costs import KINDS
@@ -11,7 +11,7 @@ from .layer_costs import KINDS
 
 def stage_lists(layout) -> list[list[int]]:
     """Layer indices (0..L-1, model order) of each virtual stage s (chunk s // pp on rank s % pp)."""
-    return stage_layer_ids(layout.layers)
+    return [list(ids) for ids in layer_ranges(layout.layers)]
 
 
 def layers_text(req) -> str:

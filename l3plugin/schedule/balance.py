@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from l3plugin.checks import check_int
 
+from .layers import layer_ranges
 from .plan import BACKWARD, Schedule, with_trainable_stages
 from .simulate import Replay
 
@@ -55,7 +56,7 @@ class Split:
 
     def stages(self) -> list[list[int]]:
         """Layer indices (0..L-1, model order) of each virtual stage."""
-        return stage_layer_ids(self.counts)
+        return [list(ids) for ids in layer_ranges(self.counts)]
 
     def to_dict(self) -> dict:
         return {"name": self.name, "counts": list(self.counts), "stages": self.stages(), "makespan": self.makespan,
@@ -76,7 +77,7 @@ class StageSplitter:
             raise ValueError(f"kinds has {len(kinds)} letters for {len(layers)} layers")
         self.layers, self.schedule, self.embedding, self.head = list(layers), schedule, embedding, head
         self.p2p_latency, self.kinds = p2p_latency, kinds
-        self._replays = {0: Replay(schedule)}  # by the first stage with a gradient path
+        self._replays: dict[int, Replay] = {}  # by the first stage with a gradient path, built when first asked
         self.num_stages = schedule.num_stages
         # Rank 0's actions as (stage, +1 forward / -1 backward), for its activation memory.
         self._rank0 = [(schedule.stage_of(0, a.chunk), -1 if a.op == BACKWARD else 1)
@@ -222,15 +223,6 @@ def _middle_first(n: int) -> list[int]:
     """Stage indices from the middle outwards (the ends hold the embedding and the head)."""
     centre = (n - 1) / 2
     return sorted(range(n), key=lambda s: (abs(s - centre), s))
-
-
-def stage_layer_ids(counts) -> list[list[int]]:
-    """Layer indices (0..L-1, model order) of each virtual stage, from the layers per stage."""
-    out, start = [], 0
-    for n in counts:
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
 
 
 def megatron_layout(counts, pp: int) -> str:
