@@ -196,7 +196,7 @@ def _wire_step(v, m, k, kind, layers, hidden, seq, mbs):
     fn = get_forward_backward_func() if stock else forward_backward_pipelining_flexible
     forward_backward_pipelining_flexible.last_waits = {}
     with stock_schedules_on_cpu(), census.hooks, \
-            mock.patch.object(pipeline, "posts_receives_early", lambda device: kind == EARLY):
+            mock.patch.object(pipeline, "posts_receives_early", lambda group, device: kind == EARLY):
         timing, _ = harness.barrier_timed(lambda: fn(
             forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
             num_microbatches=m, seq_length=seq, micro_batch_size=mbs), group=mesh.pp_group)

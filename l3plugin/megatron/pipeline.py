@@ -9,9 +9,9 @@ forward_backward functions (and ignores unknown future ones). It runs the per-ra
 Differences from the stock interleaved schedule, all deliberate:
 - any m >= 1 and any k in 1..m (k from ``config.microbatch_group_size_per_vp_stage``, default p);
   k < p runs all-forward-all-backward, a last group smaller than p is fine;
-- P2P goes through ``l3plugin.schedule.p2p`` (device taken from the model; on CPU (gloo) receives are posted
+- P2P goes through ``l3plugin.schedule.p2p`` (device taken from the model; on gloo receives are posted
   as early as the plan allows within a budget, l3plugin.schedule.receives, so transfers overlap compute; on
-  other devices both peers of a pair post their sends and receives in one agreed order), not Megatron's
+  other transports (NCCL) both peers of a pair post their sends and receives in one agreed order), not Megatron's
   P2PCommunicator, whose receive buffers hard-code CUDA and whose batched pp=2 path can silently swap
   activations and gradients; after each step ``forward_backward_pipelining_flexible.last_waits`` holds this
   rank's blocking (seconds and count of receive and send waits) and its most receive buffers posted at once;
@@ -36,23 +36,26 @@ import torch
 
 from l3plugin.checks import check_int
 from l3plugin.megatron.cp_documents import schedule_step
-from l3plugin.schedule.p2p import PipelineChannels, pair_orders
+from l3plugin.schedule.p2p import PipelineChannels, pair_orders, posts_receives_early
 from l3plugin.schedule.plan import FORWARD, RankPlan, Schedule, build_schedule, with_trainable_stages
 from l3plugin.schedule.receives import receive_posts
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_plan(pp, vpp, m, k, forward_only, rank, trainable):
+def _cached_plan(pp, vpp, m, k, forward_only, rank, trainable, early):
     """Everything a step derives from the configuration alone, built once rather than every step:
-    the schedule (forward-only if asked; ``trainable``: one flag per virtual stage), this rank's P2P order
-    (a replay of the whole plan), when it posts each receive (early, ``receives.py``), and the indices of its
-    actions after which grad sync (chunk done) and round sync (round done) happen."""
+    the schedule (forward-only if asked; ``trainable``: one flag per virtual stage), this rank's P2P plan
+    (``early``: when it posts each receive, ``receives.py``; else the pair order, a replay of the whole
+    plan), and the indices of its actions after which grad sync (chunk done) and round sync (round done)
+    happen."""
     schedule = with_trainable_stages(build_schedule(pp, vpp, m, k), trainable)
     if forward_only:
         schedule = forward_only_schedule(schedule)
-    orders = {peer: tuple(ops) for peer, ops in pair_orders(schedule, rank).items()}
-    return (schedule, orders, receive_posts(schedule, rank), schedule.ranks[rank].grad_sync_points(),
-            schedule.round_end_points(rank))
+    if early:
+        orders, posts = None, receive_posts(schedule, rank)
+    else:
+        orders, posts = {peer: tuple(ops) for peer, ops in pair_orders(schedule, rank).items()}, None
+    return schedule, orders, posts, schedule.ranks[rank].grad_sync_points(), schedule.round_end_points(rank)
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
@@ -126,13 +129,6 @@ def trainable_stages(model, pp_group, device) -> tuple[bool, ...]:
     return tuple(bool(f) for f in flags.tolist())
 
 
-def posts_receives_early(device) -> bool:
-    """Whether P2P on ``device`` tensors posts receives early (l3plugin.schedule.receives): on CPU (gloo) a
-    pending receive does not hold back this rank's sends; NCCL runs a pair's operations in posting order
-    on one stream, where an early receive could wait on a send queued behind it."""
-    return torch.device(device).type == "cpu"
-
-
 def _model_device(model) -> torch.device:
     for chunk in model:
         for param in chunk.parameters():
@@ -165,7 +161,8 @@ def _step_plan(config, model, pp_group, num_microbatches, forward_only, device):
     # Forward-only: nothing needs a gradient (no collective either).
     trainable = (False,) * (p * v) if forward_only else trainable_stages(model, pp_group, device)
     try:
-        return _cached_plan(p, v, num_microbatches, k, bool(forward_only), r, trainable)
+        return _cached_plan(p, v, num_microbatches, k, bool(forward_only), r, trainable,
+                            posts_receives_early(pp_group, device))
     except ValueError as exc:
         raise ValueError(f"{exc} (group_size is config.microbatch_group_size_per_vp_stage, set by "
                          f"--microbatch-group-size-per-virtual-pipeline-stage)") from None
@@ -372,7 +369,7 @@ def forward_backward_pipelining_flexible(
     channels = PipelineChannels(
         schedule, r, orders, dist.get_process_group_ranks(pp_group), pp_group,
         shape=(seq, micro_batch_size, config.hidden_size), dtype=config.pipeline_dtype, device=device,
-        posts=posts if posts_receives_early(device) else None)
+        posts=posts)
     syncs = SyncHooks(config, model, schedule, r, grad_sync_points, round_ends, forward_only)
     executor = _Executor(
         schedule, r, channels, syncs, forward_step_func=forward_step_func, data_iterator=data_iterator,

@@ -41,6 +41,16 @@ from l3plugin.schedule.plan import Message, Schedule
 from l3plugin.schedule.receives import RECV, SEND, ReceivePosts, pair_orders
 
 
+def posts_receives_early(group, device) -> bool:
+    """Whether ``group``'s transport for ``device`` tensors lets receives be posted ahead of the pair order
+    (``posts``): gloo, where a pending receive holds back none of this rank's sends. NCCL runs a pair's
+    operations in posting order on one stream, where an early receive could wait on a send queued behind it."""
+    backend = str(dist.get_backend(group))
+    if ":" in backend:  # one backend per device type, e.g. "cpu:gloo,cuda:nccl"
+        backend = dict(item.split(":", 1) for item in backend.split(",")).get(torch.device(device).type, "")
+    return backend == "gloo"
+
+
 class PipelineChannels:
     """This pipeline rank's receives and sends for one execution of ``schedule``."""
 

@@ -39,7 +39,7 @@ def run_step(pp, vpp, m, k, early, jitter):
         time.sleep(rng.uniform(0, jitter))
         return toy.forward_step(data_iterator, model)
 
-    with mock.patch.object(pipeline, "posts_receives_early", lambda device: early):
+    with mock.patch.object(pipeline, "posts_receives_early", lambda group, device: early):
         result = toy.flexible_step(chunks, batches, seq_length=SEQ, micro_batch_size=MBS,
                                    forward_step_func=forward_step)
     planned = receive_posts(build_schedule(pp, vpp, m, k), rank)
