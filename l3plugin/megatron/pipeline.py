@@ -245,9 +245,13 @@ class _Executor:
 
     def __init__(self, schedule, pp_rank, channels, syncs, *, forward_step_func, data_iterator, model, config,
                  num_microbatches, cp_size, forward_only, collect_non_loss_data, first_val_step):
-        from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor
+        from megatron.core.pipeline_parallel.schedules import (backward_step, check_first_val_step,
+                                                               deallocate_output_tensor, forward_step)
         from megatron.core.utils import get_model_type
 
+        # Megatron's step functions, looked up once per step (a patched module attribute is still seen).
+        self.forward_step, self.backward_step, self.check_first_val_step = (
+            forward_step, backward_step, check_first_val_step)
         self.schedule, self.rank, self.channels, self.syncs = schedule, pp_rank, channels, syncs
         self.forward_step_func, self.data_iterator, self.model, self.config = (
             forward_step_func, data_iterator, model, config)
@@ -269,19 +273,17 @@ class _Executor:
         self.channels.send(msg, tensor, self.schedule.owner_of(msg.dst_stage)[0], **kwargs)
 
     def forward(self, action):
-        from megatron.core.pipeline_parallel.schedules import check_first_val_step, forward_step
-
         recv_msg, send_msg = self.schedule.action_messages(self.rank, action)
         mb, c = action.microbatch, action.chunk
         self.syncs.start_param_gathers(self.forward_index)
         self.forward_index += 1
         stage = self.schedule.stage_of(self.rank, c)
         input_tensor = self._receive(recv_msg)
-        output_tensor, num_tokens = forward_step(
+        output_tensor, num_tokens = self.forward_step(
             self.forward_step_func, self.data_iterator[c], self.model[c], self.num_microbatches, input_tensor,
             self.forward_data_store, self.config, cp_group_size=self.cp_size,
             collect_non_loss_data=self.collect_non_loss_data,
-            is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only,
+            is_first_microbatch=self.check_first_val_step(self.first_val_step, self.forward_only,
                                                      c not in self.first_forward_seen),
             current_microbatch=mb, vp_stage=c if len(self.model) > 1 else None,
             is_last_stage=stage == self.schedule.num_stages - 1)
@@ -305,15 +307,13 @@ class _Executor:
             self._send(send_msg, input_grad)
 
     def _backward_step(self, action, recv_msg):
-        from megatron.core.pipeline_parallel.schedules import backward_step
-
         input_tensor, output_tensor, sent = self.saved.pop((action.microbatch, action.chunk))
         if sent is not None:
             self.channels.wait_sent(sent)  # the output must be sent (and freed) before its backward
         output_grad = self._receive(recv_msg)
         if input_tensor is not None and not input_tensor.requires_grad:
             input_tensor = None  # the first trainable stage: no input gradient wanted
-        return backward_step(input_tensor, output_tensor, output_grad, *self.model_type, self.config)
+        return self.backward_step(input_tensor, output_tensor, output_grad, *self.model_type, self.config)
 
 
 def _start_step(config, model, is_last_rank, forward_only):
