@@ -76,7 +76,20 @@ def cp_overlapped_peer_never_joins(operation, timeout):
     return cp_peer_never_joins(operation, timeout, overlap=True)
 
 
+def boundaries_peer_never_joins(operation, timeout):
+    """The CP route's document boundaries sent over TP (megatron/batch_hooks.py): rank 1 never receives."""
+    from l3plugin.megatron.batch_hooks import broadcast_boundaries
+
+    if dist.get_rank() == 1:
+        time.sleep(AWAY)
+        return "stayed away"
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    return timed(lambda: broadcast_boundaries(cu, 0, dist.group.WORLD, torch.device("cpu"), timeout))
+
+
 @pytest.mark.parametrize("fn,operation,expected", [
+    (boundaries_peer_never_joins, "broadcast", "rank 0: broadcast (document boundaries' count over TP) of 1 int64 "
+                                               "elements"),
     (p2p_peer_never_joins, "recv", "rank 0: pipeline rank 0: receive of the grad of microbatch 0 (stage 1 -> 0) "
                                    "from pipeline rank 1 (global rank 1) did not finish within 2 s"),
     (p2p_peer_never_joins, "send", "rank 0: pipeline rank 0: send of the activation of microbatch 0 (stage 0 -> 1) "

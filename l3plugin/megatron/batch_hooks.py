@@ -9,7 +9,8 @@ So on these versions l3plugin (set CP_BATCH, declared at the bottom; its rows ar
 
 - ``tp_batch_with_documents``: the document boundaries of the FULL sequence, from the EOD tokens on TP rank 0
   BEFORE the stock broadcast (on the last pipeline stage it drops the tokens), sent to the TP group, as
-  ``cu_seqlens`` [1, n] and ``max_seqlen`` [1] = S (Megatron's RoPE takes its length from max_seqlen);
+  ``cu_seqlens`` [1, n] and ``max_seqlen`` [1] = S (Megatron's RoPE takes its length from max_seqlen;
+  ``broadcast_boundaries`` and ``with_boundaries``, shared with cp_route.py's hook for 0.16 / 0.17);
 - ``cp_batch_by_layout``: this CP rank's positions by l3plugin's layout, the boundaries left global;
 - ``gpt_model_forward``: the "thd" PackedSeqParams that pretrain_gpt built from those boundaries become
   "sbhd" (every token keeps its global position; TE's per-document THD split is not l3plugin's layout).
@@ -44,18 +45,36 @@ def _documents_route():
     return route if route is not None and route.documents else None
 
 
-def _broadcast_boundaries(cu, src: int, group, device) -> torch.Tensor:
-    """``cu`` (given on ``src``, None elsewhere) on every rank of ``group``: its length, then its values."""
+def broadcast_boundaries(cu, src: int, group, device, timeout=None) -> torch.Tensor:
+    """``cu`` (given on global rank ``src``, None elsewhere) on every rank of ``group``: its length, then its
+    values (bounded waits: ``timeout`` seconds, else ``l3plugin.collective.waits``' setting)."""
     import torch.distributed as dist
+
+    from l3plugin.collective.comm import broadcast_from
+    from l3plugin.collective.waits import resolve_timeout
 
     if group is None or dist.get_world_size(group) == 1:
         return cu
+    timeout = resolve_timeout(timeout)
+    group_src = dist.get_group_rank(group, src)
     mine = dist.get_rank() == src
     count = torch.tensor([cu.numel() if mine else 0], dtype=torch.int64, device=device)
-    dist.broadcast(count, src, group=group)
-    cu = cu.to(device) if mine else torch.empty(int(count), dtype=torch.int32, device=device)
-    dist.broadcast(cu, src, group=group)
-    return cu
+    broadcast_from(count, group_src, group, timeout, "document boundaries' count over TP")
+    cu = cu.to(device, torch.int32) if mine else torch.empty(int(count), dtype=torch.int32, device=device)
+    return broadcast_from(cu, group_src, group, timeout, "document boundaries over TP")
+
+
+def with_boundaries(batch: dict, cu: torch.Tensor) -> dict:
+    """``batch`` plus ``cu_seqlens`` [1, n] and ``max_seqlen`` [1] for the global boundaries ``cu``.
+
+    max_seqlen is S, the whole sequence, not the longest document (what THD kernels would want): l3plugin's CP
+    attention reads only cu_seqlens (its kernels get per-chunk maxima from cp/sharding.py), and Megatron's RoPE
+    takes its length from PackedSeqParams.max_seqlen_q/kv (RotaryEmbedding.get_rotary_seq_len), which pretrain_gpt
+    builds from this value from 0.18 on (up to 0.17 cp_route.py's sharding builds it, also with S); in "sbhd" every
+    token keeps its global position, up to S - 1."""
+    batch["cu_seqlens"] = cu.view(1, -1)
+    batch["max_seqlen"] = cu[-1:].to(torch.int32)
+    return batch
 
 
 def tp_batch_with_documents(batch, *args, **kwargs):
@@ -70,11 +89,9 @@ def tp_batch_with_documents(batch, *args, **kwargs):
     cu = None if tokens is None else cu_seqlens_from_eod(tokens, eod_token())
     out = stock(batch, *args, **kwargs)
     device = next((v.device for v in out.values() if torch.is_tensor(v)), torch.device("cpu"))
-    cu = _broadcast_boundaries(cu, bound["broadcast_src_rank"], bound["broadcast_group"], device)
-    out["cu_seqlens"] = cu.view(1, -1)
-    out["max_seqlen"] = cu[-1:].to(torch.int32)
+    cu = broadcast_boundaries(cu, bound["broadcast_src_rank"], bound["broadcast_group"], device)
     out["cu_seqlens_padded"] = None
-    return out
+    return with_boundaries(out, cu)
 
 
 def cp_batch_by_layout(batch, *args, **kwargs):

@@ -38,7 +38,7 @@ import torch
 from l3plugin.cp.sharding import cu_seqlens_from_eod, shard_batch
 from l3plugin.megatron.arguments import CPRoute, parsed_options
 from l3plugin.megatron.attention import CP_COMM_TYPE, AllGatherCPCoreAttention
-from l3plugin.megatron.batch_hooks import CP_BATCH, eod_token
+from l3plugin.megatron.batch_hooks import CP_BATCH, broadcast_boundaries, eod_token, with_boundaries
 from l3plugin.megatron.cp_documents import fill_boundaries, sbhd_packed_params
 from l3plugin.versions import MEGATRON_CHECKED
 from l3plugin.patchset import Patch, PatchSet
@@ -126,35 +126,24 @@ def _boundaries_on_tp_group(batch) -> torch.Tensor:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    tokens = batch.get("tokens")
     group = parallel_state.get_tensor_model_parallel_group()
-    if group is None or dist.get_world_size(group) == 1:
-        return cu_seqlens_from_eod(tokens, eod_token())
-    device = next(v.device for v in batch.values() if torch.is_tensor(v))
     src = parallel_state.get_tensor_model_parallel_src_rank()
-    if dist.get_rank() == src:
-        cu = cu_seqlens_from_eod(tokens, eod_token()).to(device)
-        count = torch.tensor([cu.numel()], dtype=torch.int64, device=device)
-    else:
-        count = torch.empty(1, dtype=torch.int64, device=device)
-    dist.broadcast(count, src, group=group)
-    if dist.get_rank() != src:
-        cu = torch.empty(int(count), dtype=torch.int32, device=device)
-    dist.broadcast(cu, src, group=group)
-    return cu
+    tokens = batch.get("tokens")
+    device = next(v.device for v in batch.values() if torch.is_tensor(v))
+    single = group is None or dist.get_world_size(group) == 1
+    cu = cu_seqlens_from_eod(tokens, eod_token()) if single or dist.get_rank() == src else None
+    return broadcast_boundaries(cu, src, group, device)
 
 
 def tp_batch_with_documents(data_iterator, *args, **kwargs):
-    """Megatron-LM's, plus the document boundaries as ``cu_seqlens`` [1, n] and ``max_seqlen`` [1] when
-    l3plugin's CP has document masks (pretrain_gpt's get_batch then takes its packed-sequence branch)."""
+    """Megatron-LM's, plus the document boundaries as ``cu_seqlens`` [1, n] and ``max_seqlen`` [1] (= S: see
+    ``with_boundaries``) when l3plugin's CP has document masks (pretrain_gpt's get_batch then takes its
+    packed-sequence branch)."""
     batch = CP_ROUTE.stock("megatron.training.utils.get_batch_on_this_tp_rank")(data_iterator, *args, **kwargs)
     route = active_route()
     if route is None or not route.documents:
         return batch
-    cu = _boundaries_on_tp_group(batch)
-    batch["cu_seqlens"] = cu.view(1, -1)
-    batch["max_seqlen"] = (cu[1:] - cu[:-1]).max().view(1).to(torch.int32)
-    return batch
+    return with_boundaries(batch, _boundaries_on_tp_group(batch))
 
 
 def packed_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size=None, cp_rank=None):

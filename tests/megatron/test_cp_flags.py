@@ -261,33 +261,42 @@ def test_spec_swap_picks_the_backend():
 
 
 def boundaries_over_tp():
-    """TP = 2 on a last pipeline stage: TP rank 0 read the data (tokens), rank 1 got labels only."""
+    """Megatron-LM's get_batch_on_this_tp_rank (up to 0.17) with TP = 2 on a last pipeline stage: TP rank 0 read
+    the data (it keeps the tokens), rank 1 got labels only; l3plugin adds the boundaries on both."""
     import torch.distributed as dist
-    from types import SimpleNamespace
 
     from megatron.core import parallel_state
 
-    from l3plugin.megatron.cp_route import _boundaries_on_tp_group
+    from l3plugin.megatron.cp_route import install_cp_route, uninstall_cp_route
 
     sys.path.insert(0, str(STANDIN))
     try:
         from megatron.training import global_vars
 
-        global_vars._GLOBAL_TOKENIZER = SimpleNamespace(eod=9)
+        global_vars._GLOBAL_ARGS = ns(create_attention_mask_in_dataloader=False, seq_length=8)
+        global_vars._GLOBAL_TOKENIZER = argparse.Namespace(eod=9)
         parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+        install_cp_route()
+        from megatron.training import utils as lm_utils  # read at call time: the patched function
+
         tokens = torch.tensor([[1, 9, 2, 3, 9, 9, 4, 5]])
-        batch = {"tokens": tokens if dist.get_rank() == 0 else None, "labels": torch.zeros(1, 8, dtype=torch.long)}
-        return _boundaries_on_tp_group(batch).tolist()
+        data = {"tokens": tokens, "labels": tokens.roll(-1), "position_ids": tokens * 0,
+                "loss_mask": torch.ones(1, 8), "attention_mask": None}
+        out = lm_utils.get_batch_on_this_tp_rank(iter([data]) if dist.get_rank() == 0 else None)
+        return out["cu_seqlens"].tolist(), out["max_seqlen"].tolist()
     finally:
+        uninstall_cp_route()
         parallel_state.destroy_model_parallel()
         sys.path.remove(str(STANDIN))
         for name in [n for n in sys.modules if n.startswith("megatron.training")]:
             del sys.modules[name]
 
 
+@pytest.mark.skipif(NEW_LM, reason="Megatron-LM's get_batch_on_this_tp_rank(data_iterator) exists up to 0.17")
 def test_document_boundaries_reach_every_tp_rank(ranks):
-    assert ranks.run(2, boundaries_over_tp, timeout=60) == [[0, 2, 5, 6, 8]] * 2
+    """The boundaries, and max_seqlen = S as from 0.18 (the length Megatron's RoPE takes from PackedSeqParams)."""
+    assert ranks.run(2, boundaries_over_tp, timeout=60) == [([[0, 2, 5, 6, 8]], [8])] * 2
 
 
 def boundaries_over_tp_from_0_18():
