@@ -179,11 +179,11 @@ def wire_contenders(v, agreed_order=False):
 def _wire_step(v, m, k, kind, layers, hidden, seq, mbs):
     """On every rank: one timed training step (wall, CPU busy, peak saved-activation bytes, grads, and the
     flexible executor's own waits)."""
-    from unittest import mock
+    import functools
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from l3plugin.megatron import forward_backward_pipelining_flexible, pipeline
+    from l3plugin.megatron import forward_backward_pipelining_flexible
     import toy_pipeline as toy
     from megatron_cpu_shim import stock_schedules_on_cpu
 
@@ -193,16 +193,16 @@ def _wire_step(v, m, k, kind, layers, hidden, seq, mbs):
     # still be reading it, which would corrupt the receiver's input: stock keeps its outputs here.
     mesh, chunks, batches = toy_model(WIRE_P, v, m, k, layers, hidden, seq, mbs, deallocate_outputs=not stock)
     census = SavedTensorCensus()
-    fn = get_forward_backward_func() if stock else forward_backward_pipelining_flexible
-    forward_backward_pipelining_flexible.last_waits = {}
-    with stock_schedules_on_cpu(), census.hooks, \
-            mock.patch.object(pipeline, "posts_receives_early", lambda group, device: kind == EARLY):
+    waits = {}
+    fn = get_forward_backward_func() if stock else functools.partial(
+        forward_backward_pipelining_flexible, receive_posting=kind, waits=waits)  # EARLY, AGREED: the modes
+    with stock_schedules_on_cpu(), census.hooks:
         timing, _ = harness.barrier_timed(lambda: fn(
             forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
             num_microbatches=m, seq_length=seq, micro_batch_size=mbs), group=mesh.pp_group)
     grads = {lid: g[0] for c in chunks for lid, g in c.grads().items()}
     return {"wall": timing["wall"], "busy": timing["busy"], "peak": census.peak, "grads": grads,
-            "waits": dict(forward_backward_pipelining_flexible.last_waits)}
+            "waits": waits}
 
 
 def _chunk_forward_seconds(v, layers, hidden, seq, mbs, repeats=5):

@@ -93,14 +93,16 @@ def forward_step(data_iterator, model):
     return output, functools.partial(mse_loss_func, batch["y"])
 
 
-def flexible_step(chunks, batches, *, seq_length, micro_batch_size, forward_step_func=forward_step) -> dict:
-    """One step of l3plugin's flexible schedule over ``batches`` on this rank's ``chunks``: {"losses": the
-    last stage's losses (empty elsewhere), "grads": {layer id: (dW, db)}}."""
+def flexible_step(chunks, batches, *, seq_length, micro_batch_size, forward_step_func=forward_step,
+                  **options) -> dict:
+    """One step of l3plugin's flexible schedule over ``batches`` on this rank's ``chunks`` (``options``: its
+    own keywords, e.g. receive_posting, waits): {"losses": the last stage's losses (empty elsewhere), "grads":
+    {layer id: (dW, db)}}."""
     from l3plugin.megatron import forward_backward_pipelining_flexible
 
     out = forward_backward_pipelining_flexible(
         forward_step_func=forward_step_func, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-        num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size)
+        num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size, **options)
     return {"losses": [d["loss"] for d in out],
             "grads": {lid: g for chunk in chunks for lid, g in chunk.grads().items()}}
 

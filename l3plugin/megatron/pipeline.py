@@ -13,8 +13,9 @@ Differences from the stock interleaved schedule, all deliberate:
   as early as the plan allows within a budget, l3plugin.schedule.receives, so transfers overlap compute; on
   other transports (NCCL) both peers of a pair post their sends and receives in one agreed order), not Megatron's
   P2PCommunicator, whose receive buffers hard-code CUDA and whose batched pp=2 path can silently swap
-  activations and gradients; after each step ``forward_backward_pipelining_flexible.last_waits`` holds this
-  rank's blocking (seconds and count of receive and send waits) and its most receive buffers posted at once;
+  activations and gradients; ``receive_posting="early"`` / ``"agreed"`` overrides that choice ("auto"); a dict
+  passed as ``waits`` is filled with this rank's blocking in the step (seconds and count of receive and send
+  waits) and its most receive buffers posted at once;
 - grad-sync hooks run right after the chunk's last backward (stock delays them by the pipeline rank),
   and a new per-round hook ``config.round_grad_sync_func(chunk_id, params, round_id, is_last_round)``
   runs after the last backward of every (chunk, round of k microbatches): ZeRO-2 reduce-scatters there.
@@ -151,7 +152,7 @@ def _checked_config(model, data_iterator, adjust_tensor_shapes_fn):
     return config
 
 
-def _step_plan(config, model, pp_group, num_microbatches, forward_only, device):
+def _step_plan(config, model, pp_group, num_microbatches, forward_only, device, receive_posting):
     """``_cached_plan`` for this step: k from the config, the trainable stages agreed over the PP group."""
     p, r, v = pp_group.size(), pp_group.rank(), len(model)
     k = config.microbatch_group_size_per_vp_stage
@@ -162,7 +163,7 @@ def _step_plan(config, model, pp_group, num_microbatches, forward_only, device):
     trainable = (False,) * (p * v) if forward_only else trainable_stages(model, pp_group, device)
     try:
         return _cached_plan(p, v, num_microbatches, k, bool(forward_only), r, trainable,
-                            posts_receives_early(pp_group, device))
+                            posts_receives_early(pp_group, device, receive_posting))
     except ValueError as exc:
         raise ValueError(f"{exc} (group_size is config.microbatch_group_size_per_vp_stage, set by "
                          f"--microbatch-group-size-per-virtual-pipeline-stage)") from None
@@ -345,11 +346,14 @@ def forward_backward_pipelining_flexible(
     *, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
     decoder_seq_length=None, forward_only=False, collect_non_loss_data=False, first_val_step=None,
     adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None, force_all_reduce=False,
-    **_future_kwargs,
+    receive_posting="auto", waits=None, **_future_kwargs,
 ):
     """Run one training (or evaluation) step with the flexible interleaved 1F1B schedule.
 
     Returns the forward data store (losses on the last stage, empty elsewhere), like Megatron.
+    l3plugin's own keywords: ``receive_posting`` "auto" (early receives on gloo, the agreed pair order
+    elsewhere), "early" or "agreed" (``l3plugin.schedule.p2p.posts_receives_early``); ``waits``: a dict this
+    rank's blocking account of the step is written into (``PipelineChannels.waits``).
     """
     import torch.distributed as dist
 
@@ -361,7 +365,7 @@ def forward_backward_pipelining_flexible(
     check_int("num_microbatches", num_microbatches)
     device = _model_device(model)
     schedule, orders, posts, grad_sync_points, round_ends = _step_plan(
-        config, model, pp_group, num_microbatches, forward_only, device)
+        config, model, pp_group, num_microbatches, forward_only, device, receive_posting)
 
     seq = (decoder_seq_length or seq_length) // cp_group.size()
     if config.sequence_parallel:
@@ -389,5 +393,6 @@ def forward_backward_pipelining_flexible(
     syncs.enable()
     _finish_step(config, model, embedding_module, is_last_rank, tp_group, executor.total_num_tokens,
                  pg_collection, force_all_reduce, forward_only)
-    forward_backward_pipelining_flexible.last_waits = channels.waits  # the step's blocking, for benches
+    if waits is not None:
+        waits.update(channels.waits)
     return executor.forward_data_store

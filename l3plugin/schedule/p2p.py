@@ -41,10 +41,19 @@ from l3plugin.schedule.plan import Message, Schedule
 from l3plugin.schedule.receives import RECV, SEND, ReceivePosts, pair_orders
 
 
-def posts_receives_early(group, device) -> bool:
-    """Whether ``group``'s transport for ``device`` tensors lets receives be posted ahead of the pair order
-    (``posts``): gloo, where a pending receive holds back none of this rank's sends. NCCL runs a pair's
-    operations in posting order on one stream, where an early receive could wait on a send queued behind it."""
+RECEIVE_POSTINGS = ("auto", "early", "agreed")  # the executor's receive-posting modes
+
+
+def posts_receives_early(group, device, posting: str = "auto") -> bool:
+    """Whether receives are posted ahead of the pair order (``posts``). ``posting``: "early" or "agreed" (the
+    pair order) as asked; "auto": early where ``group``'s transport for ``device`` tensors is gloo, where a
+    pending receive holds back none of this rank's sends. NCCL runs a pair's operations in posting order on one
+    stream, where an early receive could wait on a send queued behind it: "early" is for gloo only."""
+    if posting not in RECEIVE_POSTINGS:
+        raise ValueError(f"receive_posting={posting!r} is invalid: must be one of {', '.join(RECEIVE_POSTINGS)} "
+                         f"(auto: early on gloo, the agreed pair order elsewhere)")
+    if posting != "auto":
+        return posting == "early"
     backend = str(dist.get_backend(group))
     if ":" in backend:  # one backend per device type, e.g. "cpu:gloo,cuda:nccl"
         backend = dict(item.split(":", 1) for item in backend.split(",")).get(torch.device(device).type, "")

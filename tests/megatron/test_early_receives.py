@@ -15,11 +15,9 @@ def run_step(pp, vpp, m, k, early, jitter):
     forward sleeps up to that many seconds (seeded per rank and microbatch) so ranks drift apart."""
     import random
     import time
-    from unittest import mock
 
     from megatron.core.transformer import TransformerConfig
 
-    from l3plugin.megatron import forward_backward_pipelining_flexible, pipeline
     from l3plugin.mesh import init_mesh
     from l3plugin.schedule.plan import build_schedule
     from l3plugin.schedule.receives import receive_posts
@@ -39,11 +37,11 @@ def run_step(pp, vpp, m, k, early, jitter):
         time.sleep(rng.uniform(0, jitter))
         return toy.forward_step(data_iterator, model)
 
-    with mock.patch.object(pipeline, "posts_receives_early", lambda group, device: early):
-        result = toy.flexible_step(chunks, batches, seq_length=SEQ, micro_batch_size=MBS,
-                                   forward_step_func=forward_step)
+    waits = {}
+    result = toy.flexible_step(chunks, batches, seq_length=SEQ, micro_batch_size=MBS, forward_step_func=forward_step,
+                               receive_posting="early" if early else "agreed", waits=waits)
     planned = receive_posts(build_schedule(pp, vpp, m, k), rank)
-    return {**result, "waits": dict(forward_backward_pipelining_flexible.last_waits),
+    return {**result, "waits": waits,
             "planned_peak": planned.peak_inflight(), "budget": planned.budget}
 
 
@@ -87,3 +85,25 @@ def test_early_receives_finish_when_ranks_drift(ranks, p, v, m, k):
     drifting = ranks.run(p, run_step, p, v, m, k, True, 0.02, timeout=180)
     toy.assert_matches_serial(drifting, toy.make_microbatches(m, SEQ, MBS, HIDDEN), num_layers=2 * p * v,
                               hidden=HIDDEN)
+
+
+def posting_on_gloo():
+    """What each receive_posting gives on this harness's gloo group (auto: early) and for an unknown one."""
+    import torch.distributed as dist
+
+    from l3plugin.schedule.p2p import posts_receives_early
+
+    chosen = {mode: posts_receives_early(dist.group.WORLD, torch.device("cpu"), mode)
+              for mode in ("auto", "early", "agreed")}
+    try:
+        posts_receives_early(dist.group.WORLD, torch.device("cpu"), "eager")
+    except ValueError as exc:
+        chosen["error"] = str(exc)
+    return chosen
+
+
+def test_receive_posting_is_an_option_with_auto_early_on_gloo(ranks):
+    for chosen in ranks.run(2, posting_on_gloo, timeout=60):
+        assert chosen == {"auto": True, "early": True, "agreed": False,
+                          "error": "receive_posting='eager' is invalid: must be one of auto, early, agreed (auto: "
+                                   "early on gloo, the agreed pair order elsewhere)"}
