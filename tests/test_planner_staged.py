@@ -288,7 +288,7 @@ def test_bad_machine_flags_are_rejected_naming_the_flag(flag, value, capsys):
 
 
 def test_hardware_validates_its_fields():
-    for kwargs, message in ((dict(mfu=0.0), r"--mfu=0.0 is invalid: must be a fraction in \(0, 1\]"),
+    for kwargs, message in ((dict(mfu=0.0), r"--mfu=0.0 is invalid: must be a finite number in \(0, 1\]"),
                             (dict(inter_node_gbps=float("nan")), r"--inter-node-gbps=nan is invalid"),
                             (dict(cp_kv="drop"), r"--cp-kv='drop' is invalid: choose one of regather, keep")):
         with pytest.raises(ValueError, match=message):

@@ -16,12 +16,13 @@ point-to-point exchange instead (each rank sends every peer the slice it owns).
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import sys
 import time
 
 import torch.distributed as dist
+
+from l3plugin.checks import check_number
 
 DEFAULT_TIMEOUT = 600.0  # seconds: a tenth of an hour, well under the process groups' 30-minute default
 ENV_VAR = "L3PLUGIN_WAIT_TIMEOUT"
@@ -32,9 +33,7 @@ class CommTimeout(RuntimeError):
 
 
 def _check(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r} is invalid: must be a finite number of seconds > 0")
-    return float(value)
+    return check_number(name, value, 0, low_open=True, unit="seconds")
 
 
 def resolve_timeout(timeout=None, name: str = "wait_timeout") -> float:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import math
 
+from l3plugin.checks import check_number
 from l3plugin.cli_args import positive_int
 
 from .layer_costs import FREEZABLE, KINDS
@@ -21,25 +21,14 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
-def _positive_float(text: str) -> float:
-    value = _number(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{value} is invalid: must be a finite number > 0")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _number(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{value} is invalid: must be a finite number >= 0")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = _number(text)
-    if not 0 < value <= 1:  # false for nan
-        raise argparse.ArgumentTypeError(f"{value} is invalid: must be a fraction in (0, 1]")
-    return value
+def _float_flag(flag: str, low: float, high: float | None = None, low_open: bool = True):
+    """An argparse type: the flag's text as a float, checked by ``check_number`` (its message, under argparse)."""
+    def parse(text: str) -> float:
+        try:
+            return check_number(flag, _number(text), low, high, low_open=low_open)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
@@ -96,23 +85,25 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     machine.add_argument("--machine", choices=sorted(MACHINES), default="h100",
                          help="preset the flags below default to (default h100)")
     nodes = MACHINE_NODES["h100"]
-    machine.add_argument("--gpu-memory-gb", "--hbm-gb", dest="hbm_gb", type=_positive_float, default=None,
+    machine.add_argument("--gpu-memory-gb", "--hbm-gb", dest="hbm_gb", type=_float_flag("--gpu-memory-gb", 0),
+                         default=None,
                          help=f"memory per GPU in GiB (h100: {nodes[0]:g}, 80 GB HBM3)")
-    machine.add_argument("--usable-memory-fraction", type=_fraction, default=None,
+    machine.add_argument("--usable-memory-fraction", type=_float_flag("--usable-memory-fraction", 0, 1),
+                         default=None,
                          help=f"fraction of GPU memory usable before {H100.reserved_gb:g} GiB reserved for the "
                               f"CUDA context and NCCL, in (0, 1] (h100: {H100.usable_fraction:g})")
-    machine.add_argument("--peak-tflops", type=_positive_float, default=None,
+    machine.add_argument("--peak-tflops", type=_float_flag("--peak-tflops", 0), default=None,
                          help=f"dense BF16 peak per GPU in TFLOPs (h100: {H100.peak_tflops:g})")
-    machine.add_argument("--mfu", type=_fraction, default=None,
+    machine.add_argument("--mfu", type=_float_flag("--mfu", 0, 1), default=None,
                          help=f"achieved fraction of peak in forward/backward compute, in (0, 1] (h100: {H100.mfu:g})")
-    machine.add_argument("--intra-node-gbps", type=_positive_float, default=None,
+    machine.add_argument("--intra-node-gbps", type=_float_flag("--intra-node-gbps", 0), default=None,
                          help=f"NVLink bandwidth per GPU in GB/s each way (h100: {H100.intra_node_gbps:g}, "
                               f"900 GB/s bidirectional)")
-    machine.add_argument("--inter-node-gbps", type=_positive_float, default=None,
+    machine.add_argument("--inter-node-gbps", type=_float_flag("--inter-node-gbps", 0), default=None,
                          help=f"network bandwidth per GPU in GB/s (h100: {H100.inter_node_gbps:g} = 400 Gb/s)")
     machine.add_argument("--gpus-per-node", type=positive_int, default=None,
                          help=f"GPUs per node (h100: {nodes[1]})")
-    machine.add_argument("--latency-us", type=_non_negative_float, default=None,
+    machine.add_argument("--latency-us", type=_float_flag("--latency-us", 0, low_open=False), default=None,
                          help=f"latency per ring step or P2P message in microseconds (h100: {H100.latency_s * 1e6:g})")
     machine.add_argument("--cp-kv", choices=CP_KV_MODES, default=None,
                          help=f"CP backward: regather K/V (keep only local K/V) or keep the gathered K/V in memory "

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from l3plugin.checks import check_int
+from l3plugin.checks import check_int, check_number
 from l3plugin.schedule.balance import LayerCost, Split, StageSplitter
 from l3plugin.schedule.plan import build_schedule
 from l3plugin.schedule.simulate import Replay
@@ -90,14 +90,14 @@ class EncoderCost:
 
     def __post_init__(self):
         for name in ("forward", "backward", "token_bytes", "grad_bytes"):
-            _check_number(f"encoder cost {name}", getattr(self, name))
+            check_number(f"encoder cost {name}", getattr(self, name), 0)
 
 
 def encoder_cost(spec: EncoderSpec, tokens_per_image: int, text_hidden: int, flops_per_second: float,
                  token_bytes: int = FP32) -> EncoderCost:
     check_int("tokens_per_image", tokens_per_image)
     check_int("text_hidden", text_hidden)
-    _check_number("flops_per_second", flops_per_second, positive=True)
+    check_number("flops_per_second", flops_per_second, 0, low_open=True)
     forward = spec.forward_flops(tokens_per_image, text_hidden) / flops_per_second
     return EncoderCost(forward, 2.0 * forward if spec.trainable else 0.0,
                        float(tokens_per_image * text_hidden * token_bytes),
@@ -136,7 +136,7 @@ def placements(splitter: StageSplitter, counts, encoder: EncoderCost, *, images_
     (layers per virtual stage) over ``splitter``'s schedule, whose ``p2p_latency`` is the text pipeline's
     per-message time."""
     check_int("images_per_microbatch", images_per_microbatch, low=0)
-    _check_number("bandwidth_gbps", bandwidth_gbps)
+    check_number("bandwidth_gbps", bandwidth_gbps, 0)
     per_byte = 1.0 / (bandwidth_gbps * 1e9) if bandwidth_gbps else 0.0
     schedule = splitter.schedule
     p, images = schedule.pp, schedule.microbatches * images_per_microbatch
@@ -219,7 +219,7 @@ def multimodal_step(model: "str | ModelSpec", kinds: str, *, pp: int, vpp: int =
     check_int("text_seq", text_seq)
     if bandwidth_gbps is None:
         bandwidth_gbps = hardware.inter_node_gbps
-    _check_number("bandwidth_gbps", bandwidth_gbps)
+    check_number("bandwidth_gbps", bandwidth_gbps, 0)
     rate = hardware.peak_tflops * 1e12 * hardware.mfu
     schedule = build_schedule(pp, vpp, microbatches, group_size)
     embedding, layers, head = model_layer_costs(model, kinds, text_seq=text_seq, frozen=frozen,
@@ -241,10 +241,3 @@ def multimodal_step(model: "str | ModelSpec", kinds: str, *, pp: int, vpp: int =
 
 def _bubble(step: float, busy) -> float:
     return max((step - b) / b for b in busy)
-
-
-def _check_number(name: str, value, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name}={value!r} is out of range: must be a finite number {'>' if positive else '>='} 0")
-    return float(value)

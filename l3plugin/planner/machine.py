@@ -27,25 +27,14 @@ Assumptions (not datasheet figures):
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
+
+from l3plugin.checks import check_number
 
 GIB = float(2**30)
 CP_KV_MODES = ("regather", "keep")
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_positive(flag: str, value) -> None:
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{flag}={value!r} is invalid: must be a finite number > 0")
-
-
-def _check_fraction(flag: str, value) -> None:
-    if not _is_number(value) or not math.isfinite(value) or not 0 < value <= 1:
-        raise ValueError(f"{flag}={value!r} is invalid: must be a fraction in (0, 1]")
 
 
 
@@ -66,13 +55,11 @@ class Hardware:
     def __post_init__(self):
         for name, flag in (("peak_tflops", "--peak-tflops"), ("intra_node_gbps", "--intra-node-gbps"),
                            ("inter_node_gbps", "--inter-node-gbps")):
-            _check_positive(flag, getattr(self, name))
-        _check_fraction("--mfu", self.mfu)
-        _check_fraction("--usable-memory-fraction", self.usable_fraction)
+            check_number(flag, getattr(self, name), 0, low_open=True)
+        check_number("--mfu", self.mfu, 0, 1, low_open=True)
+        check_number("--usable-memory-fraction", self.usable_fraction, 0, 1, low_open=True)
         for name, flag in (("latency_s", "--latency-us"), ("reserved_gb", "reserved_gb")):
-            value = getattr(self, name)
-            if not _is_number(value) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{flag}={value!r} is invalid: must be a finite number >= 0")
+            check_number(flag, getattr(self, name), 0)
         if self.cp_kv not in CP_KV_MODES:
             raise ValueError(f"--cp-kv={self.cp_kv!r} is invalid: choose one of {', '.join(CP_KV_MODES)}")
 

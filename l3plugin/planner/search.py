@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from l3plugin.checks import check_int
+from l3plugin.checks import check_int, check_number
 from l3plugin.schedule.layers import layers_per_virtual_stage
 
 from .costs import GIB, Layout, LayoutCosts
@@ -90,8 +90,7 @@ class PlanRequest:
             if getattr(self, name) is not None:
                 check_int("--" + name, getattr(self, name))
         hbm = self.hbm_gb
-        if isinstance(hbm, bool) or not isinstance(hbm, (int, float)) or not math.isfinite(hbm) or not hbm > 0:
-            raise ValueError(f"--gpu-memory-gb={hbm!r} is invalid: must be a finite number > 0 (GiB per GPU)")
+        check_number("--gpu-memory-gb", hbm, 0, low_open=True, note="GiB per GPU")
         hw = self.hardware
         if self.usable_bytes <= 0:
             need = hw.reserved_gb / hw.usable_fraction

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from l3plugin.checks import check_number
+
 from .plan import FORWARD, Schedule, execution_order
 
 
@@ -69,14 +71,7 @@ class SimulationResult:
 
 
 def _check_time(name: str, value, allow_zero: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}={value!r} is not a number")
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{name}={value} is out of range: must be a finite number")
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name}={value} is out of range: must be {bound}")
-    return float(value)
+    return check_number(name, value, 0, low_open=not allow_zero)
 
 
 def simulate(

@@ -77,11 +77,12 @@ def test_to_dict_is_json_with_required_keys():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"forward_time": 0}, "forward_time=0 is out of range: must be > 0"),
-        ({"backward_time": -1.0}, "backward_time=-1.0 is out of range: must be > 0"),
-        ({"p2p_latency": -0.1}, "p2p_latency=-0.1 is out of range: must be >= 0"),
-        ({"forward_time": "1"}, "forward_time='1' is not a number"),
-        ({"p2p_latency": float("nan")}, "p2p_latency=nan is out of range"),
+        ({"forward_time": 0}, "forward_time=0 is invalid: must be a finite number > 0"),
+        ({"backward_time": -1.0}, "backward_time=-1.0 is invalid: must be a finite number > 0"),
+        ({"p2p_latency": -0.1}, "p2p_latency=-0.1 is invalid: must be a finite number >= 0"),
+        ({"forward_time": "1"}, "forward_time='1' is invalid: must be a finite number > 0"),
+        ({"p2p_latency": float("nan")}, "p2p_latency=nan is invalid: must be a finite number >= 0"),
+        ({"forward_time": True}, "forward_time=True is invalid: must be a finite number > 0"),
     ],
 )
 def test_bad_costs_name_the_parameter(kwargs, message):
