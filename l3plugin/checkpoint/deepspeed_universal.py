@@ -10,6 +10,7 @@ import torch
 
 from l3plugin.checkpoint.partition_files import load_file
 from l3plugin.checkpoint.verified_load import Loaded, load_agreed
+from l3plugin.zero.full_tensors import copy_part_to_shard
 
 
 @torch.no_grad()
@@ -64,7 +65,7 @@ def _read_universal_shard(zero, bucket, root, keys, allow_nonfinite):
     from the whole parameters' files (checked finite unless allowed)."""
     master = torch.zeros_like(bucket.master.data)
     states = {key: None for key in keys}
-    for p, a, b, at in zero.owned_ranges(bucket):
+    for p, *part in zero.owned_ranges(bucket):
         name = zero.param_names[p]
         pdir, _ = _universal_files(root, name)
         for key in ["fp32", *keys]:
@@ -76,12 +77,11 @@ def _read_universal_shard(zero, bucket, root, keys, allow_nonfinite):
                 if states[key] is None:
                     states[key] = torch.zeros_like(bucket.master.data, dtype=full.dtype)
                 target = states[key]
-            piece = full.reshape(-1)[a:b]
+            piece = copy_part_to_shard(target, full, part)  # into fresh buffers: a refusal below changes nothing
             if not allow_nonfinite and piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
                 raise ValueError(f"{path}: holds non-finite values in the part rank {zero.rank} loads; refusing "
                                  "to resume from them (allow_nonfinite=True, or DeepSpeed's "
                                  '"l3plugin": {"checkpoint_allow_nonfinite": true}, if intended)')
-            target[at:at + b - a] = piece.to(target.device)
     return master, states
 
 

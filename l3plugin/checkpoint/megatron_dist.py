@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from l3plugin.checkpoint.verified_load import Loaded, load_agreed
+from l3plugin.zero.full_tensors import copy_part_to_shard
 from l3plugin.zero.optimizer import FP32ReduceZero
 
 STATE_PREFIX = "optimizer.state"  # the keys Megatron's DistributedOptimizer uses in its fully_reshardable format
@@ -154,13 +155,12 @@ def _read_dist_state(zero: FP32ReduceZero, state_dict: dict, allow_nonfinite: bo
     staged = []
     for bucket in zero.buckets:
         targets = {key: torch.zeros_like(bucket.master.data) for key in ["param", *keys]}
-        for p, a, b, at in zero.owned_ranges(bucket):
-            for key, target in targets.items():
-                piece = full[key][p].reshape(-1)[a:b]
+        for p, *part in zero.owned_ranges(bucket):
+            for key, target in targets.items():  # staging buffers: a refusal below leaves the optimizer as it was
+                piece = copy_part_to_shard(target, full[key][p], part)
                 if not allow_nonfinite and not bool(torch.isfinite(piece).all()):
                     raise ValueError(f"loaded optimizer state {key!r} of {zero.param_names[p]} holds non-finite "
                                      "values; refusing to resume from them (allow_nonfinite=True if intended)")
-                target[at:at + b - a] = piece.to(target.device, target.dtype)
         state = {k: targets[k] for k in keys}
         for key, value in common["scalars"][bucket.spec.group].items():
             state[key] = value.clone().to(bucket.device) if torch.is_tensor(value) else value

@@ -11,6 +11,16 @@ from l3plugin.collective import comm
 from l3plugin.zero.buffers import GradBucket, ParamSlot
 
 
+def copy_part_to_shard(shard: torch.Tensor, whole: torch.Tensor, part) -> torch.Tensor:
+    """Copy a parameter's flat elements ``[a, b)`` from its ``whole`` tensor into ``shard`` at ``at`` (``part``
+    = ``(a, b, at)``, from ``spec.shard_part`` or ``FullTensors.owned_ranges``), in the shard's dtype and device.
+    Returns those elements as read from ``whole`` (for a caller's checks)."""
+    a, b, at = part
+    piece = whole.reshape(-1)[a:b]
+    shard[at:at + b - a] = piece.to(shard.device, shard.dtype)
+    return piece
+
+
 class FullTensors:
     GRAD = "grad"  # ``what`` of the reduced gradient shard
 
@@ -76,8 +86,7 @@ class FullTensors:
         slot: ParamSlot = self.slots[param]
         part = self.buckets[slot.bucket].spec.shard_part(slot, self.rank)
         if part:
-            a, b, at = part
-            shard[at:at + b - a] = value.reshape(-1)[a:b].to(shard.dtype)
+            copy_part_to_shard(shard, value, part)
 
     def full_master(self, param, state_key: str | None = None) -> torch.Tensor:
         """The whole fp32 master weight (or optimizer state ``state_key``) of ``param`` (collective)."""
