@@ -1,7 +1,8 @@
 """Our own waits are bounded: a peer that never joins gives a rank-named error within the timeout.
 
-One test per kind of wait: the pipeline's P2P receive and send (schedule/p2p.py), and CP attention's K/V
-all-gather (forward) and dK/dV reduce-scatter (backward). Rank 1 never joins; rank 0 must raise
+One test per kind of wait: the pipeline's P2P receive and send (schedule/p2p.py), CP attention's K/V
+all-gather (forward) and dK/dV reduce-scatter (backward), and the CP route's document-boundary broadcast over
+TP (megatron/batch_hooks.py). Rank 1 never joins; rank 0 must raise
 ``CommTimeout`` naming itself, the peer or group and the operation, long before the process group's own
 timeout. The harness then rebuilds its pool.
 """
