@@ -7,6 +7,7 @@ TP (megatron/batch_hooks.py). Rank 1 never joins; rank 0 must raise
 timeout. The harness then rebuilds its pool.
 """
 
+import os
 import re
 import time
 
@@ -88,7 +89,23 @@ def boundaries_peer_never_joins(operation, timeout):
     return timed(lambda: broadcast_boundaries(cu, 0, dist.group.WORLD, torch.device("cpu"), timeout))
 
 
+def env_bound_peer_never_joins(operation, timeout):
+    """A blocking helper of comm.py called without a timeout takes $L3PLUGIN_WAIT_TIMEOUT, not the default."""
+    from l3plugin.collective import comm
+
+    if dist.get_rank() == 1:
+        time.sleep(AWAY)
+        return "stayed away"
+    os.environ[ENV_VAR] = str(timeout)
+    try:
+        return timed(lambda: comm.broadcast_from(torch.zeros(1), 0, dist.group.WORLD, what="bound from the env"))
+    finally:
+        del os.environ[ENV_VAR]
+
+
 @pytest.mark.parametrize("fn,operation,expected", [
+    (env_bound_peer_never_joins, "broadcast", "rank 0: broadcast (bound from the env) of 1 float32 elements (0.0 "
+                                              "MiB) in group ranks [0, 1] did not finish within 2 s"),
     (boundaries_peer_never_joins, "broadcast", "rank 0: broadcast (document boundaries' count over TP) of 1 int64 "
                                                "elements"),
     (p2p_peer_never_joins, "recv", "rank 0: pipeline rank 0: receive of the grad of microbatch 0 (stage 1 -> 0) "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from l3plugin.collective.waits import DEFAULT_TIMEOUT, group_ranks, wait_work
+from l3plugin.collective.waits import group_ranks, resolve_timeout, wait_work
 
 
 def _describe(op: str, tensor: torch.Tensor, group, what: str) -> str:
@@ -39,7 +39,9 @@ class InFlight:
         works (the exchange reduce-scatter) report completion only once waited: on gloo this stays False."""
         return all(work.is_completed() for work in self.works)
 
-    def wait(self, timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """``timeout`` None: ``$L3PLUGIN_WAIT_TIMEOUT``, else the default bound (``waits.resolve_timeout``)."""
+        timeout = resolve_timeout(timeout)
         for work in self.works:
             wait_work(work, timeout=timeout, what=self.description)
         self.works = []
@@ -119,11 +121,11 @@ def start_all_gather(shard: torch.Tensor, group, what: str = "") -> InFlight:
     return InFlight(work, out, shard, _describe("all-gather", shard, group, what))
 
 
-def all_gather_shards(shard: torch.Tensor, group, timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
+def all_gather_shards(shard: torch.Tensor, group, timeout: float | None = None) -> torch.Tensor:
     return start_all_gather(shard, group).wait(timeout)
 
 
-def all_reduce_sum(t: torch.Tensor, group, timeout: float = DEFAULT_TIMEOUT, what: str = "") -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, group, timeout: float | None = None, what: str = "") -> torch.Tensor:
     """Sum ``t`` in place over ``group`` (bounded wait)."""
     if dist.get_world_size(group) > 1:
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -131,7 +133,7 @@ def all_reduce_sum(t: torch.Tensor, group, timeout: float = DEFAULT_TIMEOUT, wha
     return t
 
 
-def broadcast_from(t: torch.Tensor, group_src: int, group, timeout: float = DEFAULT_TIMEOUT,
+def broadcast_from(t: torch.Tensor, group_src: int, group, timeout: float | None = None,
                    what: str = "") -> torch.Tensor:
     """Copy ``t`` of the rank ``group_src`` (its rank in ``group``) into ``t`` on every rank (bounded wait)."""
     if dist.get_world_size(group) > 1:
@@ -140,7 +142,7 @@ def broadcast_from(t: torch.Tensor, group_src: int, group, timeout: float = DEFA
     return t
 
 
-def reduce_sum_to(t: torch.Tensor, group_dst: int, group, timeout: float = DEFAULT_TIMEOUT,
+def reduce_sum_to(t: torch.Tensor, group_dst: int, group, timeout: float | None = None,
                   what: str = "") -> torch.Tensor:
     """Sum ``t`` over ``group`` into ``t`` of the rank ``group_dst`` (its rank in ``group``); the other ranks'
     ``t`` is left undefined (bounded wait)."""
