@@ -136,9 +136,10 @@ def load_leg(stage, load_dir, ours, tag="t", universal=False, then_train=1):
         return {"path": path, "loaded": loaded, "after": _snapshot(engine, stock=True)}
 
 
-def load_error(stage, load_dir):
+def load_error(stage, load_dir, tag="t", universal=False):
+    extra = {"checkpoint": {"load_universal": True}} if universal else {}
     try:
-        engine_for(_config(stage, ON), seed=7).load_checkpoint(load_dir, tag="t")
+        engine_for(_config(stage, ON, **extra), seed=7).load_checkpoint(load_dir, tag=tag)
     except Exception as exc:  # noqa: BLE001 - the message is what we check
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -253,6 +254,14 @@ def test_universal_checkpoint_from_ours_loads_in_ours_and_stock(ranks, tmp_path)
         _assert_resumed(saved, legs, "DeepSpeedFP32ReduceZero")
     stock = ranks.run(2, load_leg, 2, str(tmp_path), False, "t_universal", True, timeout=TIMEOUT)
     _assert_stock_universal_load(saved, stock)
+    # A NaN in one universal file: every rank refuses to resume from it (the rank owning it names the file).
+    path = os.path.join(universal, "zero", "2.weight", "exp_avg.pt")
+    state = torch.load(path, weights_only=False)
+    (state["param"] if isinstance(state, dict) else state).view(-1)[0] = float("nan")
+    torch.save(state, path)
+    errors = ranks.run(2, load_error, 2, str(tmp_path), "t_universal", True, timeout=TIMEOUT)
+    assert all(errors), errors
+    assert any(f"{path}: holds non-finite values" in e and "checkpoint_allow_nonfinite" in e for e in errors), errors
 
 
 @SKIP_IF_STOCK_ZERO_STEP_FAILS  # stock trains the checkpoint
