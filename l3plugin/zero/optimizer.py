@@ -277,13 +277,11 @@ class FP32ReduceZero(FullTensors):
             self.arm(params)
 
     def end_of_round(self, params, is_last_round: bool) -> None:
-        """After the last backward of a round of micro-batches of the chunk owning ``params`` (ZeRO-2 every
-        round, ZeRO-1 the last): complete the reductions of earlier rounds (other chunks' buckets), then start
-        every reduce-scatter of ``params``' buckets not started yet (all of them unless ``before_round_end``
-        armed them for that backward). With ``overlap`` this round's reductions run during the next round's
-        compute and are waited at the next round end, at the next accumulation into the bucket, or in
-        ``finish_grad_sync``: after a round end only that round's buffers are in flight, during a round
-        also the ones it accumulates (ZeRO-2 memory stays the shards plus two rounds' full buffers)."""
+        """After the last backward of a round of the chunk owning ``params`` (ZeRO-2 every round, ZeRO-1 the
+        last): complete earlier rounds' reductions (other chunks' buckets), start those of ``params`` not
+        started yet. With ``overlap`` this round's run under the next round and are waited at the next
+        accumulation into the bucket, the next round end or in ``finish_grad_sync`` (ZeRO-2 holds the shards
+        plus at most two rounds' full buffers: the one in flight, the one accumulating)."""
         if self.settings.stage == 2 or is_last_round:
             params = list(params)  # may be a generator (a module's parameters()): read twice
             mine = {bucket.spec.index for bucket in self.buckets_of(params)}
