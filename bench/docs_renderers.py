@@ -323,3 +323,17 @@ def autoload_startup(figures: dict) -> str:
     return markdown(["start", "rounds", "without ms", "with ms", "with / without", "added ms"],
                     [[label, rounds, f"{1000 * row['without_s']:.1f}", f"{1000 * row['with_s']:.1f}",
                       ratio_range(row["ratio"]), f"{1000 * row['added_s']:.2f}"] for label, row, rounds in rows])
+
+
+# ---- zero_megatron -------------------------------------------------------------------------------------------
+def zero_megatron(figures: dict) -> str:
+    """ZeRO on the Megatron-Core path (bench/zero_megatron.py): every gas in one table."""
+    rows = [[gas, row["contender"], f"{row['step_ms']:.0f}", f"{row['exposed_ms']:.0f}",
+             ratio_range(row["exposed_over_collectives"], 2) if row["exposed_over_collectives"] else "",
+             f"{row['grad_bytes_per_param']:.2f}", f"{row['reductions_in_backward']}/{row['reductions']}",
+             "yes" if row["identical_to_blocking"] else "NO"]
+            for gas, table in figures["gas"].items() for row in table["rows"]]
+    return (f"Forward+backward of one micro-batch: {figures['forward_backward_ms']:.0f} ms; one round's fp32 "
+            f"reduce-scatters alone on this wire: {1000 * figures['round_reduce_scatter_alone_s']:.0f} ms.\n\n"
+            + markdown(["gas", "contender", "step ms", "exposed ms", "exp/coll", "grad B/param", "in bwd",
+                        "bit-identical to blocking"], rows))

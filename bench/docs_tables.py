@@ -67,6 +67,8 @@ TABLES = {
     "hf-cp": Table("hf_cp", "docs/huggingface.md", r.hf_cp, "bench/hf_cp.py --json"),
     "autoload-startup": Table("autoload_startup", "docs/zero.md", r.autoload_startup,
                               "bench/autoload_startup.py --rounds 100 --json"),
+    "zero-megatron": Table("zero_megatron", "docs/zero.md", r.zero_megatron,
+                           "bench/zero_megatron.py --wire auto --gas 4 8 --rounds 5 --json"),
 }
 
 
@@ -136,6 +138,7 @@ DOC_FIGURES = (
     ("docs/zero.md", "| option | what it does | cost |", (), "the options (the measured cost: zero-wire)"),
     ("docs/zero.md", "| Megatron-Core does | l3plugin's ZeRO |", (), "a feature comparison, no figures"),
     ("docs/zero.md", "(`bench/autoload_startup.py`, this loaded 2-core machine,", ("autoload-startup",), ""),
+    ("docs/zero.md", "micro-batch; `bench/zero_megatron.py`'s census, W = 2): ZeRO-2", ("zero-megatron",), ""),
 )
 
 

@@ -3,7 +3,8 @@ on stdout (its tables on stderr), that record holds the figures it printed, and 
 each docs table of the bench from it (the docs' header; the simulated pipeline table: the docs' rows). Sizes are
 far too small for the timings to mean anything; no timing is asserted. (multimodal_pp simulated and cp_memory:
 test_bench_harness.py, against the docs.) On the per-rank wire (root, ip, tc; skipped otherwise), cp_attention,
-pp_schedule and a one-variant zero.py start their ranks on their own links, and their wire tables say so."""
+pp_schedule, a one-variant zero.py and a one-contender zero_megatron.py start their ranks on their own links,
+and their wire tables say so."""
 
 import json
 import os
@@ -128,6 +129,7 @@ def test_multimodal_real_section():
     ("pp_schedule", ["--vpp", "2", "--layers", "4", "--microbatches", "4", "--rounds", "1", "--hidden", "32",
                      "--seq", "16", "--mbs", "1", "--agreed-order"], ("wire",), ["pp-wire"]),
     ("zero", ["--quick", "--gas", "2", "--rounds", "1", "--variants", "ours ZeRO-1"], (), ["zero-wire", "zero"]),
+    ("zero_megatron", ["--quick", "--gas", "2", "--contenders", "ZeRO-2 default"], (), ["zero-megatron"]),
 ])
 def test_bench_runs_on_the_per_rank_wire(bench, options, where, tables):
     """The bench's ranks ran on their own links (each rank's uplink and downlink carried its traffic: rank 0's
@@ -143,6 +145,11 @@ def test_bench_runs_on_the_per_rank_wire(bench, options, where, tables):
         posted = figures["vpp 2"]["posted_receives"]
         assert sorted(posted) == sorted(figures["vpp 2"]["waits_ms"]) and len(posted) == 5, posted
         assert all(row["executor"] == row["plan"] for row in posted.values()), posted
+    if bench == "zero_megatron":  # the default starts every reduction in backward; blocking none; same weights
+        rows = {row["contender"]: row for row in figures["gas"]["2"]["rows"]}
+        default, blocking = rows["ZeRO-2 default"], rows["ZeRO-2 blocking"]
+        assert default["reductions_in_backward"] == default["reductions"] > 0, default
+        assert blocking["reductions_in_backward"] == 0 and default["identical_to_blocking"], rows
     for table in tables:  # each states the wire's mode, rate and the run's command above the table
         assert docs_tables.render(table, record).startswith(
             "Wire: per-rank links (each rank its own full-duplex link), 200mbit (25.0 MB/s) each way per rank; "

@@ -17,8 +17,10 @@ Differences from the stock interleaved schedule, all deliberate:
   passed as ``waits`` is filled with this rank's blocking in the step (seconds and count of receive and send
   waits) and its most receive buffers posted at once;
 - grad-sync hooks run right after the chunk's last backward (stock delays them by the pipeline rank),
-  and a new per-round hook ``config.round_grad_sync_func(chunk_id, params, round_id, is_last_round)``
-  runs after the last backward of every (chunk, round of k microbatches): ZeRO-2 reduce-scatters there.
+  and two new per-round hooks run around the last backward of every (chunk, round of k microbatches):
+  ``config.round_grad_sync_start_func`` before it and ``config.round_grad_sync_func`` after it, both
+  ``(chunk_id, params, round_id, is_last_round)``: ZeRO-2 starts its reduce-scatters from the gradient
+  hooks of that backward and finishes the round after it.
 Chunks are opaque: uneven layers per stage need nothing here.
 
 Frozen layers: every call agrees over the PP group (one all-reduce of p x v flags) which virtual stages
@@ -194,14 +196,16 @@ class SyncHooks:
 
     Gradient reduction is off (``no_sync_func``) except for a chunk's completed gradients (Megatron's DDP
     contract): during the chunk's last backward when there is no ``grad_sync_func``, else right after it
-    with that function; ``round_grad_sync_func`` runs after the last backward of every (chunk, round).
-    ``param_sync_func`` starts chunks' parameter all-gathers at ``param_sync_points``."""
+    with that function; ``round_grad_sync_start_func`` runs before and ``round_grad_sync_func`` after the
+    last backward of every (chunk, round). ``param_sync_func`` starts chunks' parameter all-gathers at
+    ``param_sync_points``."""
 
     def __init__(self, config, model, schedule, pp_rank, grad_sync_points, round_ends, forward_only):
         self.model, self.schedule, self.forward_only = model, schedule, forward_only
         self.grad_sync_points, self.round_ends = grad_sync_points, round_ends
         self.no_sync = _all_of(config.no_sync_func)
         self.grad_sync = _per_chunk(config.grad_sync_func, len(model))
+        self.round_start = getattr(config, "round_grad_sync_start_func", None)
         self.round_sync = getattr(config, "round_grad_sync_func", None)
         self.param_sync = None if forward_only else _per_chunk(config.param_sync_func, len(model))
         self.param_points = ({} if self.param_sync is None
@@ -223,7 +227,12 @@ class SyncHooks:
         for c in self.param_points.get(forward_index, ()):
             self.param_sync[c](self.model[c].parameters())
 
-    def before_backward(self, index):
+    def before_backward(self, index, action):
+        """The hooks due before action ``index`` (a backward, run or skipped)."""
+        if self.round_start is not None and index in self.round_ends:
+            c = action.chunk
+            self.round_start(c, self.model[c].parameters(), self.schedule.round_of(action.microbatch),
+                             index in self.grad_sync_points)
         if index in self.grad_sync_points and self.grad_sync is None:
             self.enable()  # DDP hooks reduce during this backward
 
@@ -299,7 +308,7 @@ class _Executor:
     def backward(self, index, action):
         """The backward of ``action`` (none for a frozen prefix: its sync hooks still run), then its send."""
         recv_msg, send_msg = self.schedule.action_messages(self.rank, action)
-        self.syncs.before_backward(index)
+        self.syncs.before_backward(index, action)
         input_grad = None
         if self.schedule.has_grad_path(self.schedule.stage_of(self.rank, action.chunk)):
             input_grad = self._backward_step(action, recv_msg)

@@ -1,7 +1,8 @@
 """Drive l3plugin's FP32-reducing ZeRO optimizer from Megatron-Core model chunks and the flexible schedule.
 
     zero = megatron_zero(model_chunks, torch.optim.AdamW(params, lr=...), stage=2, clip_grad=1.0)
-    attach_to_schedule(config, zero)      # ZeRO-2 reduce-scatters at every round end, ZeRO-1 at the last
+    attach_to_schedule(config, zero)      # ZeRO-2 reduce-scatters every round, ZeRO-1 the last: started
+                                          # from the gradient hooks of the round's last backward
     forward_backward_pipelining_flexible(...)   # ends with finalize_model_grads_func = l3plugin's
     zero.step()                           # clip on the global fp32 norm, step, bf16 all-gather
 
@@ -176,9 +177,16 @@ def megatron_zero(model_chunks, optimizer, *, stage=1, clip_grad=0.0, gradient_s
     return zero
 
 
-def attach_to_schedule(config, zero: FP32ReduceZero):
-    """Make the flexible schedule call the optimizer at every (chunk, round) end, and finish the gradients
-    (``finalize_model_grads_func``) once the step's backward passes are done."""
+def attach_to_schedule(config, zero: FP32ReduceZero, *, reduce_in_backward: bool = True):
+    """Make the flexible schedule call the optimizer around the last backward of every (chunk, round), and
+    finish the gradients (``finalize_model_grads_func``) once the step's backward passes are done.
+
+    ``reduce_in_backward`` (default): the round's bucket reduce-scatters start from the gradient hooks of its
+    last backward, as each bucket is complete (with ``overlap``; ``zero.before_round_end``); False: all of
+    them start after that backward (``zero.end_of_round``), so the step's last round is waited in full."""
+    config.round_grad_sync_start_func = (
+        (lambda chunk, params, round_id, is_last_round: zero.before_round_end(params, is_last_round))
+        if reduce_in_backward else None)
     config.round_grad_sync_func = lambda chunk, params, round_id, is_last_round: zero.end_of_round(
         params, is_last_round)
     config.grad_sync_func = None

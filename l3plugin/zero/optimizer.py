@@ -16,9 +16,12 @@ The calls a framework adapter makes:
 - ``arm(params)`` before a backward pass that completes those params' gradients for a reduction (the
   DeepSpeed adapter does it for every micro-batch that ends with a reduce-scatter): with ``overlap`` each
   bucket's reduce-scatter starts from the hook that completes the bucket, while backward goes on;
+- ``before_round_end(params, is_last_round)`` before the last backward of each (chunk, round) (optional):
+  arms those params' buckets, so their reduce-scatters start from that backward's gradient hooks;
 - ``end_of_round(params, is_last_round)`` after the last backward of each (chunk, round): ZeRO-2 starts
-  those params' reduce-scatters now and frees the full buffers when they complete, keeping only the fp32
-  shard; ZeRO-1 does so only when ``is_last_round`` (full fp32 gradients live across rounds and chunks);
+  those params' reduce-scatters not started yet and frees the full buffers when they complete, keeping only
+  the fp32 shard; ZeRO-1 does so only when ``is_last_round`` (full fp32 gradients live across rounds and
+  chunks);
 - ``reduce_scatter(params)`` to force it regardless of stage; ``finish_grad_sync()`` starts every reduction
   not started yet and waits for all (cheap when the rounds did it) - call it before reading gradients;
 - ``add_grad_sum(params, group)`` once after construction, for parameters whose copies on other ranks
@@ -31,8 +34,9 @@ The calls a framework adapter makes:
 
 Overlap (``ZeroSettings.overlap``, default on): collectives are started asynchronously and waited where
 their result or their buffer is needed: a bucket's reduce-scatter before the bucket is accumulated into
-again, at the next round end (Megatron path: one round in flight at most), at the end of the backward pass
-that started it (DeepSpeed adapter: nothing is carried across micro-batches), and in ``finish_grad_sync``;
+again, at the next round end (Megatron path: started during a round's last backward, one round in flight
+after a round end), at the end of the backward pass that started it (DeepSpeed adapter: nothing is carried
+across micro-batches), and in ``finish_grad_sync``;
 the bf16 parameter all-gathers two buckets at a time inside ``step``. Every wait is bounded by
 ``wait_timeout`` and fails with an error naming the rank, the group and the bucket. Overlap on and off do
 the same arithmetic in the same order: bit-identical results (tested).
@@ -41,8 +45,9 @@ Megatron-Core wiring: ``l3plugin/megatron/zero.py``. ``megatron_zero`` builds th
 chunks (gradient group DP x CP, norm group TP x PP, TP duplicates and the last stage's tied embedding copy
 counted once in the norm) and registers the sums Megatron's ``finalize_model_grads`` makes (tied embedding /
 output layer over the embedding group, sequence-parallel and qk-layernorm gradients over TP);
-``attach_to_schedule(config, zero)`` sets the config's ``round_grad_sync_func`` (the flexible schedule calls
-``end_of_round`` at every round end) and its ``finalize_model_grads_func`` (``finalize_grads_func``:
+``attach_to_schedule(config, zero)`` sets the config's ``round_grad_sync_start_func`` and
+``round_grad_sync_func`` (the flexible schedule calls ``before_round_end`` before and ``end_of_round`` after
+the last backward of every round) and its ``finalize_model_grads_func`` (``finalize_grads_func``:
 ``finish_grad_sync``, then with a per-token loss the 1 / tokens scaling). ``megatron_zero`` refuses what it does
 not carry over (MoE, MTP, ...), naming the config attribute.
 Do not also wrap the chunks in Megatron's DistributedDataParallel: its hooks would take the gradients.
@@ -263,14 +268,26 @@ class FP32ReduceZero(FullTensors):
         self.launch_reductions(params)
         self.wait_reductions(params)
 
-    def end_of_round(self, params, is_last_round: bool) -> None:
-        """After the last backward of a round of micro-batches of the chunk owning ``params``: start the
-        reduce-scatter (ZeRO-2 every round, ZeRO-1 the last). With ``overlap`` it runs during the next round's
-        compute and is waited at the next round end (one round's buffers in flight at most: ZeRO-2 memory
-        stays the shards plus two round buffers), at the next accumulation into the bucket, or in
-        ``finish_grad_sync``."""
+    def before_round_end(self, params, is_last_round: bool) -> None:
+        """Before the last backward of a round of micro-batches of the chunk owning ``params``: ``arm`` the
+        buckets ``end_of_round`` will reduce (ZeRO-2 every round, ZeRO-1 the last), so with ``overlap`` each
+        bucket's reduce-scatter starts from the gradient hook that completes it, while that backward goes
+        on (in descending bucket order, the same on every rank)."""
         if self.settings.stage == 2 or is_last_round:
-            self.wait_reductions()
+            self.arm(params)
+
+    def end_of_round(self, params, is_last_round: bool) -> None:
+        """After the last backward of a round of the chunk owning ``params`` (ZeRO-2 every round, ZeRO-1 the
+        last): complete earlier rounds' reductions (other chunks' buckets), start those of ``params`` not
+        started yet. With ``overlap`` this round's run under the next round and are waited at the next
+        accumulation into the bucket, the next round end or in ``finish_grad_sync`` (ZeRO-2 holds the shards
+        plus at most two rounds' full buffers: the one in flight, the one accumulating)."""
+        if self.settings.stage == 2 or is_last_round:
+            params = list(params)  # may be a generator (a module's parameters()): read twice
+            mine = {bucket.spec.index for bucket in self.buckets_of(params)}
+            for bucket in self.buckets:
+                if bucket.in_flight is not None and bucket.spec.index not in mine:
+                    self._complete(bucket)
             self.launch_reductions(params)
 
     def finish_grad_sync(self) -> None:

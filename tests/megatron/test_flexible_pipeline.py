@@ -124,7 +124,8 @@ def test_bad_input_names_parameter_value_and_range(ranks, m, k, message):
 
 
 def run_with_sync_hooks(p, v, m, k):
-    """Records when the schedule calls grad_sync_func / round_grad_sync_func and enables DDP sync."""
+    """Records when the schedule calls grad_sync_func / round_grad_sync_start_func / round_grad_sync_func and
+    enables DDP sync."""
     import contextlib
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
@@ -135,7 +136,7 @@ def run_with_sync_hooks(p, v, m, k):
     config = toy_config(p, v, layers, k)
     chunks = toy.build_chunks(config, num_layers=layers, hidden=HIDDEN, pp_rank=mesh.coords["pp"],
                               pp_size=p, vpp_size=v)
-    record = {"grad_sync": [], "rounds": [], "accumulations": {c: [] for c in range(v)}}
+    record = {"grad_sync": [], "rounds": [], "starts": [], "accumulations": {c: [] for c in range(v)}}
     state = {"sync": True}
 
     @contextlib.contextmanager
@@ -155,16 +156,21 @@ def run_with_sync_hooks(p, v, m, k):
     def round_sync(c, params, round_id, is_last_round):
         record["rounds"].append((c, round_id, is_last_round, grads_of(c)))
 
+    def round_start(c, params, round_id, is_last_round):  # how many microbatches chunk c has accumulated
+        record["starts"].append((c, round_id, is_last_round, len(record["accumulations"][c])))
+
     for c, chunk in enumerate(chunks):
         chunk.layers[0].weight.register_post_accumulate_grad_hook(
             lambda param, c=c: record["accumulations"][c].append(state["sync"]))
     config.no_sync_func = no_sync
     config.round_grad_sync_func = round_sync
+    config.round_grad_sync_start_func = round_start
     batches = toy.make_microbatches(m, SEQ, MBS, HIDDEN)
     kwargs = dict(forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks],
                   model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
     forward_backward_pipelining_flexible(**kwargs)  # DDP-style: no grad_sync_func
     ddp_accumulations = {c: list(flags) for c, flags in record["accumulations"].items()}
+    config.round_grad_sync_start_func = None
     for chunk in chunks:
         chunk.zero_grad(set_to_none=True)
     record["rounds"].clear()
@@ -192,6 +198,10 @@ def test_grad_sync_hooks_fire_at_chunk_and_round_ends(ranks, p, v, m, k):
         assert sorted((c, j) for c, j, _, _ in rec["rounds"]) == [(c, j) for c in range(v) for j in range(num_rounds)]
         for c in range(v):  # and each chunk's rounds in order (k = 1: every microbatch opens a round)
             assert [j for c2, j, _, _ in rec["rounds"] if c2 == c] == list(range(num_rounds)), c
+        # start hook: every (chunk, round) once, right before the round's last backward (one microbatch left).
+        assert [(c, j, last) for c, j, last, _ in rec["starts"]] == [(c, j, last) for c, j, last, _ in rec["rounds"]]
+        for c, j, _, accumulated in rec["starts"]:
+            assert accumulated == min(m, (j + 1) * k) - 1, (c, j, accumulated)
         for c, j, is_last, grads in rec["rounds"]:
             assert is_last == (j == num_rounds - 1)
             _, ref = toy.serial_reference(batches[: min(m, (j + 1) * k)], num_layers=2 * p * v,

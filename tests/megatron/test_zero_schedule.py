@@ -9,11 +9,13 @@ import toy_pipeline as toy
 HIDDEN, SEQ, MBS = 8, 4, 2
 
 
-def zero_step(stage, p, v, m, k, overlap=True, steps=1, **settings):
+def zero_step(stage, p, v, m, k, overlap=True, steps=1, reduce_in_backward=True, **settings):
+    from unittest import mock
+
     import torch.distributed as dist
     from megatron.core.transformer import TransformerConfig
 
-    from l3plugin.megatron import forward_backward_pipelining_flexible
+    from l3plugin.megatron import forward_backward_pipelining_flexible, pipeline
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
     from l3plugin.mesh import init_mesh
     from l3plugin.debug import record_collectives
@@ -27,10 +29,26 @@ def zero_step(stage, p, v, m, k, overlap=True, steps=1, **settings):
     chunks = toy.build_chunks(config, num_layers=layers, hidden=HIDDEN, pp_rank=mesh.coords["pp"],
                               pp_size=p, vpp_size=v)
     params = [q for c in chunks for q in c.parameters()]
-    zero = megatron_zero(chunks, torch.optim.SGD(params, lr=0.1), stage=stage, bucket_numel=10_000, overlap=overlap,
+    zero = megatron_zero(chunks, torch.optim.SGD(params, lr=0.1), stage=stage, bucket_numel=100, overlap=overlap,
                          **settings)
-    attach_to_schedule(config, zero)
-    finalize, seen = config.finalize_model_grads_func, {}
+    attach_to_schedule(config, zero, reduce_in_backward=reduce_in_backward)
+    finalize, round_end, seen = config.finalize_model_grads_func, config.round_grad_sync_func, {"others": 0}
+
+    def checked_round_end(chunk, params, round_id, is_last_round):  # only this round's reductions still run
+        params = list(params)
+        round_end(chunk, params, round_id, is_last_round)
+        mine = {b.spec.index for b in zero.buckets_of(params)}
+        seen["others"] += sum(b.in_flight is not None and b.spec.index not in mine for b in zero.buckets)
+
+    config.round_grad_sync_func = checked_round_end
+    in_backward = set()  # log indices of the collectives started while a backward ran
+    backward_step = pipeline._Executor._backward_step
+
+    def marked_backward_step(self, *args):
+        first = len(log)
+        result = backward_step(self, *args)
+        in_backward.update(range(first, len(log)))
+        return result
 
     def counting_finalize(*args, **kwargs):  # reductions still running when the last backward is done
         seen["in_flight"] = sum(b.in_flight is not None for b in zero.buckets)
@@ -39,7 +57,9 @@ def zero_step(stage, p, v, m, k, overlap=True, steps=1, **settings):
     config.finalize_model_grads_func = counting_finalize
     batches = toy.make_microbatches(m, SEQ, MBS, HIDDEN)  # every DP rank the same data: easy reference
     for _ in range(steps):  # a later step's forward uses the parameters the previous step gathered
-        with record_collectives() as log:
+        with record_collectives() as log, mock.patch.object(pipeline._Executor, "_backward_step",
+                                                            marked_backward_step):
+            in_backward.clear()
             forward_backward_pipelining_flexible(
                 forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
                 num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
@@ -47,9 +67,11 @@ def zero_step(stage, p, v, m, k, overlap=True, steps=1, **settings):
     pending = len(zero._gathers)
     zero.wait_param_gather()
     dp_ranks = dist.get_process_group_ranks(zero.group)
-    ops = [(c.op, str(c.dtype), c.numel, "dp" if c.group == dp_ranks else "other") for c in log]
+    ops = [(c.op, str(c.dtype), c.numel, "dp" if c.group == dp_ranks else "other", i in in_backward)
+           for i, c in enumerate(log)]
     weights = {lid: layer.weight.detach().clone() for c in chunks for lid, layer in zip(c.layer_ids, c.layers)}
-    return {"ops": ops, "buckets": len(zero.buckets), "weights": weights, "in_flight": seen["in_flight"], "pending": pending}
+    return {"ops": ops, "buckets": len(zero.buckets), "weights": weights, "in_flight": seen["in_flight"],
+            "pending": pending, "others_in_flight_after_round_ends": seen["others"]}
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -60,10 +82,10 @@ def test_reduce_scatter_timing_follows_the_rounds(ranks, stage):
         # On gloo a bucket's reduce-scatter is a point-to-point exchange in the DP group (l3plugin.collective.comm):
         # with DP = 2, one isend per bucket.
         rs = [op for op in r["ops"] if op[0] == "reduce_scatter_tensor" or (op[0] == "isend" and op[3] == "dp")]
-        assert all(dtype == "torch.float32" for _, dtype, _, _ in rs)
+        assert all(dtype == "torch.float32" for _, dtype, _, _, _ in rs)
         assert len(rs) == r["buckets"] * (3 if stage == 2 else 1)
-        assert not any(op == "all_reduce" and dtype != "torch.float32" for op, dtype, _, _ in r["ops"])
-        assert any(op == "all_gather_into_tensor" for op, _, _, _ in r["ops"])
+        assert not any(op == "all_reduce" and dtype != "torch.float32" for op, dtype, _, _, _ in r["ops"])
+        assert any(op == "all_gather_into_tensor" for op, _, _, _, _ in r["ops"])
     # The same pipeline position on both DP ranks holds identical parameters.
     for a, b in ((0, 2), (1, 3)):
         assert all(torch.equal(results[a]["weights"][lid], results[b]["weights"][lid]) for lid in results[a]["weights"])
@@ -75,18 +97,32 @@ def test_reduce_scatter_timing_follows_the_rounds(ranks, stage):
         assert torch.allclose(weights[lid], w0 - 0.1 * gw, atol=1e-6), lid
 
 
+def dp_reductions(ops):
+    """(numel, started during a backward) of the gradient reductions in the DP group, in the order issued."""
+    return [(numel, during) for op, _, numel, group, during in ops if op == "isend" and group == "dp"]
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_overlapped_round_reductions_are_bit_identical(ranks, stage):
-    """end_of_round starts the reduce-scatter and returns (overlap): the last rounds' reductions are still
-    running when the last backward is done and are waited in the finalize function (finish_grad_sync); the
-    result equals the blocking path's."""
-    p, v, m, k = 2, 2, 7, 3
+    """Overlap (the default): each bucket's reduce-scatter starts from the gradient hook of the round's last
+    backward that completes it, so every one starts while a backward runs; the last rounds' reductions are
+    still running when the last backward is done and are waited in the finalize function (finish_grad_sync).
+    reduce_in_backward=False starts them after the backward (none during one). Both give the blocking path's
+    result bit for bit, with the same reductions in the same order."""
+    p, v, m, k = 2, 2, 7, 3  # pp 2 with virtual stages: rounds end at different times on the two stages
     blocking = ranks.run(4, zero_step, stage, p, v, m, k, False, timeout=120)
     overlapped = ranks.run(4, zero_step, stage, p, v, m, k, True, timeout=120)
-    for b, o in zip(blocking, overlapped):
-        assert b["ops"] == o["ops"]
-        assert all(torch.equal(b["weights"][lid], o["weights"][lid]) for lid in b["weights"])
-        assert b["in_flight"] == 0 and o["in_flight"] > 0
+    round_end = ranks.run(4, zero_step, stage, p, v, m, k, True, 1, False, timeout=120)
+    for b, o, e in zip(blocking, overlapped, round_end):
+        assert sorted(op[:4] for op in b["ops"]) == sorted(op[:4] for op in o["ops"])
+        assert [n for n, _ in dp_reductions(b["ops"])] == [n for n, _ in dp_reductions(o["ops"])]
+        assert [n for n, _ in dp_reductions(b["ops"])] == [n for n, _ in dp_reductions(e["ops"])]
+        assert o["buckets"] > 1 and all(during for _, during in dp_reductions(o["ops"]))
+        assert not any(during for _, during in dp_reductions(b["ops"]) + dp_reductions(e["ops"]))
+        for other in (o, e):
+            assert all(torch.equal(b["weights"][lid], other["weights"][lid]) for lid in b["weights"])
+        assert b["in_flight"] == 0 and o["in_flight"] > 0 and e["in_flight"] > 0
+        assert o["others_in_flight_after_round_ends"] == e["others_in_flight_after_round_ends"] == 0
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -110,3 +146,66 @@ def test_deepspeed_only_options_are_refused_under_megatron(name, value):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match=rf"{name}={value!r} applies to the DeepSpeed engine only.*drop {name}"):
         megatron_zero([model], torch.optim.SGD(model.parameters(), lr=0.1), **{name: value})
+
+
+def gpt_zero_steps(pp, vpp, m, k, overlap, steps=2):
+    """A tiny GPTModel (word embedding tied to the output layer), dp 2, ZeRO-2 with small buckets, ``steps``
+    steps of the flexible schedule. Returns the parameters by name and whether each DP reduction of the last
+    step started during a backward."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    import tiny_gpt as gpt
+    from l3plugin.debug import record_collectives
+    from l3plugin.demo.model import global_name
+    from l3plugin.megatron import forward_backward_pipelining_flexible, pipeline
+    from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
+    from l3plugin.mesh import init_mesh
+
+    mesh = init_mesh(pp=pp, vpp=vpp)
+    r, v = mesh.coords["pp"], vpp or 1
+    config = gpt.gpt_config(4, pp=pp, vpp=vpp, k=k)
+    chunks = [gpt.build_gpt(config, pre_process=r == 0 and c == 0, post_process=r == pp - 1 and c == v - 1,
+                            vp_stage=c if vpp else None, seq_len=16, share_embeddings_and_output_weights=True,
+                            pp_rank=r) for c in range(v)]
+    params = [q for c in chunks for q in c.parameters()]
+    zero = megatron_zero(chunks, torch.optim.SGD(params, lr=0.1), stage=2, bucket_numel=3000, overlap=overlap)
+    attach_to_schedule(config, zero)
+    backward_step, in_backward = pipeline._Executor._backward_step, set()
+
+    def marked_backward_step(self, *args):
+        first = len(log)
+        result = backward_step(self, *args)
+        in_backward.update(range(first, len(log)))
+        return result
+
+    for step in range(steps):
+        batches = gpt.microbatches(m, 2, 16, seed=100 * step + mesh.coords["dp"])
+        with record_collectives() as log, mock.patch.object(pipeline._Executor, "_backward_step",
+                                                            marked_backward_step):
+            in_backward.clear()
+            forward_backward_pipelining_flexible(
+                forward_step_func=gpt.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
+                num_microbatches=m, seq_length=16, micro_batch_size=2)
+            zero.step()
+    dp_ranks = dist.get_process_group_ranks(zero.group)
+    return {"params": {global_name(c, n): q.detach().clone() for c in chunks for n, q in c.named_parameters()},
+            "buckets": len(zero.buckets),
+            "during_backward": [i in in_backward for i, c in enumerate(log) if c.op == "isend" and c.group == dp_ranks]}
+
+
+@pytest.mark.parametrize("pp, vpp, m, k", [(1, None, 4, 1), (2, 2, 5, 3)], ids=["pp1", "pp2-vpp2"])
+def test_gpt_reductions_in_backward_are_bit_identical_to_blocking(ranks, pp, vpp, m, k):
+    """GPTModel, dp 2, ZeRO-2 by default (reductions started from the gradient hooks of each round's last
+    backward) equals the blocking path bit for bit over 2 steps: pp 1 with a round per micro-batch, and pp 2
+    with virtual stages (round ends at different times per stage; the tied embedding summed over the
+    embedding group in finish_grad_sync)."""
+    world = 2 * pp
+    blocking = ranks.run(world, gpt_zero_steps, pp, vpp, m, k, False, timeout=180)
+    overlapped = ranks.run(world, gpt_zero_steps, pp, vpp, m, k, True, timeout=180)
+    for rank, (b, o) in enumerate(zip(blocking, overlapped)):
+        assert o["buckets"] > 2 and o["during_backward"] and all(o["during_backward"]), (rank, o["during_backward"])
+        assert not any(b["during_backward"]) and len(b["during_backward"]) == len(o["during_backward"]), rank
+        for name, value in b["params"].items():
+            assert torch.equal(value, o["params"][name]), (rank, name)
