@@ -20,7 +20,8 @@ buffer; in the backward one dK/dV buffer of the whole sequence, plus the parts b
 
 With ``regather`` (cp_kv="regather") the gathered buffer's storage is freed when the forward ends and
 filled again by one K/V all-gather when the backward starts (every range's backward reads it, the last
-range's first, and that one needs nearly all of it: nothing to overlap it with inside the call).
+range's first, and that one needs nearly all of it: nothing to overlap it with inside the call). With
+``prefetch`` that all-gather is started ahead, during the backward of the call after it (regather_ahead.py).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class OverlappedAttention(torch.autograd.Function):
     k, v)`` runs the kernel of local range i on keys [0, kv_len). Gathers, attends, reduce-scatters."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attend, plan, group, timeout, track, regather):
+    def forward(ctx, q, k, v, attend, plan, group, timeout, track, regather, prefetch):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         local = torch.stack([k, v])  # [2, s_local, h, d]: one collective per part for both
         flights = [comm.start_all_gather(local[:, lo:hi], group,
@@ -107,16 +108,15 @@ class OverlappedAttention(torch.autograd.Function):
         ctx.q_shape, ctx.local_shape = q.shape, local.shape
         ctx.buffer = None
         if regather and track:  # the ranges' graphs keep views of ``full``: free its memory until the backward
-            ctx.buffer = GatheredKV(full, plan.order, group, timeout)
-            ctx.buffer.release()
-            ctx.save_for_backward(k, v)
+            ctx.buffer = GatheredKV(full, plan.order, group, timeout, k, v, prefetch)
+            ctx.save_for_backward(k, v)  # (so a census of saved tensors counts them)
         return torch.cat([out.detach() for _, out, _, _ in ctx.ranges])
 
     @staticmethod
     def backward(ctx, grad_out):
         plan, me, cp = ctx.plan, ctx.me, ctx.cp
         if ctx.buffer is not None:
-            ctx.buffer.refill(*ctx.saved_tensors)
+            ctx.buffer.begin_backward()
         dq = grad_out.new_zeros(ctx.q_shape)
         dfull = grad_out.new_zeros((2, cp * ctx.local_shape[1]) + ctx.local_shape[2:])
         flights = {}
@@ -146,15 +146,16 @@ class OverlappedAttention(torch.autograd.Function):
         for p, (lo, hi) in enumerate(plan.slices):
             mine[:, lo:hi] += flights[p].wait(ctx.timeout).view_as(mine[:, lo:hi])
         if ctx.buffer is not None:
-            ctx.buffer.release()
-        return dq, mine[0], mine[1], None, None, None, None, None, None
+            ctx.buffer.end_backward()
+        return dq, mine[0], mine[1], None, None, None, None, None, None, None
 
 
-def overlapped_attention(q, k, v, attend, plan: PartPlan, group, timeout, regather=False):
+def overlapped_attention(q, k, v, attend, plan: PartPlan, group, timeout, regather=False, prefetch=False):
     """OverlappedAttention; the ranges' graphs are built only when a backward can follow. ``regather``:
-    keep only the local K/V for the backward and all-gather them again there (cp_kv="regather")."""
+    keep only the local K/V for the backward and all-gather them again there (cp_kv="regather");
+    ``prefetch``: that all-gather started ahead (regather_ahead.py)."""
     track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return OverlappedAttention.apply(q, k, v, attend, plan, group, timeout, track, regather)
+    return OverlappedAttention.apply(q, k, v, attend, plan, group, timeout, track, regather, prefetch)
 
 
 def own_positions(plan: PartPlan, rank: int, device) -> torch.Tensor:
