@@ -52,6 +52,7 @@ class PartPlan:
     kv_lens: tuple  # per local range: the keys it attends, [0, kv_len)
     first_other: tuple  # per part: the first position of another rank's token in it
     order: torch.Tensor  # global positions of the rank-major concatenation of every rank's tokens (regather)
+    arrival: torch.Tensor  # per position: the part bringing it, -1 for this rank's own (local-first)
 
 
 @functools.lru_cache(maxsize=64)
@@ -71,7 +72,8 @@ def part_plan(layout: CPLayout, rank: int, causal: bool, parts: int) -> PartPlan
     kv_lens = tuple(b if causal else seq_len for _, b in ranges)
     return PartPlan(slices=tuple(zip(cuts, cuts[1:])), positions=positions, rows=tuple(b - a for a, b in ranges),
                     needs=tuple(int(arrived_by[n - 1]) for n in kv_lens), kv_lens=kv_lens,
-                    first_other=tuple(int(pos[others].min()) for pos in positions), order=layout.gathered_order())
+                    first_other=tuple(int(pos[others].min()) for pos in positions), order=layout.gathered_order(),
+                    arrival=arrival)
 
 
 class OverlappedAttention(torch.autograd.Function):
@@ -79,7 +81,7 @@ class OverlappedAttention(torch.autograd.Function):
     k, v)`` runs the kernel of local range i on keys [0, kv_len). Gathers, attends, reduce-scatters."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attend, plan, group, timeout, track, regather, prefetch):
+    def forward(ctx, q, k, v, attend, plan, group, timeout, track, regather, prefetch, phased):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         local = torch.stack([k, v])  # [2, s_local, h, d]: one collective per part for both
         flights = [comm.start_all_gather(local[:, lo:hi], group,
@@ -90,7 +92,10 @@ class OverlappedAttention(torch.autograd.Function):
         others = [r for r in range(cp) if r != me]
         arrived, first = -1, 0
         ctx.ranges = []  # per range: (rows, its output with its graph, q leaf, K/V leaf)
-        for i, kv_len in enumerate(plan.kv_lens):
+        if phased is not None:  # local first: every range's own keys, then each part's as it arrives
+            arrived = len(flights) - 1
+            ctx.ranges = _local_first(q, full, flights, phased, plan, others, cp, timeout, track)
+        for i, kv_len in enumerate(plan.kv_lens if phased is None else ()):
             while arrived < plan.needs[i]:
                 arrived += 1
                 _place(full, flights[arrived].wait(timeout), plan.positions[arrived], others, cp)
@@ -147,15 +152,36 @@ class OverlappedAttention(torch.autograd.Function):
             mine[:, lo:hi] += flights[p].wait(ctx.timeout).view_as(mine[:, lo:hi])
         if ctx.buffer is not None:
             ctx.buffer.end_backward()
-        return dq, mine[0], mine[1], None, None, None, None, None, None, None
+        return dq, mine[0], mine[1], None, None, None, None, None, None, None, None
 
 
-def overlapped_attention(q, k, v, attend, plan: PartPlan, group, timeout, regather=False, prefetch=False):
+def overlapped_attention(q, k, v, attend, plan: PartPlan, group, timeout, regather=False, prefetch=False,
+                         phased=None):
     """OverlappedAttention; the ranges' graphs are built only when a backward can follow. ``regather``:
     keep only the local K/V for the backward and all-gather them again there (cp_kv="regather");
-    ``prefetch``: that all-gather started ahead (regather_ahead.py)."""
+    ``prefetch``: that all-gather started ahead (regather_ahead.py). ``phased(i, q_rows)``: a kernels.PhasedFlash
+    of range i (local first: each range's own keys before the other ranks' arrive), used instead of ``attend``."""
     track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return OverlappedAttention.apply(q, k, v, attend, plan, group, timeout, track, regather, prefetch)
+    return OverlappedAttention.apply(q, k, v, attend, plan, group, timeout, track, regather, prefetch, phased)
+
+
+def _local_first(q, full, flights, phased, plan, others, cp, timeout, track):
+    """Every range's calls on this rank's own keys, then, part by part as it arrives, the calls on its keys;
+    returns the ranges as OverlappedAttention keeps them."""
+    ranges, first = [], 0
+    for i, kv_len in enumerate(plan.kv_lens):
+        rows = slice(first, first + plan.rows[i])
+        first = rows.stop
+        q_leaf, kv_leaf = q[rows].detach().requires_grad_(), alias(full, kv_len).requires_grad_()
+        ranges.append((rows, phased(i, q_leaf), q_leaf, kv_leaf))
+    for part in range(-1, len(flights)):
+        if part >= 0:
+            _place(full, flights[part].wait(timeout), plan.positions[part], others, cp)
+        for _, kernel, _, kv_leaf in ranges:
+            kernel.run(part, kv_leaf[0], kv_leaf[1])
+    with torch.set_grad_enabled(track):
+        return [(rows, kernel.finish(q_leaf, kv_leaf[0], kv_leaf[1]), q_leaf, kv_leaf)
+                for rows, kernel, q_leaf, kv_leaf in ranges]
 
 
 def own_positions(plan: PartPlan, rank: int, device) -> torch.Tensor:
