@@ -36,14 +36,18 @@ class GatheredKV:
 
     ``prefetch``: the call joins this thread's chain of regather calls (regather_ahead.py): its buffer stays
     until the next call's forward, and ``begin_backward`` starts the previous call's all-gather ahead.
-    Without it the buffer is released at once and ``begin_backward`` only refills it (one blocking gather)."""
+    Without it the buffer is released at once and ``begin_backward`` only refills it (one blocking gather).
+    A forward run inside a backward (activation recomputation) keeps its buffer and joins no chain: its
+    backward follows at once (reentrant checkpoints), or the backward of the call it recomputes reads the
+    buffer through the recomputed saved tensors (non-reentrant ones); it goes when those are freed."""
 
     def __init__(self, full, order, group, timeout, k, v, prefetch=False):
         self.full, self.order, self.group, self.timeout = full, order, group, timeout
         self.k, self.v = k, v
         self.nbytes = full.untyped_storage().nbytes()
-        self.slot = regather_ahead.join(self, group) if prefetch else None
-        if self.slot is None:
+        recomputing = in_backward()
+        self.slot = regather_ahead.join(self, group) if prefetch and not recomputing else None
+        if self.slot is None and not recomputing:
             self.release()
 
     def release(self):
@@ -75,6 +79,12 @@ class GatheredKV:
         if self.slot is not None:
             regather_ahead.end_backward(self.slot)
         self.k = self.v = None
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward on this thread (as torch's FSDP2 asks it)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
 
 
 def alias(buffer, length=None):

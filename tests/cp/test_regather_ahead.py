@@ -57,8 +57,6 @@ def stacked(schedule, cp_layout="2cp", overlap=True, documents="crossing-every-b
     q, k, v, g = (t[idx] for t in make_inputs(torch.float32, 4, 2))
     results = {}
     for mode, (cp_kv, prefetch) in MODES.items():
-        if schedule == "recompute per call" and mode == "regather":
-            continue  # regather without prefetch fails there: the recompute's gathered K/V are freed before use
         regather_ahead.reset()
 
         def attend(x, kk, vv):
@@ -85,6 +83,8 @@ def stacked(schedule, cp_layout="2cp", overlap=True, documents="crossing-every-b
                 forward(micro[0], 0.0).backward(g)
             elif schedule == "recompute per call":
                 forward(micro[0], 0.0, recompute="per call").backward(g)
+            elif schedule == "recompute region":
+                checkpoint(lambda *leaves: forward(leaves, 0.0), *micro[0], use_reentrant=False).backward(g)
             elif schedule == "interleaved":
                 outs = [forward(leaves, 0.25 * m) for m, leaves in enumerate(micro)]
                 for out in outs:
@@ -165,9 +165,9 @@ def test_prefetch_with_recompute_and_a_dropped_forward(ranks):
     assert results["regather prefetch last state"] == "done"  # the no_grad forward joined nothing
 
 
-def test_prefetch_with_each_call_recomputed_non_reentrant(ranks):
-    """torch.utils.checkpoint(use_reentrant=False) around each call (transformers' default): the backward reads
-    the recomputed call's gathered K/V, which stay as the latest call's until the next recompute. (Without
-    prefetch this fails: the recompute's buffer is freed when its forward ends; so does a region of several
-    calls with prefetch: docs/cp.md.)"""
-    _check(ranks.run(2, stacked, "recompute per call", timeout=120), "recompute per call")
+@pytest.mark.parametrize("schedule", ["recompute per call", "recompute region"])
+def test_calls_recomputed_by_a_non_reentrant_checkpoint(ranks, schedule):
+    """torch.utils.checkpoint(use_reentrant=False), transformers' default, around each call or around all
+    three: the backward reads the recomputed calls' gathered K/V (through the recomputed saved tensors), which a
+    forward run inside a backward keeps."""
+    _check(ranks.run(2, stacked, schedule, timeout=120), schedule)
