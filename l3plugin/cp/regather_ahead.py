@@ -22,8 +22,8 @@ never on timing or on whether an autograd graph is still alive. A call whose gra
 backward (e.g. a forward with grad whose output was dropped) is still gathered if it comes before a
 differentiated call (from zeros: nobody reads it); its link is cut when the next call joins, so chains of
 dropped forwards are freed. Nothing joins a chain without a backward to follow (no_grad, eval: the caller
-only builds a GatheredKV when autograd records the call), and activation recomputation just joins again:
-a recomputed call differentiated right after its recompute keeps its buffer (no all-gather).
+only builds a GatheredKV when autograd records the call), nor a forward run inside a backward (activation
+recomputation: it keeps its buffer, see kv_gather.GatheredKV).
 """
 
 from __future__ import annotations
