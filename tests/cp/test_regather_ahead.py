@@ -40,7 +40,7 @@ def _logged_collectives(log):
     return undo
 
 
-def stacked(schedule, cp_layout="2cp", overlap=True, documents="crossing-every-border"):
+def stacked(schedule, cp_layout="2cp", overlap=True, local_first=False, documents="crossing-every-border"):
     """On every rank: per mode, (outputs and gradients, log of collectives) of ``schedule``:
     - "step": the forward of LAYERS calls (each one's output the next one's queries), then the backward;
     - "interleaved": forwards of micro-batches 0 and 1, then backward 0, then backward 1 (a pipeline's order);
@@ -61,7 +61,7 @@ def stacked(schedule, cp_layout="2cp", overlap=True, documents="crossing-every-b
 
         def attend(x, kk, vv):
             return all_gather_attention(x, kk, vv, torch.tensor(cu), group=dist.group.WORLD, layout=cp_layout,
-                                        overlap=overlap, cp_kv=cp_kv, prefetch=prefetch)
+                                        overlap=overlap, cp_kv=cp_kv, prefetch=prefetch, local_first=local_first)
 
         def forward(leaves, shift, recompute=False):
             out = leaves[0]
@@ -124,10 +124,12 @@ def _count(log, first, text):
     return sum(entry.startswith(first) and text in entry for entry in log)
 
 
-@pytest.mark.parametrize("cp, cp_layout, overlap", [(2, "2cp", True), (2, "balanced", False), (4, "2cp", True)])
-def test_prefetch_is_bit_identical_over_a_stack_of_calls(ranks, cp, cp_layout, overlap):
+@pytest.mark.parametrize("cp, cp_layout, overlap, local_first", [(2, "2cp", True, False), (2, "balanced", False, False),
+                                                                 (4, "2cp", True, False), (2, "2cp", True, True)])
+def test_prefetch_is_bit_identical_over_a_stack_of_calls(ranks, cp, cp_layout, overlap, local_first):
     """Gradients of queries, keys and values through three calls (documents crossing chunk borders)."""
-    results = _check(ranks.run(cp, stacked, "step", cp_layout, overlap, timeout=120), f"cp={cp} {cp_layout}")
+    results = _check(ranks.run(cp, stacked, "step", cp_layout, overlap, local_first, timeout=120),
+                     f"cp={cp} {cp_layout} local_first={local_first}")
     plain, ahead = results["regather"][1], results["regather prefetch"][1]
     assert _count(plain, "start", "(again)") == LAYERS and _count(plain, "start", "ahead") == 0
     # the last call keeps its buffer until its backward; each other one is gathered ahead, once, and waited
