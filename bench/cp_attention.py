@@ -3,7 +3,7 @@ layouts, and a ring-attention baseline (written for this benchmark) on the same 
 
     .venv/bin/python bench/cp_attention.py                  # timed S = 2048, 4096, 8192 (a few minutes)
     .venv/bin/python bench/cp_attention.py --seq 4096 --rounds 3
-    .venv/bin/python bench/cp_attention.py --wire auto      # on an emulated wire, S = 8K/16K/32K (~35 min)
+    .venv/bin/python bench/cp_attention.py --wire auto      # on an emulated wire, S = 8K/16K/32K (~50 min)
     .venv/bin/python bench/cp_attention.py --wire auto --seq 8192 16384 --rounds 2 --work-seq   # ~12 min
 
 Prints tables, asserts nothing; --json: every figure as JSON on stdout, the tables on stderr (bench/harness.py,
