@@ -3,8 +3,8 @@ layouts, and a ring-attention baseline (written for this benchmark) on the same 
 
     .venv/bin/python bench/cp_attention.py                  # timed S = 2048, 4096, 8192 (a few minutes)
     .venv/bin/python bench/cp_attention.py --seq 4096 --rounds 3
-    .venv/bin/python bench/cp_attention.py --wire auto      # on an emulated wire, S = 8K/16K/32K (~15 min)
-    .venv/bin/python bench/cp_attention.py --wire auto --seq 8192 16384 --rounds 2 --work-seq   # ~5 min
+    .venv/bin/python bench/cp_attention.py --wire auto      # on an emulated wire, S = 8K/16K/32K (~50 min)
+    .venv/bin/python bench/cp_attention.py --wire auto --seq 8192 16384 --rounds 2 --work-seq   # ~12 min
 
 Prints tables, asserts nothing; --json: every figure as JSON on stdout, the tables on stderr (bench/harness.py,
 which also holds the rounds, the ratios and the wire calibration). fp32, one packed sequence, heads_q=8, heads_kv=2 (GQA), head_dim=64,
@@ -34,8 +34,12 @@ RATE each way, ``--wire-mode shared`` one loopback bus for both; traffic costs w
 GPUs): cp=2 only,
 all-gather with the "2cp" and "balanced" layouts, each "plain" (overlap=False: one K/V all-gather and
 one dK/dV reduce-scatter, waited at once) and "overlapped" (the default, cp/overlap.py), against the
-ring, and (2cp layout) "overlapped regather" (cp_kv="regather": only the local K/V kept for the backward,
-which gathers them again; every other all-gather contender keeps them, cp_kv="keep"); the correctness checks and the warm-up run at the first S only. ``auto`` picks the rate at which
+ring; with the 2cp layout also "overlapped local-first" (local_first=True: each range's own keys attended
+while the other rank's K/V arrive, merged by log-sum-exp), and stacks of ``--layers`` calls (4) for what
+cp_kv costs: "overlapped keep xN", "overlapped regather xN" (only the local K/V kept for the backward, which
+gathers them again: prefetch=False) and "overlapped regather ahead xN" (the default, prefetch=True: each
+call's gather travels during the backward of the call after it). Every single-call contender keeps the
+K/V (cp_kv="keep"). The correctness checks and the warm-up run at the first S only. ``auto`` picks the rate at which
 the K/V all-gather alone takes ``--kv-share`` (0.2) of cp=2 causal attention at the smallest S, from
 two measurements, and prints them. Printed per S: the K/V all-gather and the dK/dV reduce-scatter alone
 at that rate (wall and CPU), per contender wall, busy, CPU-busy (both ranks' CPU seconds / (2 cores x
@@ -137,7 +141,10 @@ def _timed(step, keep):
     return out
 
 
-def all_gather_run(seq_len, cp, cu, causal, layout, overlap=True, cp_kv="keep", keep=False):
+def all_gather_run(seq_len, cp, cu, causal, layout, overlap=True, cp_kv="keep", local_first=False, prefetch=True,
+                   layers=1, keep=False):
+    """One step of ``layers`` attention calls, each one's output the next one's queries (K/V its own: the
+    leaves times the layer number), forward then backward."""
     import torch.distributed as dist
 
     from l3plugin.cp.attention import all_gather_attention
@@ -148,8 +155,11 @@ def all_gather_run(seq_len, cp, cu, causal, layout, overlap=True, cp_kv="keep", 
 
     def step():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = all_gather_attention(*leaves, torch.tensor(cu), group=group, causal=causal, kernel=KERNEL,
-                                   layout=layout, overlap=overlap, cp_kv=cp_kv)
+        out = leaves[0]
+        for layer in range(layers):
+            out = all_gather_attention(out, leaves[1] * (1 + layer), leaves[2] * (1 + layer), torch.tensor(cu),
+                                       group=group, causal=causal, kernel=KERNEL, layout=layout, overlap=overlap,
+                                       cp_kv=cp_kv, local_first=local_first, prefetch=prefetch)
         out.backward(g)
         return out.detach(), [t.grad for t in leaves]
 
@@ -252,9 +262,16 @@ def report(s, cu_docs, times, diff):
 
 # ---- on the emulated wire ---------------------------------------------------------------------------
 
-def wire_contenders(s, cu_docs, masks):
+def stack_names(name, layers):
+    """The contenders of a stack of ``layers`` calls: K/V kept, regathered in each backward, regathered ahead."""
+    return {kind: f"{name} overlapped {kind} x{layers}" for kind in ("keep", "regather", "regather ahead")}
+
+
+def wire_contenders(s, cu_docs, masks, layers):
     """name -> (rank function, args): cp=2 all-gather (both layouts for documents), each with its
-    communication waited at once ("plain", overlap=False) and overlapped (cp/overlap.py), and the ring."""
+    communication waited at once ("plain", overlap=False) and overlapped (cp/overlap.py), the 2cp layout also
+    overlapped with local_first, and the ring; for the 2cp layout, stacks of ``layers`` calls with cp_kv keep,
+    regather (prefetch=False) and regather ahead (prefetch=True, the default)."""
     runs = {}
     for mask, cu, layouts in (("causal", [0, s], ["2cp"]), ("docs", cu_docs, ["2cp", "balanced"])):
         if mask not in masks:
@@ -263,8 +280,14 @@ def wire_contenders(s, cu_docs, masks):
             name = f"all-gather {mask}" + (f" {layout}" if mask == "docs" else "")
             runs[name + " plain"] = (all_gather_run, (s, 2, cu, True, layout, False))
             runs[name + " overlapped"] = (all_gather_run, (s, 2, cu, True, layout, True))
-            if layout == "2cp":  # what keeping only the local K/V costs: the backward gathers them again
-                runs[name + " overlapped regather"] = (all_gather_run, (s, 2, cu, True, layout, True, "regather"))
+            if layout == "2cp":
+                runs[name + " overlapped local-first"] = (all_gather_run, (s, 2, cu, True, layout, True, "keep", True))
+                # what keeping only the local K/V costs: each backward gathers them again, or ahead
+                stack = stack_names(name, layers)
+                for kind, cp_kv, prefetch in (("keep", "keep", False), ("regather", "regather", False),
+                                              ("regather ahead", "regather", True)):
+                    runs[stack[kind]] = (all_gather_run, (s, 2, cu, True, layout, True, cp_kv, False, prefetch,
+                                                          layers))
         runs[f"ring {mask}"] = (ring_run, (s, 2, cu))
     return runs
 
@@ -337,23 +360,28 @@ def wire_report(s, cu_docs, times, diff, gather_alone):
                "pairs_of_causal": pair_ratio, "all_gather_alone_s": gather_alone, "contenders": {},
                "wall_ratios": ratios, "max_abs_difference": {f"{a} vs {b}": d for (a, b), d in diff.items()}}
     print(f"S={s}  ({load()}; documents: {len(cu_docs) - 1}, pairs {pair_ratio:.3f} of causal)")
-    print(f"  {'contender':<36} {'wall s':>7} {'busy r0 s':>9} {'busy r1 s':>9} {'CPU-busy':>8} "
+    print(f"  {'contender':<48} {'wall s':>7} {'busy r0 s':>9} {'busy r1 s':>9} {'CPU-busy':>8} "
           f"{'all-gather alone / wall':>23}")
     for n in times:
         wall = statistics.median(per_round(n, "wall"))
         busy = [statistics.median(ranks[r]["busy"] for ranks in times[n]) for r in range(2)]
         figures["contenders"][n] = {"wall_s": wall, "busy_s": busy, "cpu_busy": statistics.median(busy_share(n))}
-        print(f"  {n:<36} {wall:>7.3f} {busy[0]:>9.3f} {busy[1]:>9.3f} {statistics.median(busy_share(n)):>8.2f} "
+        print(f"  {n:<48} {wall:>7.3f} {busy[0]:>9.3f} {busy[1]:>9.3f} {statistics.median(busy_share(n)):>8.2f} "
               f"{gather_alone / wall:>23.1%}")
-    for ag in [n for n in times if n.startswith("all-gather")]:
+    single = [n for n in times if n.startswith("all-gather") and " x" not in n]  # one call per step
+    for ag in single:
         ring = "ring " + ag.split()[1]
-        print(f"  {ring + ' / ' + ag + ':':<52} {ratio(ring, ag)}   (above 1: the all-gather is faster)")
+        print(f"  {ring + ' / ' + ag + ':':<60} {ratio(ring, ag)}   (above 1: the all-gather is faster)")
     for ag in [n for n in times if n.endswith(" overlapped")]:
         plain = ag.replace(" overlapped", " plain")
-        print(f"  {ag + ' / plain:':<52} {ratio(ag, plain)}   (below 1: overlapping helps)")
-    for ag in [n for n in times if n.endswith(" regather")]:
-        keep = ag.replace(" regather", "")
-        print(f"  {ag + ' / keep:':<52} {ratio(ag, keep)}   (above 1: what the backward's second all-gather costs)")
+        print(f"  {ag + ' / plain:':<60} {ratio(ag, plain)}   (below 1: overlapping helps)")
+    for ag in [n for n in times if n.endswith(" local-first")]:
+        over = ag.replace(" local-first", "")
+        print(f"  {ag + ' / overlapped:':<60} {ratio(ag, over)}   (below 1: attending own keys first helps)")
+    for keep in [n for n in times if " overlapped keep x" in n]:
+        for kind in ("regather", "regather ahead"):
+            other = keep.replace(" keep x", f" {kind} x")
+            print(f"  {other + ' / keep:':<60} {ratio(other, keep)}   (above 1: what gathering again costs)")
     for (a, b), d in diff.items():
         print(f"  max abs difference (out and grads), {a} vs {b}: {d:.1e}")
     return figures
@@ -372,11 +400,16 @@ def main(argv=None):
                         help="on a wire: which masks to time (causal at S=32K is most of the run time)")
     parser.add_argument("--kv-share", type=float, default=0.2, help="--wire auto: the share of cp=2 causal "
                         "attention time the K/V all-gather alone should take at the smallest S")
+    parser.add_argument("--layers", type=int, default=4, help="on a wire: attention calls per step of the "
+                        "keep / regather / regather ahead contenders (regather ahead gathers a call's K/V during "
+                        "the backward of the call after it)")
     import wire
 
     wire.add_argument(parser)
     harness.add_json_argument(parser)
     args = parser.parse_args(argv)
+    if args.layers < 1:
+        parser.error(f"--layers={args.layers} is invalid: must be at least 1")
     on_wire = args.wire != "off"
     args.seq = args.seq or ([8192, 16384, 32768] if on_wire else [2048, 4096, 8192])
     args.rounds = args.rounds or (3 if on_wire else 5)
@@ -403,7 +436,7 @@ def timed(args, link, on_wire, figures):
         if args.wire == "auto":
             why, figures["calibration"] = pick_rate(pool, link, min(args.seq), args.kv_share)
             print("  " + why, flush=True)
-        figures["rate_bits"], figures["wire_mode"] = link.rate, link.mode
+        figures["rate_bits"], figures["wire_mode"], figures["layers"] = link.rate, link.mode, args.layers
         for s in args.seq:
             cu_docs = document_lengths(s, torch.Generator().manual_seed(s))
             if not on_wire:
@@ -416,11 +449,14 @@ def timed(args, link, on_wire, figures):
             checks = []  # at the first S only (each check is a run more); they warm every kind of contender up
             for m in ("causal", "docs 2cp") if s == args.seq[0] else ():
                 if m.split()[0] in args.masks:
+                    stack = stack_names(f"all-gather {m}", args.layers)
                     checks += [(f"all-gather {m} plain", f"all-gather {m} overlapped"),
                                (f"all-gather {m} overlapped", f"ring {m.split()[0]}"),
-                               (f"all-gather {m} overlapped", f"all-gather {m} overlapped regather")]
+                               (f"all-gather {m} overlapped", f"all-gather {m} overlapped local-first"),
+                               (stack["keep"], stack["regather"]), (stack["keep"], stack["regather ahead"])]
             figures["timed"].append(wire_report(s, cu_docs, *timed_rows(
-                pool, wire_contenders(s, cu_docs, args.masks), args.rounds, checks, warm_up=False), gather))
+                pool, wire_contenders(s, cu_docs, args.masks, args.layers), args.rounds, checks, warm_up=False),
+                gather))
         harness.report_wire_traffic(link, figures)
     print(f"\n{load()} at the end; timed part {time.perf_counter() - began:.0f} s")
 

@@ -55,7 +55,9 @@ def saved_per_layer(seq_len, heads_q, heads_kv, head_dim, doc_len):
                    for h in (heads_q, heads_kv, heads_kv))
         census = SavedTensorCensus()
         with census.hooks:
-            out = all_gather_attention(q, k, v, cu, group=dist.group.WORLD, cp_kv=cp_kv)
+            # prefetch=False: what every call but the latest holds (with prefetch, the default, the latest call
+            # keeps its whole gathered K/V until the next call's forward: one layer's more, not per layer)
+            out = all_gather_attention(q, k, v, cu, group=dist.group.WORLD, cp_kv=cp_kv, prefetch=False)
         held[cp_kv] = census.held_bytes()
         del out  # the graph, and with it every saved tensor, goes: no backward needed to measure
     return held

@@ -227,12 +227,16 @@ def cp_wire(figures: dict) -> str:
 
         over = [median(f"{ag} overlapped", f"{ag} plain")
                 for ag in ("all-gather causal", "all-gather docs 2cp", "all-gather docs balanced")]
+        first = [median(f"ring {mask}", f"{ag} overlapped local-first")
+                 for mask, ag in (("causal", "all-gather causal"), ("docs", "all-gather docs 2cp"))]
         rows.append([seq_text(entry["seq"]), ring_cell("causal", "all-gather causal", True),
                      ring_cell("docs", "all-gather docs 2cp", False), ring_cell("docs", "all-gather docs balanced", False),
-                     ", ".join("-" if x is None else f"{x:.3f}" for x in over)])
+                     ", ".join("-" if x is None else f"{x:.3f}" for x in over),
+                     ", ".join("-" if x is None else f"{x:.3f}" for x in first)])
     return _kv_alone_line(figures) + markdown(["S", "ring / AG causal, plain -> overlapped", "ring / AG docs 2cp, plain -> overlapped",
                      "ring / AG docs balanced, plain -> overlapped",
-                     "overlapped / plain: causal, docs 2cp, docs balanced"], rows)
+                     "overlapped / plain: causal, docs 2cp, docs balanced",
+                     "ring / AG overlapped local-first: causal, docs 2cp"], rows)
 
 
 def _kv_alone_line(figures: dict) -> str:
@@ -249,15 +253,18 @@ def _kv_alone_line(figures: dict) -> str:
 
 
 def cp_regather(figures: dict) -> str:
-    """What regathering K/V in the backward costs against keeping them (cp_kv), 2cp layout, on a wire."""
-    rows = []
+    """What regathering K/V in the backward costs against keeping them (cp_kv), without and with prefetch
+    (regather ahead), stacks of ``layers`` calls, 2cp layout, on a wire."""
+    rows, layers = [], figures["layers"]
     for entry in _wire_entries(figures, "cp-regather"):
         cells = []
         for ag in ("all-gather causal overlapped", "all-gather docs 2cp overlapped"):
-            stats = entry["wall_ratios"].get(f"{ag} regather / {ag}")
-            cells.append("-" if stats is None else ratio_range(stats, 2))
+            for kind in ("regather", "regather ahead"):
+                stats = entry["wall_ratios"].get(f"{ag} {kind} x{layers} / {ag} keep x{layers}")
+                cells.append("-" if stats is None else ratio_range(stats, 2))
         rows.append([seq_text(entry["seq"]), *cells])
-    return markdown(["S", "regather / keep, causal (2cp)", "regather / keep, docs 2cp"], rows)
+    return markdown(["S", f"regather / keep, causal (2cp), {layers} calls", "regather ahead / keep, causal",
+                     "regather / keep, docs 2cp", "regather ahead / keep, docs 2cp"], rows)
 
 
 # ---- zero --------------------------------------------------------------------------------------------------

@@ -59,8 +59,8 @@ TABLES = {
     "cp-timed": Table("cp_attention", "docs/benchmarks.md", r.cp_timed, "bench/cp_attention.py --json"),
     "cp-work": Table("cp_attention", "docs/benchmarks.md", r.cp_work, "bench/cp_attention.py --json"),
     "cp-wire": Table("cp_attention", "docs/benchmarks.md", r.cp_wire, "bench/cp_attention.py --wire auto --json"),
-    "cp-regather": Table("cp_attention", "docs/cp.md", r.cp_regather, "bench/cp_attention.py --wire auto --seq 8192 "
-                         "16384 --rounds 3 --masks causal --work-seq --json"),
+    "cp-regather": Table("cp_attention", "docs/cp.md", r.cp_regather, "bench/cp_attention.py --wire auto --kv-share 0.25 "
+                         "--seq 8192 16384 --rounds 3 --masks causal --work-seq --json"),
     "zero": Table("zero", "docs/benchmarks.md", r.zero, "bench/zero.py --json"),
     "zero-wire": Table("zero", "docs/benchmarks.md", r.zero_wire,
                        "bench/zero.py --wire 4gbit --gas 4 8 --rounds 3 --micro-batch 2 --json"),

@@ -57,7 +57,7 @@ def p2p_peer_never_joins(operation, timeout):
 
 def cp_peer_never_joins(operation, timeout, overlap=False):
     """all-gather: rank 1 never calls attention. reduce-scatter (cp_kv="keep") and all-gather again
-    (cp_kv="regather", the backward's first collective): rank 1 skips the backward."""
+    (cp_kv="regather" without prefetch, the backward's first collective): rank 1 skips the backward."""
     from l3plugin.cp.attention import all_gather_attention
 
     q = torch.randn(8, 2, 4, requires_grad=True)
@@ -66,7 +66,7 @@ def cp_peer_never_joins(operation, timeout, overlap=False):
         return "stayed away"
     cp_kv = "keep" if operation == "reduce-scatter" else "regather"
     out = timed(lambda: all_gather_attention(q, q, q, [0, 16], group=dist.group.WORLD, wait_timeout=timeout,
-                                             overlap=overlap, cp_kv=cp_kv))
+                                             overlap=overlap, cp_kv=cp_kv, prefetch=False))
     if dist.get_rank() == 1:
         time.sleep(AWAY)
         return "skipped the backward"

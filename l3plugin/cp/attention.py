@@ -11,7 +11,9 @@ What stays in memory for the backward (``cp_kv``):
 - ``"regather"`` (default): only this rank's K/V. The gathered buffer's storage is freed when the forward
   ends and refilled by a second K/V all-gather when the backward reaches the attention, as Transformer
   Engine's all-gather CP does; the paper's claim that CP divides activation memory holds only then. Cost:
-  one more all-gather per layer, in the backward, exposed (the planner counts it).
+  one more all-gather per layer, in the backward; with ``prefetch`` (the default) it is started during the
+  backward of the call after it, and the latest call keeps its buffer until the next call's forward
+  (cp/regather_ahead.py), so it travels under compute.
 - ``"keep"``: the gathered K/V of the whole sequence (2 x S x heads_kv x head_dim per layer) stay until
   the backward; no second collective.
 Both give bit-identical results: the kernels save views of the gathered buffer, and the same values are
@@ -29,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from l3plugin.collective.waits import resolve_timeout
-from l3plugin.cp.kernels import select_kernel
-from l3plugin.cp.kv_gather import GatherKV, check_cp_kv
+from l3plugin.cp.kernels import PhasedFlash, cpu_flash_kernel, select_kernel
+from l3plugin.cp.kv_gather import GatherKV, GatheredKV, check_cp_kv
 from l3plugin.cp.layout import check_bool, check_cu_seqlens, make_layout
 from l3plugin.cp.overlap import PARTS, overlapped_attention, part_plan
 from l3plugin.cp.sharding import document_metadata
@@ -54,7 +56,8 @@ def _check_inputs(q, k, v):
 
 
 def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softmax_scale=None,
-                         kernel="auto", wait_timeout=None, layout="2cp", overlap=True, cp_kv="regather"):
+                         kernel="auto", wait_timeout=None, layout="2cp", overlap=True, cp_kv="regather",
+                         prefetch=True, local_first=False):
     """Attention of this rank's queries over the whole packed sequence, with document masking.
 
     q: [s_local, heads_q, head_dim]; k, v: [s_local, heads_kv, head_dim], this rank's tokens in the
@@ -68,11 +71,20 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
     (cp/overlap.py; bit-identical to False at cp=2); False: one collective each way, waited at once.
     cp_kv: "regather" (keep only the local K/V for the backward, all-gather them again there) or "keep"
     (save the gathered K/V); see the module docstring. Results are bit-identical.
+    prefetch: with cp_kv="regather", the backward's all-gather of this call starts during the backward of the
+    call after it (and the latest call keeps its gathered K/V until the next call's forward), on this
+    thread's chain of calls over ``group`` (cp/regather_ahead.py; at most one more gathered buffer held).
+    False: each call gathers again when its own backward starts. Results are bit-identical.
+    local_first: attend each range's keys held by this rank first, the other ranks' as they arrive, merged by
+    log-sum-exp (kernel "cpu-flash" only; kernels.PhasedFlash). Another cut of the work: equal to False within
+    rounding, not bit for bit; overlap=True and False give bit-identical results.
     Returns [s_local, heads_q, head_dim], differentiable in q, k and v.
     """
     _check_inputs(q, k, v)
     check_bool("causal", causal)
     check_bool("overlap", overlap)
+    check_bool("prefetch", prefetch)
+    check_bool("local_first", local_first)
     check_cp_kv(cp_kv)
     timeout = resolve_timeout(wait_timeout)
     cp = 1 if group is None else dist.get_world_size(group)
@@ -85,12 +97,22 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
     plan = make_layout(layout, seq_len, cp, cu)  # the same on every rank: built from the global cu_seqlens
     fn = select_kernel(kernel, q)
     metas = document_metadata(cu, seq_len, cp, rank, causal=causal, layout=plan)
+    phased = None
+    if local_first and cp > 1:
+        if fn is not cpu_flash_kernel:
+            raise ValueError(f"local_first=True needs kernel='cpu-flash' (it merges partial results by their "
+                             f"log-sum-exp), got kernel={kernel!r} ({fn.__name__}): pass kernel='cpu-flash' or "
+                             f"local_first=False")
+        arrival = part_plan(plan, rank, causal, PARTS).arrival
+
+        def phased(i, q_rows):
+            return PhasedFlash(q_rows, metas[i], causal=causal, softmax_scale=softmax_scale, arrival=arrival)
     if cp > 1 and overlap:
         def attend(i, q_rows, k_prefix, v_prefix):
             return fn(q_rows, k_prefix, v_prefix, metas[i], causal=causal, softmax_scale=softmax_scale)
 
         return overlapped_attention(q, k, v, attend, part_plan(plan, rank, causal, PARTS), group, timeout,
-                                    regather=cp_kv == "regather")
+                                    regather=cp_kv == "regather", prefetch=prefetch, phased=phased)
     regather = cp > 1 and cp_kv == "regather" and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
     if cp > 1:
         k_full, v_full = GatherKV.apply(k, v, group, timeout, plan.gathered_order(), regather)
@@ -98,15 +120,21 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
         # Without CP every layout holds the whole sequence in order.
         k_full, v_full = k, v
     outs, first = [], 0
-    for meta in metas:
+    for i, meta in enumerate(metas):
         rows = meta.end - meta.start
-        outs.append(fn(q[first:first + rows], k_full[:meta.kv_len], v_full[:meta.kv_len], meta,
-                       causal=causal, softmax_scale=softmax_scale))
+        q_rows, k_prefix, v_prefix = q[first:first + rows], k_full[:meta.kv_len], v_full[:meta.kv_len]
+        if phased is None:
+            outs.append(fn(q_rows, k_prefix, v_prefix, meta, causal=causal, softmax_scale=softmax_scale))
+        else:  # the same calls in the same order as the overlapped form, all keys here already
+            kernel = phased(i, q_rows)
+            for part in sorted({p for p, _ in kernel.tiles}):
+                kernel.run(part, k_prefix, v_prefix)
+            outs.append(kernel.finish(q_rows, k_prefix, v_prefix))
         first += rows
     out = torch.cat(outs)
     if regather:
-        node = k_full.grad_fn  # GatherKV's ctx: its buffer and the local K/V it saved
-        node.buffer.release()
+        node = k_full.grad_fn  # GatherKV's ctx: the gathered buffer, now released (or chained)
+        node.buffer, node.full = GatheredKV(node.full, plan.gathered_order(), group, timeout, k, v, prefetch), None
         # Runs when the gradient of ``out`` is known, before any kernel's backward reads the saved views.
-        out.register_hook(lambda grad: node.buffer.refill(*node.saved_tensors))
+        out.register_hook(lambda grad: node.buffer.begin_backward())
     return out

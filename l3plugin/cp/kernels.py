@@ -207,21 +207,26 @@ class _CPUFlash(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        rep = q.size(1) // k.size(1)
-        k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (k, v))
-        dq, dk4, dv4 = torch.zeros_like(q), torch.zeros_like(k4), torch.zeros_like(v4)
-        for rows, group in _by_rows(ctx.tiles):
-            packed = [pack_heads(t[rows], rep) for t in (grad_out, q, out, lse)]
-            for t in group:
-                keys = slice(t.k_lo, t.k_hi)
-                gq, gk, gv = _flash_backward()(
-                    packed[0], packed[1], k4[:, :, keys], v4[:, :, keys], packed[2], packed[3], 0.0, False,
-                    attn_mask=_tile_mask(ctx.doc_k, ctx.start, t, ctx.causal, q.dtype, rep), scale=ctx.scale)
-                dq[rows] += unpack_heads(gq, rep)
-                dk4[:, :, keys] += gk
-                dv4[:, :, keys] += gv
-        return dq, dk4[0].transpose(0, 1), dv4[0].transpose(0, 1), None, None, None, None, None
+        return (*_flash_backward_pass(ctx, grad_out), None, None, None, None, None)
+
+
+def _flash_backward_pass(ctx, grad_out):
+    """dq, dk, dv of the tiles in ``ctx.tiles``, each call with the merged output and log-sum-exp saved."""
+    q, k, v, out, lse = ctx.saved_tensors
+    rep = q.size(1) // k.size(1)
+    k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (k, v))
+    dq, dk4, dv4 = torch.zeros_like(q), torch.zeros_like(k4), torch.zeros_like(v4)
+    for rows, group in _by_rows(ctx.tiles):
+        packed = [pack_heads(t[rows], rep) for t in (grad_out, q, out, lse)]
+        for t in group:
+            keys = slice(t.k_lo, t.k_hi)
+            gq, gk, gv = _flash_backward()(
+                packed[0], packed[1], k4[:, :, keys], v4[:, :, keys], packed[2], packed[3], 0.0, False,
+                attn_mask=_tile_mask(ctx.doc_k, ctx.start, t, ctx.causal, q.dtype, rep), scale=ctx.scale)
+            dq[rows] += unpack_heads(gq, rep)
+            dk4[:, :, keys] += gk
+            dv4[:, :, keys] += gv
+    return dq, dk4[0].transpose(0, 1), dv4[0].transpose(0, 1)
 
 
 def _by_rows(tiles):
@@ -267,6 +272,87 @@ def cpu_flash_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scal
         return _empty_output(q, v)
     return _CPUFlash.apply(q, k, v, list(_tiles(blocks, meta.start, causal)), doc_k, meta.start, causal,
                            softmax_scale)
+
+
+def phased_tiles(meta: ChunkDocuments, rows: int, causal: bool, arrival, block_size=None):
+    """The cpu-flash calls of one range cut where the part its keys arrive in changes (``arrival``: per key
+    position, the all-gather part bringing it, -1 for this rank's own), each trimmed to the rows that attend at
+    least one of its keys, as (part, tile) ordered by part (stable): what can run before each part arrives."""
+    tiles = _tiles(query_blocks(meta, rows, causal=causal, block_size=block_size), meta.start, causal)
+    cu, parts, out = meta.cu_seqlens_kv.tolist(), arrival[:meta.kv_len].tolist(), []
+    for t in tiles:
+        lo = t.k_lo
+        while lo < t.k_hi:
+            hi = lo + 1
+            while hi < t.k_hi and parts[hi] == parts[lo]:
+                hi += 1
+            # A row attends a key of [lo, hi) iff its document meets it (and, causal, it comes at or after lo).
+            first_doc, last_doc = bisect.bisect_right(cu, lo) - 1, bisect.bisect_right(cu, hi - 1) - 1
+            q_lo = max(t.q_lo, cu[first_doc] - meta.start, lo - meta.start if causal else t.q_lo)
+            q_hi = min(t.q_hi, cu[last_doc + 1] - meta.start)
+            if q_lo < q_hi:
+                out.append((parts[lo], t._replace(q_lo=q_lo, q_hi=q_hi, k_lo=lo, k_hi=hi)))
+            lo = hi
+    return sorted(out, key=lambda pt: pt[0])
+
+
+class PhasedFlash:
+    """cpu-flash attention of one range computed part by part as its keys arrive, merged by log-sum-exp.
+
+    ``run(part, k, v)`` computes the calls whose keys arrive in ``part`` (-1: this rank's own; k, v hold at
+    least those keys at their positions), without a graph; ``finish(q, k, v)`` gives the output, differentiable
+    (its backward is the cpu-flash kernel's, each call with the merged output and log-sum-exp). The same calls
+    in the same order whether the parts arrived one by one or all before: bit-identical either way; another
+    cut of the work than ``cpu_flash_kernel``'s, so equal to it within rounding, not bit for bit."""
+
+    def __init__(self, q, meta: ChunkDocuments, *, causal, softmax_scale, arrival, block_size=None):
+        self.q, self.meta, self.causal, self.scale = q.detach(), meta, causal, softmax_scale
+        self.tiles = phased_tiles(meta, q.size(0), causal, arrival, block_size)
+        self.doc_k = _document_ids(meta, q.device)
+        self.out, self.lse = None, None
+
+    def run(self, part, k, v):
+        calls = [t for p, t in self.tiles if p == part]
+        if not calls:
+            return
+        q, rep = self.q, self.q.size(1) // k.size(1)
+        if self.out is None:
+            self.out = q.new_zeros(q.shape[:2] + (v.size(2),))
+        with torch.no_grad():
+            k4, v4 = (t[:self.meta.kv_len].detach().transpose(0, 1)[None].contiguous() for t in (k, v))
+            for t in calls:
+                rows = slice(t.q_lo, t.q_hi)
+                o, l = _flash_forward()(pack_heads(q[rows], rep), k4[:, :, t.k_lo:t.k_hi], v4[:, :, t.k_lo:t.k_hi],
+                                        attn_mask=_tile_mask(self.doc_k, self.meta.start, t, self.causal, q.dtype,
+                                                             rep), scale=self.scale)
+                o, l = unpack_heads(o, rep), unpack_heads(l, rep)
+                if self.lse is None:
+                    self.lse = torch.full(q.shape[:2], float("-inf"), dtype=l.dtype, device=q.device)
+                before = self.lse[rows]
+                merged = torch.logaddexp(before, l)
+                self.out[rows] = (self.out[rows] * (before - merged).exp()[..., None].to(o.dtype)
+                                  + o * (l - merged).exp()[..., None].to(o.dtype))
+                self.lse[rows] = merged
+
+    def finish(self, q, k, v):
+        if not self.tiles:
+            return _empty_output(q, v)
+        return _CPUFlashMerged.apply(q, k[:self.meta.kv_len], v[:self.meta.kv_len], self.out, self.lse,
+                                     [t for _, t in self.tiles], self.doc_k, self.meta.start, self.causal, self.scale)
+
+
+class _CPUFlashMerged(torch.autograd.Function):
+    """The output and log-sum-exp PhasedFlash computed, attached to q, k, v; backward as _CPUFlash's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, out, lse, tiles, doc_k, start, causal, scale):
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.tiles, ctx.doc_k, ctx.start, ctx.causal, ctx.scale = tiles, doc_k, start, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return (*_flash_backward_pass(ctx, grad_out), None, None, None, None, None, None, None)
 
 
 def _has_cpu_flash() -> bool:

@@ -20,7 +20,8 @@ buffer; in the backward one dK/dV buffer of the whole sequence, plus the parts b
 
 With ``regather`` (cp_kv="regather") the gathered buffer's storage is freed when the forward ends and
 filled again by one K/V all-gather when the backward starts (every range's backward reads it, the last
-range's first, and that one needs nearly all of it: nothing to overlap it with inside the call).
+range's first, and that one needs nearly all of it: nothing to overlap it with inside the call). With
+``prefetch`` that all-gather is started ahead, during the backward of the call after it (regather_ahead.py).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class PartPlan:
     kv_lens: tuple  # per local range: the keys it attends, [0, kv_len)
     first_other: tuple  # per part: the first position of another rank's token in it
     order: torch.Tensor  # global positions of the rank-major concatenation of every rank's tokens (regather)
+    arrival: torch.Tensor  # per position: the part bringing it, -1 for this rank's own (local-first)
 
 
 @functools.lru_cache(maxsize=64)
@@ -70,7 +72,8 @@ def part_plan(layout: CPLayout, rank: int, causal: bool, parts: int) -> PartPlan
     kv_lens = tuple(b if causal else seq_len for _, b in ranges)
     return PartPlan(slices=tuple(zip(cuts, cuts[1:])), positions=positions, rows=tuple(b - a for a, b in ranges),
                     needs=tuple(int(arrived_by[n - 1]) for n in kv_lens), kv_lens=kv_lens,
-                    first_other=tuple(int(pos[others].min()) for pos in positions), order=layout.gathered_order())
+                    first_other=tuple(int(pos[others].min()) for pos in positions), order=layout.gathered_order(),
+                    arrival=arrival)
 
 
 class OverlappedAttention(torch.autograd.Function):
@@ -78,7 +81,7 @@ class OverlappedAttention(torch.autograd.Function):
     k, v)`` runs the kernel of local range i on keys [0, kv_len). Gathers, attends, reduce-scatters."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attend, plan, group, timeout, track, regather):
+    def forward(ctx, q, k, v, attend, plan, group, timeout, track, regather, prefetch, phased):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         local = torch.stack([k, v])  # [2, s_local, h, d]: one collective per part for both
         flights = [comm.start_all_gather(local[:, lo:hi], group,
@@ -89,7 +92,10 @@ class OverlappedAttention(torch.autograd.Function):
         others = [r for r in range(cp) if r != me]
         arrived, first = -1, 0
         ctx.ranges = []  # per range: (rows, its output with its graph, q leaf, K/V leaf)
-        for i, kv_len in enumerate(plan.kv_lens):
+        if phased is not None:  # local first: every range's own keys, then each part's as it arrives
+            arrived = len(flights) - 1
+            ctx.ranges = _local_first(q, full, flights, phased, plan, others, cp, timeout, track)
+        for i, kv_len in enumerate(plan.kv_lens if phased is None else ()):
             while arrived < plan.needs[i]:
                 arrived += 1
                 _place(full, flights[arrived].wait(timeout), plan.positions[arrived], others, cp)
@@ -107,16 +113,15 @@ class OverlappedAttention(torch.autograd.Function):
         ctx.q_shape, ctx.local_shape = q.shape, local.shape
         ctx.buffer = None
         if regather and track:  # the ranges' graphs keep views of ``full``: free its memory until the backward
-            ctx.buffer = GatheredKV(full, plan.order, group, timeout)
-            ctx.buffer.release()
-            ctx.save_for_backward(k, v)
+            ctx.buffer = GatheredKV(full, plan.order, group, timeout, k, v, prefetch)
+            ctx.save_for_backward(k, v)  # (so a census of saved tensors counts them)
         return torch.cat([out.detach() for _, out, _, _ in ctx.ranges])
 
     @staticmethod
     def backward(ctx, grad_out):
         plan, me, cp = ctx.plan, ctx.me, ctx.cp
         if ctx.buffer is not None:
-            ctx.buffer.refill(*ctx.saved_tensors)
+            ctx.buffer.begin_backward()
         dq = grad_out.new_zeros(ctx.q_shape)
         dfull = grad_out.new_zeros((2, cp * ctx.local_shape[1]) + ctx.local_shape[2:])
         flights = {}
@@ -146,15 +151,37 @@ class OverlappedAttention(torch.autograd.Function):
         for p, (lo, hi) in enumerate(plan.slices):
             mine[:, lo:hi] += flights[p].wait(ctx.timeout).view_as(mine[:, lo:hi])
         if ctx.buffer is not None:
-            ctx.buffer.release()
-        return dq, mine[0], mine[1], None, None, None, None, None, None
+            ctx.buffer.end_backward()
+        return dq, mine[0], mine[1], None, None, None, None, None, None, None, None
 
 
-def overlapped_attention(q, k, v, attend, plan: PartPlan, group, timeout, regather=False):
+def overlapped_attention(q, k, v, attend, plan: PartPlan, group, timeout, regather=False, prefetch=False,
+                         phased=None):
     """OverlappedAttention; the ranges' graphs are built only when a backward can follow. ``regather``:
-    keep only the local K/V for the backward and all-gather them again there (cp_kv="regather")."""
+    keep only the local K/V for the backward and all-gather them again there (cp_kv="regather");
+    ``prefetch``: that all-gather started ahead (regather_ahead.py). ``phased(i, q_rows)``: a kernels.PhasedFlash
+    of range i (local first: each range's own keys before the other ranks' arrive), used instead of ``attend``."""
     track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return OverlappedAttention.apply(q, k, v, attend, plan, group, timeout, track, regather)
+    return OverlappedAttention.apply(q, k, v, attend, plan, group, timeout, track, regather, prefetch, phased)
+
+
+def _local_first(q, full, flights, phased, plan, others, cp, timeout, track):
+    """Every range's calls on this rank's own keys, then, part by part as it arrives, the calls on its keys;
+    returns the ranges as OverlappedAttention keeps them."""
+    ranges, first = [], 0
+    for i, kv_len in enumerate(plan.kv_lens):
+        rows = slice(first, first + plan.rows[i])
+        first = rows.stop
+        q_leaf, kv_leaf = q[rows].detach().requires_grad_(), alias(full, kv_len).requires_grad_()
+        ranges.append((rows, phased(i, q_leaf), q_leaf, kv_leaf))
+    for part in range(-1, len(flights)):
+        if part >= 0:
+            _place(full, flights[part].wait(timeout), plan.positions[part], others, cp)
+        for _, kernel, _, kv_leaf in ranges:
+            kernel.run(part, kv_leaf[0], kv_leaf[1])
+    with torch.set_grad_enabled(track):
+        return [(rows, kernel.finish(q_leaf, kv_leaf[0], kv_leaf[1]), q_leaf, kv_leaf)
+                for rows, kernel, q_leaf, kv_leaf in ranges]
 
 
 def own_positions(plan: PartPlan, rank: int, device) -> torch.Tensor:

@@ -42,9 +42,10 @@ def test_regather_is_bit_identical_to_keep(ranks, cp, cp_layout, overlap):
                 assert torch.equal(a, b), f"rank {rank} {case} {what}: max diff {(a - b).abs().max():.3g}"
 
 
-def saved_bytes(seq_len, heads_q, heads_kv, head_dim, overlap, kernel, layers=2):
+def saved_bytes(seq_len, heads_q, heads_kv, head_dim, overlap, kernel, layers=3):
     """On every rank: bytes autograd holds after the forward of ``layers`` attention calls (a saved-tensor
-    census), per cp_kv, and after the backward; gradients of both, to compare."""
+    census), per cp_kv (and regather without and with prefetch), and after the backward; gradients of all,
+    to compare."""
     import torch.distributed as dist
 
     from l3plugin.debug.saved_tensors import SavedTensorCensus
@@ -56,18 +57,18 @@ def saved_bytes(seq_len, heads_q, heads_kv, head_dim, overlap, kernel, layers=2)
     kv = torch.randn(2, s_local, heads_kv, head_dim, generator=gen)
     cu = torch.tensor([0, seq_len // 3, seq_len])  # a document crosses every chunk border
     report = {}
-    for cp_kv in ("keep", "regather"):
+    for name, cp_kv, prefetch in (("keep", "keep", False), ("regather", "regather", False),
+                                  ("regather prefetch", "regather", True)):
         leaves = [t.clone().requires_grad_() for t in (q, kv[0], kv[1])]
         census = SavedTensorCensus()
         with census.hooks:
             out = leaves[0]
             for layer in range(layers):  # each layer's output is the next one's queries; K/V of its own
                 out = all_gather_attention(out, leaves[1] + layer, leaves[2] + layer, cu, group=dist.group.WORLD,
-                                           kernel=kernel, overlap=overlap, cp_kv=cp_kv)
+                                           kernel=kernel, overlap=overlap, cp_kv=cp_kv, prefetch=prefetch)
         after_forward = census.held_bytes()
         out.sum().backward()
-        report[cp_kv] = dict(forward=after_forward, backward=census.held_bytes(),
-                             grads=[t.grad for t in leaves])
+        report[name] = dict(forward=after_forward, backward=census.held_bytes(), grads=[t.grad for t in leaves])
     return report
 
 
@@ -75,17 +76,21 @@ def saved_bytes(seq_len, heads_q, heads_kv, head_dim, overlap, kernel, layers=2)
 def test_regather_frees_the_gathered_kv_until_the_backward(ranks, overlap, kernel):
     """keep - regather = the gathered K/V less this rank's own (which regather keeps), 2 x (S - S/cp) x
     heads_kv x head_dim x 4 bytes per layer: what the planner adds for --cp-kv keep (costs.py gathered_kv;
-    bench/cp_memory.py compares the two at the paper's sizes). After the backward nothing is held."""
-    seq_len, hq, hkv, d, layers = 96, 4, 2, 8, 2
+    bench/cp_memory.py compares the two at the paper's sizes). With prefetch the latest call's whole gathered
+    buffer, 2 x S x heads_kv x head_dim x 4 bytes, stays until the next call's forward (or its backward).
+    After the backward nothing is held."""
+    seq_len, hq, hkv, d, layers = 96, 4, 2, 8, 3
     for cp in (2, 4):
         for rank, report in enumerate(ranks.run(cp, saved_bytes, seq_len, hq, hkv, d, overlap, kernel, layers,
                                                 timeout=120)):
-            keep, regather = report["keep"], report["regather"]
+            keep, regather, ahead = report["keep"], report["regather"], report["regather prefetch"]
             expected = layers * 2 * (seq_len - seq_len // cp) * hkv * d * 4
             assert keep["forward"] - regather["forward"] == expected, (cp, rank, keep["forward"], regather["forward"])
-            assert keep["backward"] == regather["backward"] == 0, (cp, rank)
-            for a, b in zip(keep["grads"], regather["grads"]):
-                assert torch.equal(a, b), (cp, rank)
+            latest = 2 * seq_len * hkv * d * 4
+            assert ahead["forward"] - regather["forward"] == latest, (cp, rank, ahead["forward"], regather["forward"])
+            assert keep["backward"] == regather["backward"] == ahead["backward"] == 0, (cp, rank)
+            for a, b, c in zip(keep["grads"], regather["grads"], ahead["grads"]):
+                assert torch.equal(a, b) and torch.equal(a, c), (cp, rank)
 
 
 def test_bad_cp_kv_names_the_choices():

@@ -69,7 +69,7 @@ def test_overlap_beyond_cp2_matches_one_collective(ranks):
                 assert (a - b).abs().max() < 1e-12, f"rank {rank} {case} {what}"
 
 
-def logged_attention(cp_kv):
+def logged_attention(cp_kv, prefetch=True):
     """The order of kernel calls, K/V part waits and dK/dV part starts/waits on this rank (2cp, S=16)."""
     import torch.distributed as dist
 
@@ -96,7 +96,8 @@ def logged_attention(cp_kv):
     comm.InFlight.wait, comm.start_reduce_scatter_sum = logged_wait, logged_start
     try:
         q = torch.randn(8, 2, 4, requires_grad=True)
-        out = all_gather_attention(q, q, q, [0, 16], group=dist.group.WORLD, kernel="logged-reference", cp_kv=cp_kv)
+        out = all_gather_attention(q, q, q, [0, 16], group=dist.group.WORLD, kernel="logged-reference", cp_kv=cp_kv,
+                                   prefetch=prefetch)
         log.append("backward")
         out.sum().backward()
     finally:
@@ -104,11 +105,12 @@ def logged_attention(cp_kv):
     return log
 
 
-@pytest.mark.parametrize("cp_kv", ["keep", "regather"])
-def test_each_part_is_waited_when_a_range_needs_it(ranks, cp_kv):
-    zero, one = ranks.run(2, logged_attention, cp_kv, timeout=60)
-    # regather: the whole K/V are gathered again (one collective) before the first range's backward
-    again = ["wait K/V"] if cp_kv == "regather" else []
+@pytest.mark.parametrize("cp_kv, prefetch", [("keep", True), ("regather", False), ("regather", True)])
+def test_each_part_is_waited_when_a_range_needs_it(ranks, cp_kv, prefetch):
+    zero, one = ranks.run(2, logged_attention, cp_kv, prefetch, timeout=60)
+    # regather: the whole K/V are gathered again (one collective) before the first range's backward; with
+    # prefetch the latest call keeps them until its backward (test_regather_ahead.py: the calls before it)
+    again = ["wait K/V"] if cp_kv == "regather" and not prefetch else []
     assert zero == ["attend [0, 4)", "wait K/V part 0", "wait K/V part 1", "attend [12, 16)", "backward", *again,
                     # [12, 16) differentiated: nothing left reaches rank 1's tokens, both parts go
                     "start dK/dV part 0", "start dK/dV part 1", "wait dK/dV part 0", "wait dK/dV part 1"]

@@ -18,7 +18,7 @@ def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def cp_vs_reference(family, layout, dtype, num_items, trim=0):
+def cp_vs_reference(family, layout, dtype, num_items, trim=0, checkpointing=False):
     from l3plugin.huggingface import disable_context_parallel, enable_context_parallel
 
     batch = packed([documents(1, ROW_A), documents(2, ROW_B)])
@@ -30,6 +30,9 @@ def cp_vs_reference(family, layout, dtype, num_items, trim=0):
     want = _grads(ref)
 
     model = enable_context_parallel(tiny_model(family, dtype=dtype), dist.group.WORLD, layout)
+    if checkpointing:  # transformers' default: non-reentrant, around each decoder layer (two rows: two calls)
+        model.train()
+        model.gradient_checkpointing_enable()
     out = model(**batch, **extra)
     out.loss.backward()
     errors = {}
@@ -52,6 +55,14 @@ def test_cp2_equals_cp1_fp32(ranks, family, layout):
             assert abs(r["loss"] - r["ref_loss"]) < 1e-5, r
             assert r["grad_err"] < 1e-5, r
             assert r["disabled_matches_stock"]
+
+
+def test_cp2_with_gradient_checkpointing_equals_cp1(ranks):
+    """Each decoder layer recomputed in the backward: the recomputed attention calls keep their gathered K/V
+    for the backward that reads them (cp_kv="regather", the default)."""
+    for r in ranks.run(2, cp_vs_reference, "llama", "2cp", torch.float32, False, 0, True):
+        assert abs(r["loss"] - r["ref_loss"]) < 1e-5, r
+        assert r["grad_err"] < 1e-5, r
 
 
 def test_rows_of_any_length_are_padded_to_2cp(ranks):
