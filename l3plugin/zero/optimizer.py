@@ -259,10 +259,9 @@ class FP32ReduceZero(FullTensors):
                 self._complete(bucket)
 
     def wait_reductions_but_latest(self, keep: int) -> None:
-        """Complete every started reduce-scatter except the ``keep`` started last: those stay in flight (with
-        their full buffers) until their bucket is next accumulated into, ``wait_reductions``, ``finish_grad_sync``
-        or ``zero_grad``. Between micro-batches this carries the end of a backward's traffic (the buckets it
-        completed last) into the next forward, holding at most ``keep`` full buffers."""
+        """Complete every started reduce-scatter except the ``keep`` started last (the buckets a backward
+        completes last): they run on, holding their full buffers, until their bucket is next accumulated into
+        or ``wait_reductions`` / ``finish_grad_sync`` / ``zero_grad``."""
         flying = sorted((b for b in self.buckets if b.in_flight is not None), key=lambda b: b.started)
         for bucket in flying[:max(0, len(flying) - keep)]:
             self._complete(bucket)
