@@ -157,6 +157,7 @@ def test_overlap_is_bit_identical_and_starts_reductions_during_backward(ranks, s
         # (a dense model completes every bucket inside backward); blocking: none was.
         assert o["counts"] == [o["buckets"] if r else 0 for r in reducing]
         assert b["counts"] == [0] * len(reducing)
+        assert all(held["in_flight"] == [] for held in b["between"])  # blocking: nothing carried
         assert o["buckets"] > 3
 
 
