@@ -4,13 +4,15 @@
     .venv/bin/python bench/zero.py --quick    # tiny model, 2 rounds: a smoke run
     .venv/bin/python bench/zero.py --wire 4gbit   # on an emulated wire (root): traffic costs wall time, not CPU
 
-Every variant uses zero_optimization {reduce_bucket_size, allgather_bucket_size: --bucket, overlap_comm (true
-unless the name says "no overlap"), contiguous_gradients: true} and torch AdamW; "ours" adds the top-level key
-"l3plugin": {"fp32_reduce_zero": true, "reduce_every": N (ZeRO-2)}. One RankPool(2) serves the whole run. Per
-gas, each variant's engine is built once in the workers and kept (ENGINES; its three steps there are the warm-up);
-then every round runs every variant once (bench/harness.py's interleaved rounds: the order of VARIANTS, each "ours"
-next to the run it is compared with, rotated by one variant per round). Everything printed is measured; nothing is
-computed from a model of the hardware. Asserts nothing; --json: every figure as JSON on stdout, the tables on
+Every variant uses zero_optimization {reduce_bucket_size, allgather_bucket_size: --bucket, overlap_comm (true unless
+the name says "no overlap"), contiguous_gradients: true} and torch AdamW; "ours" adds the top-level key "l3plugin":
+{"fp32_reduce_zero": true} and the options its name says ("ours ZeRO-2" alone: the defaults, which carry the
+reduce-scatters of the last carry_buckets buckets into the next micro-batch; "carry_buckets 0 (before)": the previous
+default, every reduce-scatter waited at the end of its backward). One RankPool(2) serves the whole run. Per gas, each
+variant's engine is built once in the workers and kept (ENGINES; its three steps there are the warm-up); then every
+round runs every variant once (bench/harness.py's interleaved rounds: the order of VARIANTS, each "ours" next to the
+run it is compared with, rotated by one variant per round). Everything printed is measured; nothing is computed from
+a model of the hardware. Asserts nothing; --json: every figure as JSON on stdout, the tables on
 stderr. Columns:
 
 - step ms: wall time of one optimizer step (--gas x forward, engine.backward, engine.step), slower rank, median.
@@ -26,12 +28,14 @@ stderr. Columns:
   and gloo's workers; time.process_time) over (CPU cores x step wall time); median. Near 1.0 the cores were never
   idle, so communication, which on gloo is CPU work (copies, sums, loopback TCP), can only overlap compute by
   taking cores from it.
-- grad B/param: live-tensor census after micro-batch 1's engine.step() and before micro-batch 2's forward, in the
-  engine's second step: the tensors of gc.get_objects() plus every module parameter's .grad (autograd keeps an
-  untouched .grad on the C++ side, where gc does not see it), unique storages by data_ptr, storage bytes summed;
-  minus the storages alive before this engine was built (other engines, data), the module parameters, the base
-  torch optimizer's parameters and state, DeepSpeed's single_partition_of_fp32_groups and bit16_groups_flat.
-  Bytes per model parameter, larger rank. --census-detail prints what remained.
+- grad B/param: live-tensor census between micro-batches (after a micro-batch's engine.step(), before the next
+  forward) at every micro-batch boundary of the engine's second step, the largest: the tensors of gc.get_objects()
+  plus every module parameter's .grad (autograd keeps an untouched .grad on the C++ side, where gc does not see it),
+  unique storages by data_ptr, storage bytes summed; minus the storages alive before this engine was built (other
+  engines, data), the module parameters, the base torch optimizer's parameters and state, DeepSpeed's
+  single_partition_of_fp32_groups and bit16_groups_flat. Bytes per model parameter, larger rank. --census-detail
+  prints what remained. (Taken at every boundary: after the first micro-batch ZeRO-2 has no shard yet for buckets it
+  carries, nor reduce_every for any bucket.)
 - in bwd/all: gradient reductions (reduce-scatter, all-reduce, reduce of more than one element, and on gloo
   l3plugin's point-to-point exchange sends; scalars are norms and overflow flags) started while a loss.backward() ran, i.e. from autograd's gradient hooks,
   overlapping the rest of backward, and how many the step made (rank 0, the recorded third step).
@@ -72,19 +76,20 @@ VARIANTS = {
     "ours ZeRO-1 no overlap": (1, {}, False, {}),
     "ours ZeRO-1 overlap_param_gather": (1, {"overlap_param_gather": True}, True, {}),
     "stock ZeRO-2": (2, None, True, {}),
-    "ours ZeRO-2 reduce_every=1": (2, {"reduce_every": 1}, True, {}),
-    "ours ZeRO-2 reduce_every=1 no overlap": (2, {"reduce_every": 1}, False, {}),
-    "ours ZeRO-2 carry": (2, {"carry_reductions": True}, True, {}),
-    "ours ZeRO-2 carry + overlap_param_gather": (2, {"carry_reductions": True, "overlap_param_gather": True},
-                                                 True, {}),
+    "ours ZeRO-2": (2, {}, True, {}),  # the defaults (carry_buckets DEFAULT_CARRY_BUCKETS)
+    "ours ZeRO-2 carry_buckets 0 (before)": (2, {"carry_buckets": 0}, True, {}),
+    "ours ZeRO-2 no overlap": (2, {}, False, {}),
+    "ours ZeRO-2 overlap_param_gather": (2, {"overlap_param_gather": True}, True, {}),
+    "ours ZeRO-2 carry_reductions": (2, {"carry_reductions": True}, True, {}),
+    "ours ZeRO-2 carry_reductions + overlap_param_gather": (2, {"carry_reductions": True,
+                                                                "overlap_param_gather": True}, True, {}),
     "stock ZeRO-2 fp32 grad_accum": (2, None, True, {"data_types": {"grad_accum_dtype": "fp32"}}),
     "ours ZeRO-2 reduce_every=gas/2": (2, {"reduce_every": "half"}, True, {}),
 }
 STOCK_OF_STAGE = {1: "stock ZeRO-1", 2: "stock ZeRO-2"}
-NO_OVERLAP_TWIN = {"ours ZeRO-1": "ours ZeRO-1 no overlap", "ours ZeRO-1 overlap_param_gather": "ours ZeRO-1 no overlap",
-                   "ours ZeRO-2 reduce_every=1": "ours ZeRO-2 reduce_every=1 no overlap",
-                   "ours ZeRO-2 carry": "ours ZeRO-2 reduce_every=1 no overlap",
-                   "ours ZeRO-2 carry + overlap_param_gather": "ours ZeRO-2 reduce_every=1 no overlap"}
+# The blocking twin of each overlapped "ours" (its exposed time is its communication time: exp/coll's denominator).
+NO_OVERLAP_TWIN = {name: f"ours ZeRO-{stage} no overlap" for name, (stage, plugin, overlap, _) in VARIANTS.items()
+                   if plugin is not None and overlap and plugin.get("reduce_every") != "half"}
 # isend: on gloo l3plugin's reduce-scatter is a point-to-point exchange (one isend per peer and bucket)
 REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter", "all_reduce", "all_reduce_coalesced", "reduce", "isend")
 SHORT_OP = {"isend": "P2P", "reduce_scatter_tensor": "RS", "reduce_scatter": "RS", "all_reduce": "AR", "all_gather_into_tensor": "AG",
@@ -145,12 +150,12 @@ def build_engine(name, gas, micro_batch, width, layers, bucket):
     return engine
 
 
-def train_step(engine, after_first_micro_batch=None):
+def train_step(engine, between_micro_batches=None):
     for i, x in enumerate(BATCHES):
         engine.backward(loss_of(engine(x)))
         engine.step()  # only counts, except after the last micro-batch
-        if i == 0 and after_first_micro_batch is not None:
-            after_first_micro_batch()
+        if i < len(BATCHES) - 1 and between_micro_batches is not None:
+            between_micro_batches()
 
 
 def measure_compute(width, layers, micro_batch):
@@ -246,16 +251,21 @@ def prepare_variant(name, gas, micro_batch, width, layers, bucket):
     engine = build_engine(name, gas, micro_batch, width, layers, bucket)
     error = gradient_error(engine, gas, width, layers)
 
-    census = {}
+    census = {}  # the largest boundary's {storage: (bytes, "dtype(shape)" of its largest tensor)}; labels only:
+    # a tensor kept here would stay alive into the next boundary's census
 
     def take_census():
         excluded = set(before) | known_state(engine) | {x.untyped_storage().data_ptr() for x in BATCHES}
-        census.update({ptr: v for ptr, v in live_tensors([engine.module]).items() if ptr not in excluded})
+        found = {ptr: (nbytes, f"{str(t.dtype).replace('torch.', '')}{tuple(t.shape)}")
+                 for ptr, (nbytes, t) in live_tensors([engine.module]).items() if ptr not in excluded}
+        if sum(nbytes for nbytes, _ in found.values()) > sum(nbytes for nbytes, _ in census.values()):
+            census.clear()
+            census.update(found)
 
-    train_step(engine, after_first_micro_batch=take_census)
+    train_step(engine, between_micro_batches=take_census)
     detail = {}  # "dtype(shape)" of the largest tensor on a storage -> [storages, bytes]
-    for nbytes, t in census.values():
-        counts = detail.setdefault(f"{str(t.dtype).replace('torch.', '')}{tuple(t.shape)}", [0, 0])
+    for nbytes, label in census.values():
+        counts = detail.setdefault(label, [0, 0])
         counts[0], counts[1] = counts[0] + 1, counts[1] + nbytes
     grad_bytes = sum(nbytes for nbytes, _ in census.values())
     del before, census
@@ -307,10 +317,12 @@ def timed_round(name):
 
 # Where ours blocks on communication: (method of FP32ReduceZero, label). _complete waits for one bucket's
 # reduce-scatter (during backward when its buffer is written again, at a backward's end, at the step);
-# finish_grad_sync is the end-of-backward / step sync (launches and _complete waits); wait_param_gather
+# finish_grad_sync is the step's sync and the end-of-backward one with carry_buckets 0 (launches and _complete
+# waits); wait_reductions_but_latest the end-of-backward wait that carries the last buckets; wait_param_gather
 # completes parameter all-gathers (in the forward with overlap_param_gather); all_gather_params includes
 # the gathers' waits otherwise. A rank waiting longer than its peer also waits for the peer's compute.
 WAITS = (("_complete", "RS waits"), ("finish_grad_sync", "finish_grad_sync (backward ends, step)"),
+         ("wait_reductions_but_latest", "backward ends carrying"),
          ("wait_param_gather", "AG waits in fwd"), ("all_gather_params", "AG in step"))
 
 
@@ -449,7 +461,7 @@ def print_waits(gas, waits):
             per_rank = table[name][label] = [statistics.median(1000 * r[rank].get(method, 0.0) for r in rounds)
                                              for rank in range(2)]
             cells.append(f"{label} {per_rank[0]:.0f} / {per_rank[1]:.0f}")
-        print(f"  {name:<40} " + "; ".join(cells), flush=True)
+        print(f"  {name:<52} " + "; ".join(cells), flush=True)
     return table
 
 
@@ -457,7 +469,7 @@ def print_table(gas, args, params, info, step, exposed, busy):
     """Print one gas's table; return its rows. Ratios: the median of per-round ratios with their range (the
     machine is shared: the spread says how much)."""
     rows = []
-    header = (f"{'gas ' + str(gas):<38} {'optimizer':<24} {'step ms':>7} {'ratio (range)':>16} {'exposed ms':>10} "
+    header = (f"{'gas ' + str(gas):<52} {'optimizer':<24} {'step ms':>7} {'ratio (range)':>16} {'exposed ms':>10} "
               f"{'exp/coll (range)':>17} {'CPU busy':>8} {'grad B/param':>12} {'in bwd/all':>10} {'grad err':>8}  coll MB/step")
     print(f"\n{header}\n{'-' * len(header)}")
     for name, (stage, _, _, _) in VARIANTS.items():
@@ -474,7 +486,7 @@ def print_table(gas, args, params, info, step, exposed, busy):
         ratio = harness.ratio_text(row["ratio"], 2) if row["ratio"] else "-"
         fraction = harness.ratio_text(row["exposed_over_collectives"], 2) if twin else "-"
         comm = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in sorted(rank0["comm"].items()))
-        print(f"{name:<38} {rank0['optimizer']:<24} {row['step_ms']:>7.0f} {ratio:>16} {row['exposed_ms']:>10.0f} "
+        print(f"{name:<52} {rank0['optimizer']:<24} {row['step_ms']:>7.0f} {ratio:>16} {row['exposed_ms']:>10.0f} "
               f"{fraction:>17} {row['cpu_busy']:>8.2f} {row['grad_bytes_per_param']:>12.2f} "
               f"{rank0['in_backward']:>5}/{rank0['reductions']:<4} {rank0['grad_error']:>8.1e}  {comm}", flush=True)
     if args.census_detail:

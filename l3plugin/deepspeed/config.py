@@ -183,8 +183,8 @@ def zero_settings(engine, options: PluginOptions):
     from l3plugin.zero.settings import ZeroSettings
 
     opts = dict(options.zero)
-    # DeepSpeed's overlap_comm defaults to off because its overlap costs extra buffers; ours costs
-    # nothing more (the bucket being reduced exists anyway), so it is on unless the config says false.
+    # DeepSpeed's overlap_comm defaults to off because its overlap costs extra buffers; ours costs at most
+    # carry_buckets full buckets between micro-batches (ZeRO-2), so it is on unless the config says false.
     overlap = engine._config._param_dict.get("zero_optimization", {}).get("overlap_comm")
     # Under sequence parallelism (Ulysses, or l3plugin's context_parallel_size) DeepSpeed's engine and stock ZeRO
     # sum gradients over the SP ranks of a group and average over data parallelism: our ZeRO, reducing over
@@ -240,9 +240,15 @@ def check_supported(engine, options: PluginOptions) -> None:
                       "gradient_accumulation_steps")
         except ValueError as exc:
             problems.append(str(exc))
-    if options.zero["carry_reductions"] and stage == 1:
-        problems.append(f'"{KEY}.carry_reductions" is true with zero_optimization.stage 1; ZeRO-1 reduce-scatters '
-                        "only in the last micro-batch, whose reductions the step needs: remove it or use stage 2")
+    carry = options.zero["carry_buckets"]
+    for name, value, given in (("carry_reductions", "true", options.zero["carry_reductions"]),
+                               ("carry_buckets", carry, carry is not None)):
+        if given and stage == 1:
+            problems.append(f'"{KEY}.{name}" is {value} with zero_optimization.stage 1; ZeRO-1 reduce-scatters only '
+                            "in the last micro-batch, whose reductions the step needs: remove it or use stage 2")
+    if carry is not None and options.zero["carry_reductions"]:
+        problems.append(f'"{KEY}.carry_buckets" is {carry} with "{KEY}.carry_reductions" true, which carries every '
+                        "bucket: set one of them")
     _unsupported(problems)
 
 

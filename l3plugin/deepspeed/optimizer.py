@@ -10,9 +10,13 @@ optimizer or BF16_Optimizer. What the engines call, and what we do:
   (``zero_optimization.overlap_comm``, on unless set false) each bucket's fp32 reduce-scatter starts from
   the gradient hook that completes it, while backward goes on.
 - ``overlapping_partition_gradients_reduce_epilogue`` (end of every backward, ZeRO-2) and
-  ``reduce_gradients`` (boundary, ZeRO-1): start what is left and wait for everything started, so between
-  micro-batches ZeRO-2 holds only the fp32 gradient shard (no full-size buffer); ZeRO-1 keeps its fp32
-  full-size buffers across micro-batches and reduces once per step.
+  ``reduce_gradients`` (boundary, ZeRO-1): start what is left and wait for everything started except, before
+  the boundary, the reduce-scatters of the ``carry_buckets`` buckets started last (default 2): the backward
+  completes those last, so waiting for them here would expose their traffic once per micro-batch; they run on
+  under the next forward and are waited where their bucket is next written (the next backward's gradient
+  hook) or read (the step, ``safe_get_full_grad``). So between micro-batches ZeRO-2 holds the fp32 gradient
+  shard plus at most ``carry_buckets`` full-size buckets; ZeRO-1 keeps its fp32 full-size buffers across
+  micro-batches and reduces once per step.
 - PipelineEngine runs no post-backward epilogue on its first stages: ``_exec_backward_pass`` (patched) calls
   ``after_backward`` instead. ``_exec_reduce_tied_grads`` (patched) sums tied weights' fp32 gradients over the tie group,
   then ``_exec_reduce_grads`` reduce-scatters whatever is left, for stage 1 and stage 2.
@@ -47,6 +51,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
 from l3plugin.checkpoint.deepspeed_layout import load_sharded_state_dict, sharded_state_dict
 from l3plugin.zero.optimizer import FP32ReduceZero, ZeroSettings
+from l3plugin.zero.settings import DEFAULT_CARRY_BUCKETS
 
 
 class ParamLink:
@@ -102,7 +107,14 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
         self.dp_process_group = engine.seq_data_parallel_group
         self.param_names = engine.param_names
         self.reduce_every = settings.reduce_every or 1
-        self.carry_reductions = settings.carry_reductions and settings.overlap
+        # Buckets whose reduce-scatter may run on into the next micro-batch: None = all (carry_reductions);
+        # blocking collectives (overlap off) carry none.
+        if not settings.overlap:
+            self.carry_buckets = 0
+        elif settings.carry_reductions:
+            self.carry_buckets = None
+        else:
+            self.carry_buckets = DEFAULT_CARRY_BUCKETS if settings.carry_buckets is None else settings.carry_buckets
         self._engine = weakref.ref(engine)
         self._micro_batch = 0  # backward passes since the last step
         self._reduce_this_backward = False
@@ -154,7 +166,7 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
             tied = [p for m in getattr(module, "tied_modules", {}).values() for p in m.parameters()]
             if tied:
                 hooks.append(module.register_forward_pre_hook(lambda *_: self.zero.wait_param_gather(tied)))
-        if self.carry_reductions:  # free what has finished on the wire while the next forward runs
+        if self.carry_buckets is None:  # unbounded carry: free what has finished while the next forward runs
             hooks += [sub.register_forward_pre_hook(lambda *_: self.zero.complete_finished_reductions())
                       for sub in module.modules() if next(sub.parameters(recurse=False), None) is not None]
         return hooks
@@ -185,13 +197,18 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
 
     def after_backward(self):
         """End of a backward pass (or the boundary): if it ended with reductions, start what is left and
-        wait for all, so no full-size buffer and no collective is carried to the next micro-batch. With
-        ``carry_reductions`` (before the boundary) they are not waited here but where their buffer is next
-        written (the next backward's gradient hooks) or read (the step, ``safe_get_full_grad``): they run on
-        under the next forward, holding their full fp32 buckets across the micro-batch boundary."""
-        if self._reduce_this_backward and self.carry_reductions and not self._at_boundary():
+        wait for them. Before the boundary the ``carry_buckets`` started last (all with ``carry_reductions``)
+        are not waited here but where their buffer is next written (the next backward's gradient hooks) or
+        read (the step, ``safe_get_full_grad``): they run on under the next forward, holding their full fp32
+        buckets across the micro-batch boundary. Every rank starts the same reductions in the same order;
+        only where each is waited differs, and the arithmetic is the same: bit-identical to blocking."""
+        carry = self.carry_buckets
+        if self._reduce_this_backward and carry != 0 and not self._at_boundary():
             self.zero.launch_reductions()
-            self.zero.complete_finished_reductions()
+            if carry is None:
+                self.zero.complete_finished_reductions()
+            else:
+                self.zero.wait_reductions_but_latest(carry)
         elif self._reduce_this_backward or self._boundary_flag():
             self.zero.finish_grad_sync()
 

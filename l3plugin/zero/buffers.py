@@ -157,6 +157,7 @@ class GradBucket:
     full: torch.Tensor | None = None
     shard_grad: torch.Tensor | None = None
     in_flight: object | None = None  # comm.InFlight: a started reduce-scatter of ``full``, not waited yet
+    started: int = -1  # launch number of ``in_flight`` (counts every launch): which reductions started last
     armed: bool = False  # the current backward pass ends with this bucket's reduce-scatter
     seen: int = 0  # gradients accumulated since armed; == len(params): final, may start
 

@@ -35,8 +35,8 @@ The calls a framework adapter makes:
 Overlap (``ZeroSettings.overlap``, default on): collectives are started asynchronously and waited where
 their result or their buffer is needed: a bucket's reduce-scatter before the bucket is accumulated into
 again, at the next round end (Megatron path: started during a round's last backward, one round in flight
-after a round end), at the end of the backward pass that started it (DeepSpeed adapter: nothing is carried
-across micro-batches), and in ``finish_grad_sync``;
+after a round end), at the end of the backward pass that started it (DeepSpeed adapter: all but the few
+started last, ``wait_reductions_but_latest``; those run on under the next forward), and in ``finish_grad_sync``;
 the bf16 parameter all-gathers two buckets at a time inside ``step``. Every wait is bounded by
 ``wait_timeout`` and fails with an error naming the rank, the group and the bucket. Overlap on and off do
 the same arithmetic in the same order: bit-identical results (tested).
@@ -150,6 +150,7 @@ class FP32ReduceZero(FullTensors):
         for g, pg in enumerate(optimizer.param_groups):
             pg["params"] = [b.master for b in self.buckets if b.spec.group == g]
         self._launch_order: list[int] = []  # armed buckets not started yet, in the order they must start
+        self._launches = 0  # reduce-scatters started so far (GradBucket.started)
         self._gathers: dict = {}  # bucket index -> its started parameter all-gather (comm.InFlight)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in ordered]
         self.grad_sums: list = []  # grad_sums.GradSum, applied in finish_grad_sync
@@ -225,6 +226,7 @@ class FP32ReduceZero(FullTensors):
             raise RuntimeError("gradients were accumulated after finish_grad_sync summed them over the "
                                "add_grad_sum groups: call step() or zero_grad() before the next backward")
         bucket.armed = False
+        bucket.started, self._launches = self._launches, self._launches + 1
         bucket.in_flight = comm.start_reduce_scatter_sum(bucket.full_buffer(), self.group, self.settings.reduce_dtype,
                                                          what=f"gradient bucket {bucket.spec.index}",
                                                          tag=bucket.spec.index)
@@ -255,6 +257,14 @@ class FP32ReduceZero(FullTensors):
         for bucket in self.buckets_of(params):
             if bucket.in_flight is not None:
                 self._complete(bucket)
+
+    def wait_reductions_but_latest(self, keep: int) -> None:
+        """Complete every started reduce-scatter except the ``keep`` started last (the buckets a backward
+        completes last): they run on, holding their full buffers, until their bucket is next accumulated into
+        or ``wait_reductions`` / ``finish_grad_sync`` / ``zero_grad``."""
+        flying = sorted((b for b in self.buckets if b.in_flight is not None), key=lambda b: b.started)
+        for bucket in flying[:max(0, len(flying) - keep)]:
+            self._complete(bucket)
 
     def complete_finished_reductions(self) -> None:
         """Complete (without waiting) the reduce-scatters that have already finished, freeing their full

@@ -17,6 +17,10 @@ import torch
 from l3plugin.checks import check_int
 from l3plugin.collective.waits import resolve_timeout
 
+# ZeRO-2 under DeepSpeed: buckets whose reduce-scatter may still run when the next micro-batch starts (the last
+# ones a backward completes: their traffic is what waiting at the end of the backward would expose).
+DEFAULT_CARRY_BUCKETS = 2
+
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
@@ -110,10 +114,16 @@ class ZeroSettings:
         None, "ZeRO-2 only: reduce-scatter every N micro-batches (1..gradient_accumulation_steps, default 1); "
         "larger N holds a full fp32 gradient buffer between reductions but sends 1/N as much",
         check=whole_number(1, " (micro-batches between ZeRO-2 reduce-scatters)"), json=(int,))
+    carry_buckets: int | None = option(
+        None, "ZeRO-2: at the end of a micro-batch's backward (not the step's last), the reduce-scatters of the N "
+        "buckets started last run on under the next forward (waited where their bucket is next written, or at the "
+        "step) instead of being waited there; holds at most N buckets' full fp32 buffers between micro-batches; "
+        f"0 waits for every bucket at the end of each backward; default {DEFAULT_CARRY_BUCKETS}",
+        check=whole_number(0, " (buckets whose reduce-scatter may run on into the next micro-batch)"), json=(int,))
     carry_reductions: bool = option(
-        False, "ZeRO-2: reduce-scatters still running when a micro-batch's backward ends run on under the next "
-        "forward (waited where their bucket is next needed) instead of at the end of the backward; holds those "
-        "buckets' full fp32 buffers across the micro-batch boundary", check=boolean, json=(bool,))
+        False, "ZeRO-2: every reduce-scatter still running when a micro-batch's backward ends runs on under the next "
+        "forward (carry_buckets without a bound); holds those buckets' full fp32 buffers across the micro-batch "
+        "boundary: up to the full gradient", check=boolean, json=(bool,))
     checkpoint_allow_nonfinite: bool = option(False, "resume from a checkpoint whose weights or optimizer states "
                                               "hold NaN/Inf (refused by default)", check=boolean, json=(bool,))
     checkpoint_fallback: bool = option(True, "load_checkpoint without a tag falls back to the newest complete tag "
@@ -130,7 +140,8 @@ class ZeroSettings:
 
 # Options only the DeepSpeed engine acts on (micro-batch reductions, its checkpoint loading): the Megatron entry
 # point reduces per round of the flexible schedule and checkpoints through dist_checkpointing, so it refuses them.
-DEEPSPEED_ONLY = ("reduce_every", "carry_reductions", "checkpoint_allow_nonfinite", "checkpoint_fallback")
+DEEPSPEED_ONLY = ("reduce_every", "carry_buckets", "carry_reductions", "checkpoint_allow_nonfinite",
+                  "checkpoint_fallback")
 
 
 def json_options(raw, source: str, extra: dict | None = None) -> dict:

@@ -137,7 +137,7 @@ def test_parameter_gathers_overlapped_with_the_next_forward_are_bit_identical(ra
         assert b["pending"] == 0 and o["pending"] == o["buckets"]
 
 
-@pytest.mark.parametrize("name, value", [("reduce_every", 2), ("carry_reductions", True),
+@pytest.mark.parametrize("name, value", [("reduce_every", 2), ("carry_buckets", 2), ("carry_reductions", True),
                                          ("checkpoint_allow_nonfinite", True), ("checkpoint_fallback", False)])
 def test_deepspeed_only_options_are_refused_under_megatron(name, value):
     """They would be accepted and do nothing: the Megatron entry point names them and why."""

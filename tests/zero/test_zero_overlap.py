@@ -5,8 +5,10 @@
   PipelineEngine and the framework-neutral core driven round by round;
 - with overlap, the reductions are handed to torch.distributed *during* backward (before the engine's
   post-backward epilogue runs); without it, none are;
-- ZeRO-2 holds no full-size gradient buffer between micro-batches (only the fp32 shard); with
-  reduce_every=N it holds one inside each window of N; ZeRO-1 holds it across the step;
+- ZeRO-2 holds between micro-batches the fp32 shard plus the full buffers of the carry_buckets buckets whose
+  reduce-scatters it carries into the next micro-batch (default 2, the ones started last; 0: only the shard);
+  with reduce_every=N it holds all full buffers inside each window of N; ZeRO-1 holds them across the step;
+  safe_get_full_grad between micro-batches waits for a carried bucket and gives what the blocking path gives;
 - bad options name the option, the value and the valid range; a collective a peer never joins ends in a
   rank-named error after wait_timeout instead of blocking.
 """
@@ -38,7 +40,9 @@ def config(stage, overlap, gas=4, **options):
 def train_and_watch(stage, overlap, gas=4, steps=2, **options):
     """Train ``steps`` steps; per micro-batch record how many bucket reductions were handed to
     torch.distributed before the engine's post-backward epilogue began, and the gradient state held
-    between micro-batches. Returns final fp32 masters, bf16 params, gradient (before the last step)."""
+    between micro-batches (which buckets have a full buffer, which a reduction in flight). Returns final fp32
+    masters, bf16 params, gradient (before the last step), and ``probe``: safe_get_full_grad of the first
+    layer's weight (bucket 0, the last one backward completes) after the last step's first micro-batch."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from l3plugin.debug import record_collectives
@@ -54,7 +58,7 @@ def train_and_watch(stage, overlap, gas=4, steps=2, **options):
         epilogue()
 
     engine.optimizer.after_backward = watched_epilogue
-    between, grads = [], None
+    between, grads, probe = [], None, None
     rank = dist.get_rank()
     for step in range(steps):
         for mb in range(gas):
@@ -62,18 +66,21 @@ def train_and_watch(stage, overlap, gas=4, steps=2, **options):
                 engine.backward(loss_of(engine(batch(rank, step, mb))))
             if mb < gas - 1:
                 engine.step()
-                between.append({"full": sum(b.full is not None for b in zero.buckets),
-                                "in_flight": sum(b.in_flight is not None for b in zero.buckets),
+                between.append({"full": [b.spec.index for b in zero.buckets if b.full is not None],
+                                "in_flight": [b.spec.index for b in zero.buckets if b.in_flight is not None],
                                 "bytes": zero.memory.current})
+                if step == steps - 1 and mb == 0:
+                    probe = safe_get_full_grad(engine.module[0].weight)
         if step == steps - 1:
             grads = [safe_get_full_grad(p) for p in engine.module.parameters()]
         engine.step()
     zero.wait_param_gather()  # with overlap_param_gather the last step's gathers land in the next forward
     return {"masters": [safe_get_full_fp32_param(p) for p in engine.module.parameters()],
             "params": [p.detach().clone() for p in engine.module.parameters()], "grads": grads,
-            "counts": counts_at_epilogue, "between": between, "buckets": len(zero.buckets),
+            "counts": counts_at_epilogue, "between": between, "buckets": len(zero.buckets), "probe": probe,
+            "bucket_of_probe": zero.slots[engine.module[0].weight].bucket,
             "shard_bytes": sum(4 * b.spec.shard_numel for b in zero.buckets),
-            "full_bytes": sum(4 * b.spec.padded_numel for b in zero.buckets)}
+            "full_bytes": [4 * b.spec.padded_numel for b in zero.buckets]}
 
 
 def fp64_error(stage, gas=8, **options):
@@ -127,10 +134,11 @@ def _same(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("stage,options", [(1, {}), (2, {}), (2, {"reduce_every": 2}), (2, {"reduce_every": 3}),
-                                          (1, {"overlap_param_gather": True}),
+@pytest.mark.parametrize("stage,options", [(1, {}), (2, {}), (2, {"carry_buckets": 0}), (2, {"reduce_every": 2}),
+                                          (2, {"reduce_every": 3}), (1, {"overlap_param_gather": True}),
                                           (2, {"carry_reductions": True, "overlap_param_gather": True})])
 def test_overlap_is_bit_identical_and_starts_reductions_during_backward(ranks, stage, options):
+    """(2, {}): the default carry (2 buckets run on into the next micro-batch) over gas 4, two steps."""
     gas = 4
     blocking = ranks.run(2, train_and_watch, stage, False, gas, **options, timeout=120)
     overlapped = ranks.run(2, train_and_watch, stage, True, gas, **options, timeout=120)
@@ -138,6 +146,9 @@ def test_overlap_is_bit_identical_and_starts_reductions_during_backward(ranks, s
     for b, o in zip(blocking, overlapped):
         for key in ("masters", "params", "grads"):
             assert _same(b[key], o[key]), key
+        assert torch.equal(b["probe"], o["probe"])  # safe_get_full_grad between micro-batches
+        if stage == 2 and every == 1 and options.get("carry_buckets") != 0:  # ... of a bucket carried then
+            assert o["bucket_of_probe"] in o["between"][gas - 1]["in_flight"]
         # Micro-batches that end with a reduction: (mb + 1) % every == 0 or the last one of the step.
         reducing = [(mb + 1) % every == 0 or mb == gas - 1 for _ in range(2) for mb in range(gas)]
         if stage == 1:  # DeepSpeed calls the ZeRO-1 epilogue (reduce_gradients) at the boundary only
@@ -146,21 +157,35 @@ def test_overlap_is_bit_identical_and_starts_reductions_during_backward(ranks, s
         # (a dense model completes every bucket inside backward); blocking: none was.
         assert o["counts"] == [o["buckets"] if r else 0 for r in reducing]
         assert b["counts"] == [0] * len(reducing)
+        assert all(held["in_flight"] == [] for held in b["between"])  # blocking: nothing carried
         assert o["buckets"] > 3
 
 
-@pytest.mark.parametrize("stage,options", [(1, {}), (2, {}), (2, {"reduce_every": 2})])
+@pytest.mark.parametrize("stage,options", [(1, {}), (2, {}), (2, {"carry_buckets": 0}), (2, {"carry_buckets": 3}),
+                                          (2, {"reduce_every": 2})])
 def test_gradient_memory_between_micro_batches(ranks, stage, options):
+    from l3plugin.zero.settings import DEFAULT_CARRY_BUCKETS
+
+    carry = options.get("carry_buckets", DEFAULT_CARRY_BUCKETS) if stage == 2 else 0
     for r in ranks.run(2, train_and_watch, stage, True, 4, **options, timeout=120):
+        assert r["buckets"] > carry
         for mb, held in enumerate(r["between"]):
             mb %= 3  # micro-batches 0..2 of each step (the 4th is followed by the step)
-            assert held["in_flight"] == 0  # nothing left running between micro-batches
             if stage == 2 and (mb + 1) % options.get("reduce_every", 1) == 0:
-                # Real ZeRO-2: no full-size buffer, only the fp32 shard of every bucket.
-                assert held["full"] == 0 and held["bytes"] == r["shard_bytes"], (mb, held)
+                # Real ZeRO-2: the fp32 shard of every bucket, plus the full buffers of the ``carry`` buckets
+                # started last (the lowest indices: backward completes them last) whose reduce-scatters run on
+                # into the next micro-batch (gloo's point-to-point works finish only when waited: all still
+                # count as in flight). Only those: the bound holds whatever the model's size.
+                carried = list(range(carry))
+                assert held["in_flight"] == carried and held["full"] == carried, (mb, held)
+                carried_bytes = sum(r["full_bytes"][:carry])
+                if mb >= options.get("reduce_every", 1):  # after the first reduction carried buckets have no shard
+                    assert held["bytes"] == r["shard_bytes"] + carried_bytes, (mb, held)
+                assert held["bytes"] <= r["shard_bytes"] + carried_bytes, (mb, held)
             else:
-                # Inside a window (ZeRO-1: the whole step) the fp32 full-size buffers accumulate.
-                assert held["full"] == r["buckets"] and held["bytes"] >= r["full_bytes"], (mb, held)
+                # Inside a window (ZeRO-1: the whole step) the fp32 full-size buffers accumulate, nothing runs.
+                assert held["in_flight"] == [] and held["full"] == list(range(r["buckets"])), (mb, held)
+                assert held["bytes"] >= sum(r["full_bytes"]), (mb, held)
 
 
 @pytest.mark.parametrize("stage,options", [(1, {}), (2, {}), (2, {"reduce_every": 4})])
@@ -241,6 +266,13 @@ def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks):
                               '1..gradient_accumulation_steps (=4)'),
     (1, {"reduce_every": 2}, '"l3plugin.reduce_every" is 2 with zero_optimization.stage 1'),
     (2, {"bucket_numel": 0}, '"l3plugin.bucket_numel"=0 is out of range: must be an integer >= 1'),
+    (2, {"carry_buckets": -1}, '"l3plugin.carry_buckets"=-1 is out of range: must be an integer >= 0 (buckets whose '
+                               'reduce-scatter may run on into the next micro-batch)'),
+    (2, {"carry_buckets": 1.5}, '"l3plugin.carry_buckets" must be int, got 1.5'),
+    (2, {"carry_buckets": "2"}, '"l3plugin.carry_buckets" must be int, got \'2\''),
+    (1, {"carry_buckets": 2}, '"l3plugin.carry_buckets" is 2 with zero_optimization.stage 1; ZeRO-1 reduce-scatters'),
+    (2, {"carry_buckets": 1, "carry_reductions": True},
+     '"l3plugin.carry_buckets" is 1 with "l3plugin.carry_reductions" true, which carries every bucket: set one'),
     (2, {"wait_timeout": 0}, '"l3plugin.wait_timeout"=0 is invalid: must be a finite number of seconds > 0'),
     (2, {"wait_timeout": float("nan")}, '"l3plugin.wait_timeout"=nan is invalid: must be a finite number of'),
 ])
@@ -261,6 +293,7 @@ def test_zero_bucket_size_from_deepspeed_is_checked(ranks):
     ({"clip_grad": float("nan")}, "clip_grad=nan must be a finite number >= 0"),
     ({"wait_timeout": -1}, "wait_timeout=-1 is invalid: must be a finite number of seconds > 0"),
     ({"overlap": "yes"}, "overlap='yes' must be True or False"),
+    ({"carry_buckets": -2}, "carry_buckets=-2 is out of range: must be an integer >= 0 (buckets whose"),
 ])
 def test_settings_reject_bad_values(kwargs, expected):
     from l3plugin.zero import ZeroSettings
