@@ -286,12 +286,11 @@ class FP32ReduceZero(FullTensors):
         if self.settings.stage == 2 or is_last_round:
             self.arm(params)
 
-    def end_of_round(self, params, is_last_round: bool) -> None:
+    def end_of_round(self, params, is_last_round: bool, carry: int | None = None) -> None:
         """After the last backward of a round of the chunk owning ``params`` (ZeRO-2 every round, ZeRO-1 the
         last): complete earlier rounds' reductions (other chunks' buckets), start those of ``params`` not
-        started yet. With ``overlap`` this round's run under the next round and are waited at the next
-        accumulation into the bucket, the next round end or in ``finish_grad_sync`` (ZeRO-2 holds the shards
-        plus at most two rounds' full buffers: the one in flight, the one accumulating)."""
+        started yet, which run under the next round. ``carry`` (they started in the backward: ``before_round_end``):
+        wait for all but the ``carry`` started last; the rest are waited where their bucket is next needed."""
         if self.settings.stage == 2 or is_last_round:
             params = list(params)  # may be a generator (a module's parameters()): read twice
             mine = {bucket.spec.index for bucket in self.buckets_of(params)}
@@ -299,6 +298,8 @@ class FP32ReduceZero(FullTensors):
                 if bucket.in_flight is not None and bucket.spec.index not in mine:
                     self._complete(bucket)
             self.launch_reductions(params)
+            if carry is not None:
+                self.wait_reductions_but_latest(carry)
 
     def finish_grad_sync(self) -> None:
         """Reduce-scatter every bucket that still holds unreduced gradients or was never reduced this step,

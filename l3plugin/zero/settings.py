@@ -115,8 +115,8 @@ class ZeroSettings:
         "larger N holds a full fp32 gradient buffer between reductions but sends 1/N as much",
         check=whole_number(1, " (micro-batches between ZeRO-2 reduce-scatters)"), json=(int,))
     carry_buckets: int | None = option(
-        None, "ZeRO-2: at the end of a micro-batch's backward (not the step's last), the reduce-scatters of the N "
-        "buckets started last run on under the next forward (waited where their bucket is next written, or at the "
+        None, "ZeRO-2: at the end of a micro-batch's backward (not the step's last; Megatron: of a round of the "
+        "flexible schedule), the reduce-scatters of the N buckets started last run on under the next forward (waited where their bucket is next written, or at the "
         "step) instead of being waited there; holds at most N buckets' full fp32 buffers between micro-batches; "
         f"0 waits for every bucket at the end of each backward; default {DEFAULT_CARRY_BUCKETS}",
         check=whole_number(0, " (buckets whose reduce-scatter may run on into the next micro-batch)"), json=(int,))
@@ -140,8 +140,7 @@ class ZeroSettings:
 
 # Options only the DeepSpeed engine acts on (micro-batch reductions, its checkpoint loading): the Megatron entry
 # point reduces per round of the flexible schedule and checkpoints through dist_checkpointing, so it refuses them.
-DEEPSPEED_ONLY = ("reduce_every", "carry_buckets", "carry_reductions", "checkpoint_allow_nonfinite",
-                  "checkpoint_fallback")
+DEEPSPEED_ONLY = ("reduce_every", "carry_reductions", "checkpoint_allow_nonfinite", "checkpoint_fallback")
 
 
 def json_options(raw, source: str, extra: dict | None = None) -> dict:

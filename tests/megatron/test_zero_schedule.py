@@ -32,13 +32,14 @@ def zero_step(stage, p, v, m, k, overlap=True, steps=1, reduce_in_backward=True,
     zero = megatron_zero(chunks, torch.optim.SGD(params, lr=0.1), stage=stage, bucket_numel=100, overlap=overlap,
                          **settings)
     attach_to_schedule(config, zero, reduce_in_backward=reduce_in_backward)
-    finalize, round_end, seen = config.finalize_model_grads_func, config.round_grad_sync_func, {"others": 0}
+    finalize, round_end, seen = config.finalize_model_grads_func, config.round_grad_sync_func, {"others": 0, "mine": 0}
 
     def checked_round_end(chunk, params, round_id, is_last_round):  # only this round's reductions still run
         params = list(params)
         round_end(chunk, params, round_id, is_last_round)
         mine = {b.spec.index for b in zero.buckets_of(params)}
         seen["others"] += sum(b.in_flight is not None and b.spec.index not in mine for b in zero.buckets)
+        seen["mine"] = max(seen["mine"], sum(b.in_flight is not None for b in zero.buckets_of(params)))
 
     config.round_grad_sync_func = checked_round_end
     in_backward = set()  # log indices of the collectives started while a backward ran
@@ -71,7 +72,8 @@ def zero_step(stage, p, v, m, k, overlap=True, steps=1, reduce_in_backward=True,
            for i, c in enumerate(log)]
     weights = {lid: layer.weight.detach().clone() for c in chunks for lid, layer in zip(c.layer_ids, c.layers)}
     return {"ops": ops, "buckets": len(zero.buckets), "weights": weights, "in_flight": seen["in_flight"],
-            "pending": pending, "others_in_flight_after_round_ends": seen["others"]}
+            "pending": pending, "others_in_flight_after_round_ends": seen["others"],
+            "most_in_flight_after_a_round_end": seen["mine"]}
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -113,16 +115,19 @@ def test_overlapped_round_reductions_are_bit_identical(ranks, stage):
     blocking = ranks.run(4, zero_step, stage, p, v, m, k, False, timeout=120)
     overlapped = ranks.run(4, zero_step, stage, p, v, m, k, True, timeout=120)
     round_end = ranks.run(4, zero_step, stage, p, v, m, k, True, 1, False, timeout=120)
-    for b, o, e in zip(blocking, overlapped, round_end):
+    no_carry = ranks.run(4, zero_step, stage, p, v, m, k, True, 1, True, carry_buckets=0, timeout=120)
+    for b, o, e, n in zip(blocking, overlapped, round_end, no_carry):
         assert sorted(op[:4] for op in b["ops"]) == sorted(op[:4] for op in o["ops"])
         assert [n for n, _ in dp_reductions(b["ops"])] == [n for n, _ in dp_reductions(o["ops"])]
         assert [n for n, _ in dp_reductions(b["ops"])] == [n for n, _ in dp_reductions(e["ops"])]
         assert o["buckets"] > 1 and all(during for _, during in dp_reductions(o["ops"]))
         assert not any(during for _, during in dp_reductions(b["ops"]) + dp_reductions(e["ops"]))
-        for other in (o, e):
+        for other in (o, e, n):
             assert all(torch.equal(b["weights"][lid], other["weights"][lid]) for lid in b["weights"])
         assert b["in_flight"] == 0 and o["in_flight"] > 0 and e["in_flight"] > 0
         assert o["others_in_flight_after_round_ends"] == e["others_in_flight_after_round_ends"] == 0
+        # Between rounds at most carry_buckets (default 2) of the round's buckets are still on the wire.
+        assert n["most_in_flight_after_a_round_end"] == 0 and o["most_in_flight_after_a_round_end"] == 2
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -137,7 +142,7 @@ def test_parameter_gathers_overlapped_with_the_next_forward_are_bit_identical(ra
         assert b["pending"] == 0 and o["pending"] == o["buckets"]
 
 
-@pytest.mark.parametrize("name, value", [("reduce_every", 2), ("carry_buckets", 2), ("carry_reductions", True),
+@pytest.mark.parametrize("name, value", [("reduce_every", 2), ("carry_reductions", True),
                                          ("checkpoint_allow_nonfinite", True), ("checkpoint_fallback", False)])
 def test_deepspeed_only_options_are_refused_under_megatron(name, value):
     """They would be accepted and do nothing: the Megatron entry point names them and why."""
