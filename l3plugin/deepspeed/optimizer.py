@@ -51,7 +51,6 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
 from l3plugin.checkpoint.deepspeed_layout import load_sharded_state_dict, sharded_state_dict
 from l3plugin.zero.optimizer import FP32ReduceZero, ZeroSettings
-from l3plugin.zero.settings import DEFAULT_CARRY_BUCKETS
 
 
 class ParamLink:
@@ -107,14 +106,7 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
         self.dp_process_group = engine.seq_data_parallel_group
         self.param_names = engine.param_names
         self.reduce_every = settings.reduce_every or 1
-        # Buckets whose reduce-scatter may run on into the next micro-batch: None = all (carry_reductions);
-        # blocking collectives (overlap off) carry none.
-        if not settings.overlap:
-            self.carry_buckets = 0
-        elif settings.carry_reductions:
-            self.carry_buckets = None
-        else:
-            self.carry_buckets = DEFAULT_CARRY_BUCKETS if settings.carry_buckets is None else settings.carry_buckets
+        self.carry_buckets = settings.carried_buckets  # None: all (carry_reductions); 0 with overlap off
         self._engine = weakref.ref(engine)
         self._micro_batch = 0  # backward passes since the last step
         self._reduce_this_backward = False

@@ -26,7 +26,7 @@ Checkpoints go through Megatron-Core's dist_checkpointing: ``l3plugin.checkpoint
 from __future__ import annotations
 
 from l3plugin.zero.optimizer import FP32ReduceZero
-from l3plugin.zero.settings import DEEPSPEED_ONLY, DEFAULT_CARRY_BUCKETS
+from l3plugin.zero.settings import DEEPSPEED_ONLY
 
 # (config attribute, when it is refused, why): the parts of finalize_model_grads and of Megatron's DDP
 # contract that l3plugin's ZeRO does not carry over.
@@ -187,10 +187,7 @@ def attach_to_schedule(config, zero: FP32ReduceZero, *, reduce_in_backward: bool
     With ``reduce_in_backward`` and ``overlap``, the round end waits for all of the round's reductions but the
     ``carry_buckets`` started last (default 2; the others are on the wire since the backward), so between rounds
     ZeRO-2 holds the fp32 shards plus at most that many full buckets, not the round's whole buffers."""
-    carry = None
-    if reduce_in_backward and zero.settings.overlap:
-        carry = zero.settings.carry_buckets
-        carry = DEFAULT_CARRY_BUCKETS if carry is None else carry
+    carry = zero.settings.carried_buckets if reduce_in_backward else None
     config.round_grad_sync_start_func = (
         (lambda chunk, params, round_id, is_last_round: zero.before_round_end(params, is_last_round))
         if reduce_in_backward else None)

@@ -137,6 +137,16 @@ class ZeroSettings:
             if check is not None and not (value is None and f.default is None):
                 setattr(self, f.name, check(f.name, value, source))
 
+    @property
+    def carried_buckets(self) -> int | None:
+        """How many started reduce-scatters may run on past a micro-batch (a round) end: None = all of them
+        (``carry_reductions``), 0 with blocking collectives, else ``carry_buckets`` or its default."""
+        if not self.overlap:
+            return 0
+        if self.carry_reductions:
+            return None
+        return DEFAULT_CARRY_BUCKETS if self.carry_buckets is None else self.carry_buckets
+
 
 # Options only the DeepSpeed engine acts on (micro-batch reductions, its checkpoint loading): the Megatron entry
 # point reduces per round of the flexible schedule and checkpoints through dist_checkpointing, so it refuses them.
