@@ -18,6 +18,7 @@ import pytest
 
 import l3plugin
 from l3plugin.ranks import run_command
+from runs_ahead import RunsAhead
 
 ZERO_TESTS = Path(__file__).resolve().parent / "zero"
 # Joined to the l3plugin package's __path__ in a child: test-only modules of the package the wheel does not ship.
@@ -89,27 +90,7 @@ def test_startup_installs_only_the_watcher(tmp_path):
     assert off == [False, [], []]
 
 
-def test_config_key_works_without_import(tmp_path):
-    """... and a DeepSpeed run without context_parallel_size never imports the Hugging Face adapter, also when
-    accelerate is imported (DeepSpeed 0.16 imports it itself; 0.19 does not)."""
-    result = engine_result(tmp_path)
-    assert result["optimizer"] == "DeepSpeedFP32ReduceZero"
-    assert result["hf_adapter"] is False
-
-
-def test_opt_out_gives_stock_zero(tmp_path):
-    assert engine_optimizer(tmp_path, L3PLUGIN_NO_AUTOLOAD="1") == "DeepSpeedZeroOptimizer"
-
-
-def test_deepspeed_imported_from_inside_l3plugin(tmp_path):
-    """deepspeed finishes importing while the l3plugin.deepspeed package is half-built (its optimizer module
-    imports deepspeed at its top): the hook must not import the package again; the package installs itself."""
-    assert engine_optimizer(tmp_path, first="l3plugin.deepspeed.optimizer") == "DeepSpeedFP32ReduceZero"
-
-
-def test_deepspeed_imported_while_another_l3plugin_module_is_half_built(tmp_path):
-    """deepspeed finishes importing while an l3plugin module outside the adapter is half-built: the hook does not
-    install then; deepspeed.initialize installs at its first call (the registry's AUTOLOAD set) and is put back."""
+def half_built_result(tmp_path):
     code = ENGINE.replace("print(json.dumps({", "print(json.dumps({'deferred': deferred, 'restored': "
                           "deepspeed.initialize.__name__, ")
     code = code.replace("deepspeed = quiet_deepspeed()", "deferred = [\"l3plugin.deepspeed\" in sys.modules, "
@@ -117,7 +98,50 @@ def test_deepspeed_imported_while_another_l3plugin_module_is_half_built(tmp_path
     join = f"import l3plugin\n    l3plugin.__path__.append({str(PACKAGE_EXTRA)!r})\n"
     code = code.replace("if FIRST:\n", "if FIRST:\n    " + join)
     out = run("FIRST = 'l3plugin.deepspeed_at_import'\n" + code, tmp_path)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ahead(request, tmp_path_factory):
+    """This module's fresh interpreters that build a DeepSpeed engine (each seconds of imports on one core) and the
+    wheel, started two at a time when the module starts (tests/runs_ahead.py)."""
+    def cwd(name):
+        return tmp_path_factory.mktemp(name)
+
+    runs = {"test_config_key_works_without_import": lambda: engine_result(cwd("key")),
+            "test_opt_out_gives_stock_zero": lambda: engine_optimizer(cwd("opt-out"), L3PLUGIN_NO_AUTOLOAD="1"),
+            "test_deepspeed_imported_from_inside_l3plugin":
+                lambda: engine_optimizer(cwd("inside"), first="l3plugin.deepspeed.optimizer"),
+            "test_deepspeed_imported_while_another_l3plugin_module_is_half_built":
+                lambda: half_built_result(cwd("half-built")),
+            "wheel": lambda: build_wheel(cwd("wheel"))}
+    needed_by = {"wheel": ("test_wheel_holds_only_product_code", "test_wheel_in_a_fresh_virtualenv_installs_the_hook")}
+    with RunsAhead(request, runs, needed_by) as runs_ahead:
+        yield runs_ahead
+
+
+def test_config_key_works_without_import(ahead):
+    """... and a DeepSpeed run without context_parallel_size never imports the Hugging Face adapter, also when
+    accelerate is imported (DeepSpeed 0.16 imports it itself; 0.19 does not)."""
+    result = ahead.result("test_config_key_works_without_import")
+    assert result["optimizer"] == "DeepSpeedFP32ReduceZero"
+    assert result["hf_adapter"] is False
+
+
+def test_opt_out_gives_stock_zero(ahead):
+    assert ahead.result("test_opt_out_gives_stock_zero") == "DeepSpeedZeroOptimizer"
+
+
+def test_deepspeed_imported_from_inside_l3plugin(ahead):
+    """deepspeed finishes importing while the l3plugin.deepspeed package is half-built (its optimizer module
+    imports deepspeed at its top): the hook must not import the package again; the package installs itself."""
+    assert ahead.result("test_deepspeed_imported_from_inside_l3plugin") == "DeepSpeedFP32ReduceZero"
+
+
+def test_deepspeed_imported_while_another_l3plugin_module_is_half_built(ahead):
+    """deepspeed finishes importing while an l3plugin module outside the adapter is half-built: the hook does not
+    install then; deepspeed.initialize installs at its first call (the registry's AUTOLOAD set) and is put back."""
+    result = ahead.result("test_deepspeed_imported_while_another_l3plugin_module_is_half_built")
     assert result["deferred"] == [False, "initialize_after_install"]
     assert result["optimizer"] == "DeepSpeedFP32ReduceZero"
     assert result["restored"] == "initialize_with_key"  # the trampoline gave way to l3plugin.deepspeed's install
@@ -147,10 +171,8 @@ SUPPORT = re.compile(r"(^|/)(testing|tests|bench)/|(^|/)(wire|toy_pipeline|tiny_
                      r"deepspeed_at_import|deepspeed_mpu)\.py$")
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
+def build_wheel(tmp_path):
     """A regular wheel of the tree under test, built with build isolation (setuptools from the package index)."""
-    tmp_path = tmp_path_factory.mktemp("wheel")
     source = tmp_path / "source"
     source.mkdir()
     for name in WHEEL_SOURCES:
@@ -160,6 +182,11 @@ def wheel(tmp_path_factory):
     run_command([*PIP, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(source)], timeout=300, check=True)
     built, = (tmp_path / "dist").glob("l3plugin-*.whl")
     return built
+
+
+@pytest.fixture(scope="module")
+def wheel(ahead):
+    return ahead.result("wheel")
 
 
 def test_wheel_holds_only_product_code(wheel):

@@ -1,6 +1,7 @@
 """bench/harness.py, the scaffolding every bench shares (rounds, ratios, barrier-timed steps, the wire's
 calibration, --json), and bench/docs_tables.py: a docs table rendered from a fresh run's JSON is the docs' text."""
 
+import functools
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ sys.path.append(str(ROOT / "bench"))  # harness.py and wire.py, imported as the 
 
 import docs_tables  # noqa: E402
 import harness  # noqa: E402
+from runs_ahead import RunsAhead  # noqa: E402
 
 
 # ---- rounds and ratios -------------------------------------------------------------------------------------
@@ -169,19 +171,39 @@ def json_run(tmp_path, *argv, timeout=120):
     return saved, json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("table, argv", [
-    ("multimodal-simulated", ["bench/multimodal_pp.py", "simulated"]),  # the docs' whole table, defaults
-    ("multimodal-splits", ["bench/multimodal_pp.py", "simulated", "--bandwidth-gbps", "0"]),  # without P2P time
-    ("cp-memory", ["bench/cp_memory.py", "--cp", "2", "--seq", "4096"]),  # one row of it (cp 2 and 4: ~2 min)
-])  # pp-simulated: test_bench_smoke.py, from the run that also renders pp-real
-def test_docs_table_is_what_a_run_made_now_renders(tmp_path, table, argv):
-    saved, record = json_run(tmp_path, *argv)
+DOC_RUNS = {
+    "multimodal-simulated": ["bench/multimodal_pp.py", "simulated"],  # the docs' whole table, defaults
+    "multimodal-splits": ["bench/multimodal_pp.py", "simulated", "--bandwidth-gbps", "0"],  # without P2P time
+    "cp-memory": ["bench/cp_memory.py", "--cp", "2", "--seq", "4096"],  # one row of it (cp 2 and 4: ~2 min)
+}  # pp-simulated: test_bench_smoke.py, from the run that also renders pp-real
+
+
+def run_and_check(folder, table, argv):
+    """The bench's run with --json (saved), and bench/docs_tables.py --check of the table's doc against it."""
+    saved, record = json_run(folder, *argv)
+    return record, run_bench("bench/docs_tables.py", table, saved, "--check", docs_tables.TABLES[table].doc)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def doc_runs(request, tmp_path_factory):
+    """The three runs of the test below (each a single-process bench), started two at a time when the module
+    starts (tests/runs_ahead.py)."""
+    runs = {table: functools.partial(run_and_check, tmp_path_factory.mktemp(table), table, argv)
+            for table, argv in DOC_RUNS.items()}
+    needed_by = {table: ("test_docs_table_is_what_a_run_made_now_renders",) for table in runs}
+    with RunsAhead(request, runs, needed_by) as ahead:
+        yield ahead
+
+
+@pytest.mark.parametrize("table", DOC_RUNS)
+def test_docs_table_is_what_a_run_made_now_renders(doc_runs, table):
+    argv = DOC_RUNS[table]
+    record, checked = doc_runs.result(table)
     bench, doc = docs_tables.TABLES[table].bench, docs_tables.TABLES[table].doc
     assert record["bench"] == bench and record["command"] == [*argv, "--json"]
     rendered = docs_tables.render(table, record)
     assert len(rendered.splitlines()) >= 3
     assert docs_tables.missing_lines(rendered, (ROOT / doc).read_text()) == []
-    checked = run_bench("bench/docs_tables.py", table, saved, "--check", doc)
     assert "holds the" in checked.stdout
 
 

@@ -6,6 +6,7 @@ test_bench_harness.py, against the docs.) On the per-rank wire (root, ip, tc; sk
 pp_schedule, a one-variant zero.py and a one-contender zero_megatron.py start their ranks on their own links,
 and their wire tables say so."""
 
+import functools
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "bench"))
 import docs_tables  # noqa: E402
 import wire  # noqa: E402
+from runs_ahead import RunsAhead  # noqa: E402
 
 
 def rendered_rows(table, record):
@@ -48,9 +50,35 @@ def json_run(*argv, timeout=300):
     return record, done.stderr
 
 
-def test_cp_attention_timed_rows():
-    record, _ = json_run("bench/cp_attention.py", "--seq", "512", "--rounds", "1", "--work-seq", "2048",
-                         "--draws", "1")
+# The runs of the tests below (not the wire's), started two at a time when the module starts (tests/runs_ahead.py):
+# a bench spends seconds importing on one core before its ranks start.
+AHEAD = {
+    "test_cp_attention_timed_rows":
+        ("bench/cp_attention.py", "--seq", "512", "--rounds", "1", "--work-seq", "2048", "--draws", "1"),
+    "test_autoload_startup_rows":
+        ("bench/autoload_startup.py", "--rounds", "1", "--deepspeed-rounds", "0"),
+    "test_zero_table":
+        ("bench/zero.py", "--quick", "--gas", "2", "--rounds", "1", "--variants", "ours ZeRO-1"),
+    "test_hf_cp_table":
+        ("bench/hf_cp.py", "--seq", "1024", "--rounds", "1"),
+    "test_pp_schedule_real_run_and_simulated_tables":
+        ("bench/pp_schedule.py", "--steps", "1", "--hidden", "32", "--seq", "16"),
+    "test_multimodal_real_section":
+        ("bench/multimodal_pp.py", "real", "--hidden", "32", "--heads", "4", "--text-seq", "16", "--image-tokens",
+         "16", "--encoder-width", "16", "--rounds", "1", "--microbatches", "4"),
+    "test_idle_groups_rows":
+        ("bench/idle_groups.py", "--groups", "0", "3", "--idle", "0.2", "--reduces", "10"),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ahead(request):
+    with RunsAhead(request, {name: functools.partial(json_run, *argv) for name, argv in AHEAD.items()}) as runs:
+        yield runs
+
+
+def test_cp_attention_timed_rows(ahead):
+    record, _ = ahead.result("test_cp_attention_timed_rows")
     figures = record["figures"]
     assert [row["seq"] for row in figures["work"]] == [2048] * 3
     (timed,) = figures["timed"]
@@ -66,8 +94,8 @@ def test_cp_attention_timed_rows():
         docs_tables.render("cp-wire", record)
 
 
-def test_autoload_startup_rows():
-    record, _ = json_run("bench/autoload_startup.py", "--rounds", "1", "--deepspeed-rounds", "0")
+def test_autoload_startup_rows(ahead):
+    record, _ = ahead.result("test_autoload_startup_rows")
     rows = record["figures"]["startup"]
     assert [r["label"] for r in rows] == ["installed", "copy, compiled", "copy, cached"]
     assert all(r["with_s"] > 0 and r["without_s"] > 0 for r in rows)
@@ -78,8 +106,8 @@ def test_autoload_startup_rows():
     assert all(row[1] == "1" and float(row[2]) > 0 for row in rows)
 
 
-def test_zero_table():
-    record, _ = json_run("bench/zero.py", "--quick", "--gas", "2", "--rounds", "1", "--variants", "ours ZeRO-1")
+def test_zero_table(ahead):
+    record, _ = ahead.result("test_zero_table")
     assert docs_tables.render("zero", record).startswith("gas 2:\n")  # on loopback: no wire line
     rows = {row[0]: row for row in rendered_rows("zero", record)}
     assert list(rows) == ["stock ZeRO-1", "ours ZeRO-1", "ours ZeRO-1 no overlap"]
@@ -89,16 +117,16 @@ def test_zero_table():
         docs_tables.render("zero-wire", record)
 
 
-def test_hf_cp_table():
-    record, _ = json_run("bench/hf_cp.py", "--seq", "1024", "--rounds", "1")
+def test_hf_cp_table(ahead):
+    record, _ = ahead.result("test_hf_cp_table")
     (row,) = rendered_rows("hf-cp", record)
     assert row[:2] == ["1024", str(record["figures"]["rows"][0]["documents"])] and row[2].endswith(" s")
 
 
-def test_pp_schedule_real_run_and_simulated_tables():
+def test_pp_schedule_real_run_and_simulated_tables(ahead):
     """One run of both parts: the simulated tables (schedules, receive posting) are the docs' ones; the real
     run's row renders."""
-    record, _ = json_run("bench/pp_schedule.py", "--steps", "1", "--hidden", "32", "--seq", "16")
+    record, _ = ahead.result("test_pp_schedule_real_run_and_simulated_tables")
     assert docs_tables.missing_lines(docs_tables.render("pp-simulated", record),
                                      (ROOT / "docs/benchmarks.md").read_text()) == []
     assert docs_tables.missing_lines(docs_tables.render("pp-posting-simulated", record),
@@ -107,15 +135,22 @@ def test_pp_schedule_real_run_and_simulated_tables():
     assert row[:8] == ["4", "4", "2", "8", "4", "32", "16", "1"] and row[-1] == "yes"
 
 
-def test_multimodal_real_section():
-    record, _ = json_run("bench/multimodal_pp.py", "real", "--hidden", "32", "--heads", "4", "--text-seq", "16",
-                         "--image-tokens", "16", "--encoder-width", "16", "--rounds", "1", "--microbatches", "4")
+def test_multimodal_real_section(ahead):
+    record, _ = ahead.result("test_multimodal_real_section")
     rows = {row["contender"]: row for row in record["figures"]["rows"]}
     assert set(rows) == {f"{p} depth {d}" for p in ("pipeline", "broadcast", "replicated") for d in (2, 8)} | {
         "count split", "measured split"}
     assert sum(rows["measured split"]["counts"]) == 12 and set(record["figures"]["layer_times"]) == {"S", "X"}
     assert rows["replicated depth 2"]["step_vs_baseline"] == 1.0  # its own baseline: one round, ratio exactly 1
     assert all(len(row["busy_s"]) == 2 for row in rows.values())
+
+
+def test_idle_groups_rows(ahead):
+    record, _ = ahead.result("test_idle_groups_rows")
+    rows = record["figures"]["rows"]
+    assert [row["groups"] for row in rows] == [0, 3]
+    assert all(b > a for a, b in zip(rows[0]["threads"], rows[1]["threads"]))  # every kept group has its threads
+    assert all(len(row["idle_cpu_per_s"]) == 2 and row["loop_wall_s"] > 0 for row in rows)
 
 
 # ---- on the per-rank wire (root, ip, tc): each bench starts its ranks on their own links --------------------
@@ -163,11 +198,3 @@ def test_bench_runs_on_the_per_rank_wire(bench, options, where, tables):
     leaked = {name for name, pid in wire.namespaces().items()
               if name not in before and not os.path.exists(f"/proc/{pid}")}
     assert not leaked, f"{bench} left namespaces behind: {leaked}"
-
-
-def test_idle_groups_rows():
-    record, _ = json_run("bench/idle_groups.py", "--groups", "0", "3", "--idle", "0.2", "--reduces", "10")
-    rows = record["figures"]["rows"]
-    assert [row["groups"] for row in rows] == [0, 3]
-    assert all(b > a for a, b in zip(rows[0]["threads"], rows[1]["threads"]))  # every kept group has its threads
-    assert all(len(row["idle_cpu_per_s"]) == 2 and row["loop_wall_s"] > 0 for row in rows)

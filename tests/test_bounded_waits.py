@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from l3plugin.collective.waits import DEFAULT_TIMEOUT, ENV_VAR, resolve_timeout
 
-TIMEOUT = 2.0  # seconds rank 0 waits; rank 1 stays away longer than that
+TIMEOUT = 1.0  # seconds rank 0 waits; rank 1 stays away longer than that
 AWAY = TIMEOUT + 1.0
 
 
@@ -109,24 +109,24 @@ def env_bound_peer_never_joins(operation, timeout):
     (boundaries_peer_never_joins, "broadcast", "rank 0: broadcast (document boundaries' count over TP) of 1 int64 "
                                                "elements"),
     (p2p_peer_never_joins, "recv", "rank 0: pipeline rank 0: receive of the grad of microbatch 0 (stage 1 -> 0) "
-                                   "from pipeline rank 1 (global rank 1) did not finish within 2 s"),
+                                   "from pipeline rank 1 (global rank 1) did not finish within 1 s"),
     (p2p_peer_never_joins, "send", "rank 0: pipeline rank 0: send of the activation of microbatch 0 (stage 0 -> 1) "
-                                   "to pipeline rank 1 (global rank 1) did not finish within 2 s"),
+                                   "to pipeline rank 1 (global rank 1) did not finish within 1 s"),
     (cp_peer_never_joins, "all-gather", "rank 0: all-gather (CP K/V (2, 8, 2, 4)) of 128 float32 elements "
-                                        "(0.0 MiB) in group ranks [0, 1] did not finish within 2 s"),
+                                        "(0.0 MiB) in group ranks [0, 1] did not finish within 1 s"),
     (cp_peer_never_joins, "reduce-scatter", "rank 0: reduce-scatter (point-to-point exchange on gloo) (CP dK/dV "
                                             "(2, 8, 2, 4)) of 256 float32 elements (0.0 MiB) in group ranks [0, 1] "
-                                            "did not finish within 2 s"),
+                                            "did not finish within 1 s"),
     (cp_peer_never_joins, "all-gather again", "rank 0: all-gather (CP K/V (2, 8, 2, 4) (again)) of 128 float32 "
-                                              "elements (0.0 MiB) in group ranks [0, 1] did not finish within 2 s"),
+                                              "elements (0.0 MiB) in group ranks [0, 1] did not finish within 1 s"),
     (cp_overlapped_peer_never_joins, "all-gather again", "rank 0: all-gather (CP K/V (2, 8, 2, 4) (again)) of 128 "
                                                          "float32 elements (0.0 MiB) in group ranks [0, 1] did not "
-                                                         "finish within 2 s"),
+                                                         "finish within 1 s"),
     (cp_overlapped_peer_never_joins, "all-gather", "rank 0: all-gather (CP K/V part 0 (2, 4, 2, 4)) of 64 float32 "
-                                                   "elements (0.0 MiB) in group ranks [0, 1] did not finish within 2 s"),
+                                                   "elements (0.0 MiB) in group ranks [0, 1] did not finish within 1 s"),
     (cp_overlapped_peer_never_joins, "reduce-scatter", "rank 0: reduce-scatter (point-to-point exchange on gloo) (CP "
                                                        "dK/dV part 0 (2, 4, 2, 4)) of 128 float32 elements (0.0 MiB) "
-                                                       "in group ranks [0, 1] did not finish within 2 s"),
+                                                       "in group ranks [0, 1] did not finish within 1 s"),
 ])
 def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks, fn, operation, expected):
     from l3plugin.ranks import RanksFailed

@@ -187,27 +187,44 @@ def start_parent(tmp_path, mode):
                             text=True)
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT", "SIGTERM"])
-def test_workers_die_with_a_parent_killed_or_interrupted_mid_call(tmp_path, how):
+SIGNALS = ("SIGKILL", "SIGINT", "SIGTERM")
+
+
+@pytest.fixture(scope="module")
+def stuck_parents(tmp_path_factory):
+    """One parent per signal of the test below, all started at once: each pays its own imports and pool, which
+    leave a core idle; started together they overlap. Yields {signal: (parent, worker pids, when the call began)}."""
     import signal
 
-    parent = start_parent(tmp_path, "stuck")
-    pids = []
+    parents = {how: start_parent(tmp_path_factory.mktemp(how), "stuck") for how in SIGNALS}
+    started = {}
     try:
-        line = parent.stdout.readline()
-        assert line.startswith("pids "), line
-        pids = [int(x) for x in line.split()[1:]]
-        time.sleep(2)  # the call is under way: rank 0 in all_reduce, rank 1 asleep
-        parent.send_signal(getattr(signal, how))
-        parent.wait(timeout=60)
-        assert wait_gone(pids) == [], f"workers {pids} of a parent ended by {how} are still running"
+        for how, parent in parents.items():
+            line = parent.stdout.readline()
+            started[how] = (parent, [int(x) for x in line.split()[1:]] if line.startswith("pids ") else line,
+                            time.monotonic())
+        yield started
     finally:  # never wait for the pipes here: leaked workers would hold them open
-        parent.kill()
-        parent.wait()
-        parent.stdout.close()
-        parent.stderr.close()
-        for pid in wait_gone(pids, 0):
-            os.kill(pid, signal.SIGKILL)
+        for how, parent in parents.items():
+            parent.kill()
+            parent.wait()
+            parent.stdout.close()
+            parent.stderr.close()
+            pids = started.get(how, (None, []))[1]
+            for pid in wait_gone(pids if isinstance(pids, list) else [], 0):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", SIGNALS)
+def test_workers_die_with_a_parent_killed_or_interrupted_mid_call(stuck_parents, how):
+    import signal
+
+    parent, pids, began = stuck_parents[how]
+    assert isinstance(pids, list), pids  # else the line the parent printed instead of its workers' pids
+    time.sleep(max(0.0, began + 2 - time.monotonic()))  # the call is under way: rank 0 in all_reduce, rank 1 asleep
+    parent.send_signal(getattr(signal, how))
+    parent.wait(timeout=60)
+    assert wait_gone(pids) == [], f"workers {pids} of a parent ended by {how} are still running"
 
 
 def test_bounded_wait_cases_leave_no_process(tmp_path):

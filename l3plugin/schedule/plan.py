@@ -36,6 +36,7 @@ The order of actions does not change, so both ranks of a pair still derive one p
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from l3plugin.checks import check_int
 
@@ -174,6 +175,20 @@ class Schedule:
             send = None if first or not self.input_needs_grad(stage) else Message("grad", mb, stage, stage - 1)
         return recv, send
 
+    @cached_property
+    def messages(self) -> tuple[tuple[tuple[Message | None, Message | None], ...], ...]:
+        """``messages[rank][i]``: :meth:`action_messages` of the rank's action i, worked out once per schedule
+        (validation, replays and simulations ask for every action's messages, some of them several times).
+        Equal messages are one object, so matching a receive to its send is an identity check."""
+        same: dict[Message, Message] = {}
+        return tuple(tuple(tuple(m if m is None else same.setdefault(m, m) for m in self.action_messages(rank, a))
+                           for a in plan.actions) for rank, plan in enumerate(self.ranks))
+
+    @cached_property
+    def order(self) -> tuple[tuple[int, int], ...]:
+        """:func:`execution_order`, replayed once per schedule (validation, then each simulation or posting plan)."""
+        return tuple(_replay(self))
+
 
 # ---- construction -------------------------------------------------------------------------
 def virtual_microbatch_table(num_microbatches: int, vpp: int, group_size: int):
@@ -278,6 +293,10 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
     an action waits until its input message has been sent; a backward also needs its own
     forward (same rank) to have run.  Raises :class:`ScheduleError` on deadlock.
     """
+    return list(schedule.order)
+
+
+def _replay(schedule: Schedule) -> list[tuple[int, int]]:
     sent: set[Message] = set()
     done_forwards: list[set[tuple[int, int]]] = [set() for _ in schedule.ranks]
     cursor = [0] * schedule.pp
@@ -285,9 +304,11 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
     waiting_for: dict[Message, int] = {}  # message -> rank blocked on it
     ready = list(range(schedule.pp))  # ranks that may be able to advance
 
+    messages = schedule.messages
+
     def blocker(rank: int) -> str | None:
         action = schedule.ranks[rank].actions[cursor[rank]]
-        recv, _ = schedule.action_messages(rank, action)
+        recv, _ = messages[rank][cursor[rank]]
         if recv is not None and recv not in sent:
             return f"waits for {recv.kind} of microbatch {recv.microbatch} from stage {recv.src_stage}"
         if action.op == BACKWARD and (action.microbatch, action.chunk) not in done_forwards[rank]:
@@ -301,7 +322,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
         actions = schedule.ranks[rank].actions
         while cursor[rank] < len(actions):
             action = actions[cursor[rank]]
-            recv, send = schedule.action_messages(rank, action)
+            recv, send = messages[rank][cursor[rank]]
             if recv is not None and recv not in sent:
                 waiting_for[recv] = rank
                 break
@@ -359,8 +380,7 @@ def validate(schedule: Schedule) -> None:
                 f"rank {rank} does not run every F and B exactly once "
                 f"({len(plan.actions)} actions, expected {len(expected)}; missing e.g. {missing})"
             )
-        for action in plan.actions:
-            recv, send = schedule.action_messages(rank, action)
+        for recv, send in schedule.messages[rank]:
             if recv is not None:
                 received[recv] = received.get(recv, 0) + 1
             if send is not None:

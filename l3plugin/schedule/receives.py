@@ -40,7 +40,7 @@ def pair_orders(schedule: Schedule, pp_rank: int) -> dict[int, deque]:
     order of the global replay. Both ranks of a pair derive the same sequence (mirrored)."""
     ops: dict[int, deque] = {}
     for rank, index in execution_order(schedule):
-        _, send = schedule.action_messages(rank, schedule.ranks[rank].actions[index])
+        _, send = schedule.messages[rank][index]
         if send is None:
             continue
         dst = schedule.owner_of(send.dst_stage)[0]

@@ -134,7 +134,7 @@ class Replay:
         # its consumer; it also raises if the plan deadlocks.
         for rank, index in execution_order(schedule):
             action = schedule.ranks[rank].actions[index]
-            recv, send = schedule.action_messages(rank, action)
+            recv, send = schedule.messages[rank][index]
             # A rank handing a tensor to itself (pp=1) pays no network latency.
             remote = send is not None and schedule.owner_of(send.dst_stage)[0] != rank
             self.steps.append((rank, action, schedule.stage_of(rank, action.chunk), action.op == FORWARD,
@@ -206,7 +206,7 @@ def simulate_posted(schedule: Schedule, posts, forward_time: float = 1.0, backwa
     free_at, waited = [0.0] * schedule.pp, [0.0] * schedule.pp
     for rank, index in execution_order(schedule):
         action = schedule.ranks[rank].actions[index]
-        recv, send = schedule.action_messages(rank, action)
+        recv, send = schedule.messages[rank][index]
         ready = free_at[rank]
         if recv is not None:
             ready = max(ready, arrive(recv) if recv in planned else sent_at[recv])

@@ -202,9 +202,17 @@ def test_bad_inputs_name_the_parameter(call, needle):
 # -- the bench's simulated section ----------------------------------------------------------------------------
 def test_bench_simulated_json_smoke():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # The refused run goes alongside the first (each interpreter imports on one core of two).
+    bad = subprocess.Popen([sys.executable, str(ROOT / "bench" / "multimodal_pp.py"), "--pp", "0"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "multimodal_pp.py"), "--json", "--pp", "2", "4",
                            "--vpp", "1", "--microbatches", "4", "--image-tokens", "300"],
                           capture_output=True, text=True, env=env, timeout=60)
+    try:
+        _, bad_stderr = bad.communicate(timeout=60)
+    finally:
+        bad.kill()
+        bad.communicate()
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout)
     assert record["bench"] == "multimodal_pp" and record["command"][1:] == ["simulated", "--json", "--pp", "2", "4",
@@ -220,6 +228,4 @@ def test_bench_simulated_json_smoke():
             assert place["pipeline"] == pytest.approx(row["splits"]["balanced"]["makespan"], rel=1e-12)
             assert 0 < place["encoder_share"] < 1 and math.isfinite(place["step"])
     assert result["settings"]["kinds"] == "SSSSX" * 8
-    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "multimodal_pp.py"), "--pp", "0"],
-                         capture_output=True, text=True, env=env, timeout=60)
-    assert bad.returncode == 2 and "pp_size=0" in bad.stderr
+    assert bad.returncode == 2 and "pp_size=0" in bad_stderr
