@@ -96,8 +96,9 @@ DOC_FIGURES = (
     ("README.md", "| page | what |", (), "an index"),
     ("README.md", "- Pipeline: with P2P latency,", ("pp-simulated", "pp-wire"), ""),
     ("README.md", "- Multimodal pipelines (paper 3.2):", ("multimodal-real",), ""),
-    ("README.md", "- CP attention: cp=2 over a fair cp=1", ("cp-timed", "cp-work", "cp-wire", "cp-memory"), ""),
-    ("README.md", "- ZeRO: reduced-gradient relative error", ("zero",), ""),
+    ("README.md", "- CP attention: cp=2 over a fair cp=1", ("cp-timed", "cp-work", "cp-wire", "cp-regather",
+                                                             "cp-memory"), ""),
+    ("README.md", "- ZeRO: reduced-gradient relative error", ("zero", "zero-wire", "zero-megatron"), ""),
     ("docs/benchmarks.md", "| table | command (per-rank links) | time |", (), "the commands, no figures"),
     ("docs/benchmarks.md", "Measured here (2 ranks exchanging 4 MB fp32 each way,", (),
      "the wire's own exchange, timed by hand (wire.time_collectives_alone); no bench records it"),
@@ -113,6 +114,7 @@ DOC_FIGURES = (
     ("docs/benchmarks.md", "| S | cp | 2cp layout max/min (mean, worst) |", ("cp-work",), ""),
     ("docs/benchmarks.md", "| S | ring / AG causal, plain -> overlapped |", ("cp-wire",), ""),
     ("docs/benchmarks.md", "`cp_kv=\"keep\"`, as measured; `--wire` adds a 2cp", ("cp-regather",), ""),
+    ("docs/benchmarks.md", "| S | regather / keep, causal (2cp), 4 calls |", ("cp-regather",), ""),
     ("docs/benchmarks.md", "| variant | step ms | ratio | exposed ms | exp/coll |", ("zero",), ""),
     ("docs/benchmarks.md", "- On gloo our reduce-scatter is a point-to-point exchange", (),
      "gloo's collectives timed alone by hand; no bench records these"),
@@ -138,7 +140,9 @@ DOC_FIGURES = (
     ("docs/zero.md", "| option | what it does | cost |", (), "the options (the measured cost: zero-wire)"),
     ("docs/zero.md", "| Megatron-Core does | l3plugin's ZeRO |", (), "a feature comparison, no figures"),
     ("docs/zero.md", "(`bench/autoload_startup.py`, this loaded 2-core machine,", ("autoload-startup",), ""),
-    ("docs/zero.md", "micro-batch; `bench/zero_megatron.py`'s census, W = 2): ZeRO-2", ("zero-megatron",), ""),
+    ("docs/zero.md", "`bench/zero_megatron.py --quick`'s census, W = 2, 2 layers", ("zero-megatron",), ""),
+    ("docs/benchmarks.md", "| gas | contender | step ms | exposed ms | exp/coll | grad B/param | in bwd |",
+     ("zero-megatron",), ""),
 )
 
 

@@ -258,11 +258,18 @@ def test_the_measured_multimodal_table_is_the_saved_run_rendered():
     assert docs_tables.missing_lines(rendered, (ROOT / "docs/pipeline.md").read_text()) == []
 
 
-@pytest.mark.parametrize("run", ["pp_wire_early_vpp2.json", "pp_wire_early_vpp4.json"])
-def test_the_measured_per_rank_pipeline_table_is_the_saved_run_rendered(run):
-    """docs/benchmarks.md's per-rank pipeline wire tables (early against agreed-order receives) are what
+@pytest.mark.parametrize("run, table, holds", [
+    ("pp_wire_early_vpp2.json", "pp-wire", "agreed-order k=1.5p=3"),
+    ("pp_wire_early_vpp4.json", "pp-wire", "agreed-order k=1.5p=3"),
+    ("cp_wire_per_rank_8k.json", "cp-wire", "| 8K |"),
+    ("cp_wire_per_rank_8k.json", "cp-regather", "| 8K |"),
+    ("zero_megatron_wire.json", "zero-megatron", "ZeRO-2 default"),
+    ("zero2_wire_per_rank.json", "zero-wire", "ours ZeRO-2 carry_buckets 0 (before)"),
+])
+def test_the_measured_per_rank_wire_tables_are_the_saved_runs_rendered(run, table, holds):
+    """docs/benchmarks.md's per-rank wire tables (timing runs, not repeatable in a test) are what
     bench/docs_tables.py renders from the runs' saved JSON under docs/runs/."""
     record = json.loads((ROOT / "docs/runs" / run).read_text())
-    rendered = docs_tables.render("pp-wire", record)
-    assert rendered.startswith("Wire: per-rank links") and "agreed-order k=1.5p=3" in rendered
+    rendered = docs_tables.render(table, record)
+    assert rendered.startswith("Wire: per-rank links") and holds in rendered
     assert docs_tables.missing_lines(rendered, (ROOT / "docs/benchmarks.md").read_text()) == []
