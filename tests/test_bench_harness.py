@@ -260,6 +260,7 @@ def test_the_measured_multimodal_table_is_the_saved_run_rendered():
 
 @pytest.mark.parametrize("run, table, holds", [
     ("pp_wire_early_vpp2.json", "pp-wire", "agreed-order k=1.5p=3"),
+    ("pp_wire_early_vpp3.json", "pp-wire", "agreed-order k=1.5p=3"),
     ("pp_wire_early_vpp4.json", "pp-wire", "agreed-order k=1.5p=3"),
     ("cp_wire_per_rank_8k.json", "cp-wire", "| 8K |"),
     ("cp_wire_per_rank_8k.json", "cp-regather", "| 8K |"),
