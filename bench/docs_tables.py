@@ -59,7 +59,7 @@ TABLES = {
     "cp-timed": Table("cp_attention", "docs/benchmarks.md", r.cp_timed, "bench/cp_attention.py --json"),
     "cp-work": Table("cp_attention", "docs/benchmarks.md", r.cp_work, "bench/cp_attention.py --json"),
     "cp-wire": Table("cp_attention", "docs/benchmarks.md", r.cp_wire, "bench/cp_attention.py --wire auto --json"),
-    "cp-regather": Table("cp_attention", "docs/cp.md", r.cp_regather, "bench/cp_attention.py --wire auto --kv-share 0.25 "
+    "cp-regather": Table("cp_attention", "docs/benchmarks.md", r.cp_regather, "bench/cp_attention.py --wire auto --kv-share 0.25 "
                          "--seq 8192 16384 --rounds 3 --masks causal --work-seq --json"),
     "zero": Table("zero", "docs/benchmarks.md", r.zero, "bench/zero.py --json"),
     "zero-wire": Table("zero", "docs/benchmarks.md", r.zero_wire,
@@ -67,7 +67,7 @@ TABLES = {
     "hf-cp": Table("hf_cp", "docs/huggingface.md", r.hf_cp, "bench/hf_cp.py --json"),
     "autoload-startup": Table("autoload_startup", "docs/zero.md", r.autoload_startup,
                               "bench/autoload_startup.py --rounds 100 --json"),
-    "zero-megatron": Table("zero_megatron", "docs/zero.md", r.zero_megatron,
+    "zero-megatron": Table("zero_megatron", "docs/benchmarks.md", r.zero_megatron,
                            "bench/zero_megatron.py --wire auto --gas 4 8 --rounds 5 --json"),
 }
 
