@@ -42,11 +42,9 @@ stderr. Columns:
 - grad err: relative L2 error of safe_get_full_grad after the first step's last backward, against an fp64 sum of
   the same bf16 micro-batch gradients (a bf16 replica of the model, same data) averaged over the ranks.
 - coll MB/step: input bytes handed to collectives in the recorded step (l3plugin.debug.record_collectives, rank 0)
-  per op (RS reduce-scatter, AR all-reduce, AG all-gather, R reduce, P2P point-to-point sends) and dtype. On
-  gloo, l3plugin reduce-scatters by a point-to-point exchange (gloo's reduce-scatter is an all-reduce underneath
-  and slower; l3plugin/collective/comm.py): ours shows P2P there.
-- where ours waits (a second table): per rank, the median ms per step spent blocked in the optimizer's waits
-  (WAITS below). Tells the wire's tail from waiting for a slower peer's compute.
+  per op (RS reduce-scatter, AR all-reduce, AG all-gather, R reduce, P2P point-to-point sends) and dtype (on
+  gloo ours reduce-scatters by a point-to-point exchange, l3plugin/collective/comm.py: P2P there).
+- where ours waits (a second table): per rank, the median ms per step blocked in the optimizer's waits (WAITS).
 --wire RATE runs everything on an emulated wire (bench/wire.py; --wire-mode per-rank, the default: each rank its
 own full-duplex link at RATE each way; shared: one loopback bus at RATE); --variants picks a subset.
 """
