@@ -264,6 +264,8 @@ def test_the_measured_multimodal_table_is_the_saved_run_rendered():
     ("pp_wire_early_vpp4.json", "pp-wire", "agreed-order k=1.5p=3"),
     ("cp_wire_per_rank_8k.json", "cp-wire", "| 8K |"),
     ("cp_wire_per_rank_8k.json", "cp-regather", "| 8K |"),
+    ("cp_wire_per_rank_8k_docs.json", "cp-wire", "| 8K |"),
+    ("cp_wire_per_rank_8k_docs.json", "cp-regather", "| 8K |"),
     ("zero_megatron_wire.json", "zero-megatron", "ZeRO-2 default"),
     ("zero2_wire_per_rank.json", "zero-wire", "ours ZeRO-2 carry_buckets 0 (before)"),
 ])
