@@ -169,6 +169,15 @@ def _tiles(blocks, start, causal):
             yield b
 
 
+def lse_merge(out_a, lse_a, out_b, lse_b):
+    """Two attention results over disjoint keys of the same queries, merged by their log-sum-exp (as ring
+    attention does): (output, log-sum-exp) over the union of the keys."""
+    merged = torch.logaddexp(lse_a, lse_b)
+    out = (out_a * (lse_a - merged).exp()[..., None].to(out_b.dtype)
+           + out_b * (lse_b - merged).exp()[..., None].to(out_b.dtype))
+    return out, merged
+
+
 class _CPUFlash(torch.autograd.Function):
     """All pieces of a chunk through torch's CPU flash-attention forward and backward ops.
 
@@ -191,13 +200,7 @@ class _CPUFlash(torch.autograd.Function):
             for t in group:
                 o, l = _flash_forward()(q_rows, k4[:, :, t.k_lo:t.k_hi], v4[:, :, t.k_lo:t.k_hi],
                                         attn_mask=_tile_mask(doc_k, start, t, causal, q.dtype, rep), scale=scale)
-                if o_rows is None:
-                    o_rows, l_rows = o, l
-                else:
-                    merged = torch.logaddexp(l_rows, l)
-                    o_rows = (o_rows * (l_rows - merged).exp()[..., None].to(o.dtype)
-                              + o * (l - merged).exp()[..., None].to(o.dtype))
-                    l_rows = merged
+                o_rows, l_rows = (o, l) if o_rows is None else lse_merge(o_rows, l_rows, o, l)
             if lse is None:
                 lse = torch.full(q.shape[:2], float("-inf"), dtype=l_rows.dtype, device=q.device)
             out[rows], lse[rows] = unpack_heads(o_rows, rep), unpack_heads(l_rows, rep)
@@ -328,11 +331,7 @@ class PhasedFlash:
                 o, l = unpack_heads(o, rep), unpack_heads(l, rep)
                 if self.lse is None:
                     self.lse = torch.full(q.shape[:2], float("-inf"), dtype=l.dtype, device=q.device)
-                before = self.lse[rows]
-                merged = torch.logaddexp(before, l)
-                self.out[rows] = (self.out[rows] * (before - merged).exp()[..., None].to(o.dtype)
-                                  + o * (l - merged).exp()[..., None].to(o.dtype))
-                self.lse[rows] = merged
+                self.out[rows], self.lse[rows] = lse_merge(self.out[rows], self.lse[rows], o, l)
 
     def finish(self, q, k, v):
         if not self.tiles:
