@@ -333,10 +333,10 @@ def waits_timed(engine):
     return harness.timed_methods(FP32ReduceZero, [method for method, _ in WAITS], {})
 
 
-def collectives_alone(params, bucket, repeats=3):
+def collectives_alone(params, bucket, repeats=3, gather=True):
     """(wall s, CPU s) of what ours sends per reduction and per step with no compute beside it: the fp32
-    reduce-scatter of every bucket (started together, then waited, as in a backward) and the bf16 parameter
-    all-gather; medians."""
+    reduce-scatter of every bucket (started together, then waited, as in a backward) and (``gather``) the bf16
+    parameter all-gather; medians."""
     import torch
     import torch.distributed as dist
 
@@ -348,18 +348,18 @@ def collectives_alone(params, bucket, repeats=3):
     shards = [torch.ones(-(-n // world), dtype=torch.bfloat16) for n in sizes]
 
     def reduce_scatter():
-        flights = [comm.start_reduce_scatter_sum(g, dist.group.WORLD, torch.float32, tag=i)
-                   for i, g in enumerate(grads)]
-        for flight in flights:
+        for flight in [comm.start_reduce_scatter_sum(g, dist.group.WORLD, torch.float32, tag=i)
+                       for i, g in enumerate(grads)]:
             flight.wait()
 
     def all_gather():
-        flights = [comm.start_all_gather(s, dist.group.WORLD) for s in shards]
-        for flight in flights:
+        for flight in [comm.start_all_gather(s, dist.group.WORLD) for s in shards]:
             flight.wait()
 
-    return wire.time_collectives_alone(1, repeats, ops={"fp32 reduce-scatter of all buckets": reduce_scatter,
-                                                        "bf16 parameter all-gather": all_gather})
+    ops = {"fp32 reduce-scatter of all buckets": reduce_scatter}
+    if gather:
+        ops["bf16 parameter all-gather"] = all_gather
+    return wire.time_collectives_alone(1, repeats, ops=ops)
 
 
 def free_engines():

@@ -152,19 +152,9 @@ def measure_compute(args):
 
 def reduce_scatter_alone(params, bucket):
     """(wall s, CPU s) of one round's fp32 reduce-scatters (every bucket started, then waited), alone."""
-    import torch.distributed as dist
+    from zero import collectives_alone
 
-    from l3plugin.collective import comm
-
-    world = dist.get_world_size()
-    grads = [torch.ones(-(-min(bucket, params - s) // world) * world) for s in range(0, params, bucket)]
-
-    def reduce_scatter():
-        for flight in [comm.start_reduce_scatter_sum(g, dist.group.WORLD, torch.float32, tag=i)
-                       for i, g in enumerate(grads)]:
-            flight.wait()
-
-    return wire.time_collectives_alone(1, ops={"round": reduce_scatter})["round"]
+    return collectives_alone(params, bucket, gather=False)["fp32 reduce-scatter of all buckets"]
 
 
 def digest(zero) -> str:
