@@ -6,14 +6,13 @@
 
 Every variant uses zero_optimization {reduce_bucket_size, allgather_bucket_size: --bucket, overlap_comm (true unless
 the name says "no overlap"), contiguous_gradients: true} and torch AdamW; "ours" adds the top-level key "l3plugin":
-{"fp32_reduce_zero": true} and the options its name says ("ours ZeRO-2" alone: the defaults, which carry the
-reduce-scatters of the last carry_buckets buckets into the next micro-batch; "carry_buckets 0 (before)": the previous
-default, every reduce-scatter waited at the end of its backward). One RankPool(2) serves the whole run. Per gas, each
-variant's engine is built once in the workers and kept (ENGINES; its three steps there are the warm-up); then every
-round runs every variant once (bench/harness.py's interleaved rounds: the order of VARIANTS, each "ours" next to the
-run it is compared with, rotated by one variant per round). Everything printed is measured; nothing is computed from
-a model of the hardware. Asserts nothing; --json: every figure as JSON on stdout, the tables on
-stderr. Columns:
+{"fp32_reduce_zero": true} and the options its name says ("ours ZeRO-2" alone: the defaults, carrying the last
+carry_buckets reduce-scatters into the next micro-batch; "carry_buckets 0 (before)": the previous default). One
+RankPool(2) serves the run. Per gas, each variant's engine is built once in the workers and kept (ENGINES; its three
+steps there are the warm-up); then every round runs every variant once (bench/harness.py's interleaved rounds: the
+order of VARIANTS, each "ours" next to the run it is compared with, rotated by one variant per round). Everything
+printed is measured; nothing is computed from a model of the hardware. Asserts nothing; --json: every figure as JSON
+on stdout, the tables on stderr. Columns:
 
 - step ms: wall time of one optimizer step (--gas x forward, engine.backward, engine.step), slower rank, median.
 - ratio: per round, step time / that of the stock variant of the same stage (ours ZeRO-1 vs stock ZeRO-1, every
@@ -76,6 +75,7 @@ VARIANTS = {
     "stock ZeRO-2": (2, None, True, {}),
     "ours ZeRO-2": (2, {}, True, {}),  # the defaults (carry_buckets DEFAULT_CARRY_BUCKETS)
     "ours ZeRO-2 carry_buckets 0 (before)": (2, {"carry_buckets": 0}, True, {}),
+    **{f"ours ZeRO-2 carry_buckets {n}": (2, {"carry_buckets": n}, True, {}) for n in (3, 5)},
     "ours ZeRO-2 no overlap": (2, {}, False, {}),
     "ours ZeRO-2 overlap_param_gather": (2, {"overlap_param_gather": True}, True, {}),
     "ours ZeRO-2 carry_reductions": (2, {"carry_reductions": True}, True, {}),

@@ -268,6 +268,8 @@ def test_the_measured_multimodal_table_is_the_saved_run_rendered():
     ("cp_wire_per_rank_8k_docs.json", "cp-regather", "| 8K |"),
     ("zero_megatron_wire.json", "zero-megatron", "ZeRO-2 default"),
     ("zero2_wire_per_rank.json", "zero-wire", "ours ZeRO-2 carry_buckets 0 (before)"),
+    ("zero2_wire_carry.json", "zero-wire", "ours ZeRO-2 carry_buckets 3"),
+    ("pp_wire_per_rank.json", "pp-wire", "flexible k=1.5p=3"),
 ])
 def test_the_measured_per_rank_wire_tables_are_the_saved_runs_rendered(run, table, holds):
     """docs/benchmarks.md's per-rank wire tables (timing runs, not repeatable in a test) are what
