@@ -16,9 +16,10 @@ ZeRO-2 and ZeRO-1:
 - "round-end start": attach_to_schedule(..., reduce_in_backward=False), the behaviour before reductions were
   started in backward: all of a round's reduce-scatters start after its last backward;
 - "default": what megatron_zero + attach_to_schedule do: each bucket's reduce-scatter starts from the gradient
-  hook of the round's last backward that completes it; the round end waits for all but the 2 started last
+  hook of the round's last backward that completes it; the round end waits for all but the 3 started last
   (carry_buckets), which run on under the next round;
-- "carry_buckets 0" (ZeRO-2): the same, but the round end waits for every one of the round's reductions.
+- "carry_buckets 0" (ZeRO-2): the same, but the round end waits for every one of the round's reductions;
+  "carry_buckets 2 (before)": all but the 2 started last (the default before).
 
 One RankPool(2) serves the whole run (on a per-rank wire every rank on its own link, bench/wire.py). Per gas,
 each contender is built once in the workers and kept; its first three steps there are the warm-up and give the
@@ -66,6 +67,7 @@ CONTENDERS = {
     "ZeRO-2 blocking": (2, {"overlap": False}, True),
     "ZeRO-2 round-end start": (2, {}, False),
     "ZeRO-2 carry_buckets 0": (2, {"carry_buckets": 0}, True),
+    "ZeRO-2 carry_buckets 2 (before)": (2, {"carry_buckets": 2}, True),
     "ZeRO-2 default": (2, {}, True),
     "ZeRO-1 blocking": (1, {"overlap": False}, True),
     "ZeRO-1 round-end start": (1, {}, False),

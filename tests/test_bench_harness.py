@@ -270,6 +270,10 @@ def test_the_measured_multimodal_table_is_the_saved_run_rendered():
     ("zero2_wire_per_rank.json", "zero-wire", "ours ZeRO-2 carry_buckets 0 (before)"),
     ("zero2_wire_carry.json", "zero-wire", "ours ZeRO-2 carry_buckets 3"),
     ("pp_wire_per_rank.json", "pp-wire", "flexible k=1.5p=3"),
+    ("cp_wire_per_rank.json", "cp-wire", "| 32K |"),
+    ("cp_wire_per_rank.json", "cp-regather", "| 32K |"),
+    ("zero2_wire_per_rank_all.json", "zero-wire", "ours ZeRO-2 carry_reductions + overlap_param_gather"),
+    ("zero_megatron_wire_carry3.json", "zero-megatron", "ZeRO-2 carry_buckets 2 (before)"),
 ])
 def test_the_measured_per_rank_wire_tables_are_the_saved_runs_rendered(run, table, holds):
     """docs/benchmarks.md's per-rank wire tables (timing runs, not repeatable in a test) are what

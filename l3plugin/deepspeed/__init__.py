@@ -11,7 +11,7 @@ With the key, ``deepspeed.initialize`` builds ``l3plugin.zero.FP32ReduceZero`` o
 ``seq_data_parallel_group`` (DP x sequence-parallel): fp32 gradient accumulation, fp32 reduce-scatter,
 fp32 master shard, bf16 parameter all-gather. ZeRO-1 reduce-scatters once per step; ZeRO-2 every
 ``reduce_every`` micro-batches (default 1, like stock ZeRO-2) and keeps the fp32 gradient shard in between,
-plus the full buffers of the ``carry_buckets`` buckets (default 2) whose reduce-scatters run on under the next
+plus the full buffers of the ``carry_buckets`` buckets (default 3) whose reduce-scatters run on under the next
 forward. Buckets are ``bucket_numel`` or ``zero_optimization.reduce_bucket_size`` elements; their
 reduce-scatters start from gradient hooks during backward unless ``zero_optimization.overlap_comm`` is
 false. Without the key (or with ``"fp32_reduce_zero": false``)

@@ -11,7 +11,7 @@ optimizer or BF16_Optimizer. What the engines call, and what we do:
   the gradient hook that completes it, while backward goes on.
 - ``overlapping_partition_gradients_reduce_epilogue`` (end of every backward, ZeRO-2) and
   ``reduce_gradients`` (boundary, ZeRO-1): start what is left and wait for everything started except, before
-  the boundary, the reduce-scatters of the ``carry_buckets`` buckets started last (default 2): the backward
+  the boundary, the reduce-scatters of the ``carry_buckets`` buckets started last (default 3): the backward
   completes those last, so waiting for them here would expose their traffic once per micro-batch; they run on
   under the next forward and are waited where their bucket is next written (the next backward's gradient
   hook) or read (the step, ``safe_get_full_grad``). So between micro-batches ZeRO-2 holds the fp32 gradient

@@ -19,7 +19,7 @@ from l3plugin.collective.waits import resolve_timeout
 
 # ZeRO-2 under DeepSpeed: buckets whose reduce-scatter may still run when the next micro-batch starts (the last
 # ones a backward completes: their traffic is what waiting at the end of the backward would expose).
-DEFAULT_CARRY_BUCKETS = 2
+DEFAULT_CARRY_BUCKETS = 3
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
