@@ -17,8 +17,9 @@ import torch
 from l3plugin.checks import check_int
 from l3plugin.collective.waits import resolve_timeout
 
-# ZeRO-2 under DeepSpeed: buckets whose reduce-scatter may still run when the next micro-batch starts (the last
-# ones a backward completes: their traffic is what waiting at the end of the backward would expose).
+# ZeRO-2: buckets whose reduce-scatter may still run when the next micro-batch (Megatron: round) starts (the last
+# ones a backward completes: their traffic is what waiting at the end of the backward would expose). 3, not 2:
+# measured on the per-rank wire (docs/benchmarks.md), at the cost of one more full bucket between micro-batches.
 DEFAULT_CARRY_BUCKETS = 3
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
