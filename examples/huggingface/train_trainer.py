@@ -42,6 +42,7 @@ def main():
                 print(f"step {entry['step']}: loss {entry['loss']:.4f} attention {model.config._attn_implementation}",
                       flush=True)
         print(f"done: mean loss {result.training_loss:.4f}")
+    torch.distributed.destroy_process_group()  # gloo groups left to the interpreter's exit can abort it at random
 
 
 if __name__ == "__main__":
