@@ -126,10 +126,7 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
         if phased is None:
             outs.append(fn(q_rows, k_prefix, v_prefix, meta, causal=causal, softmax_scale=softmax_scale))
         else:  # the same calls in the same order as the overlapped form, all keys here already
-            kernel = phased(i, q_rows)
-            for part in sorted({p for p, _ in kernel.tiles}):
-                kernel.run(part, k_prefix, v_prefix)
-            outs.append(kernel.finish(q_rows, k_prefix, v_prefix))
+            outs.append(phased(i, q_rows).run_all(q_rows, k_prefix, v_prefix))
         first += rows
     out = torch.cat(outs)
     if regather:

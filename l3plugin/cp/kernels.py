@@ -333,6 +333,13 @@ class PhasedFlash:
                     self.lse = torch.full(q.shape[:2], float("-inf"), dtype=l.dtype, device=q.device)
                 self.out[rows], self.lse[rows] = lse_merge(self.out[rows], self.lse[rows], o, l)
 
+    def run_all(self, q, k, v):
+        """Every part at once, with all keys already in ``k``, ``v``: the same calls in the same order as part
+        by part (bit-identical to it); returns ``finish``'s output."""
+        for part in sorted({p for p, _ in self.tiles}):
+            self.run(part, k, v)
+        return self.finish(q, k, v)
+
     def finish(self, q, k, v):
         if not self.tiles:
             return _empty_output(q, v)

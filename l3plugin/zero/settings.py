@@ -117,9 +117,10 @@ class ZeroSettings:
         check=whole_number(1, " (micro-batches between ZeRO-2 reduce-scatters)"), json=(int,))
     carry_buckets: int | None = option(
         None, "ZeRO-2: at the end of a micro-batch's backward (not the step's last; Megatron: of a round of the "
-        "flexible schedule), the reduce-scatters of the N buckets started last run on under the next forward (waited where their bucket is next written, or at the "
-        "step) instead of being waited there; holds at most N buckets' full fp32 buffers between micro-batches; "
-        f"0 waits for every bucket at the end of each backward; default {DEFAULT_CARRY_BUCKETS}",
+        "flexible schedule), the reduce-scatters of the N buckets started last run on under the next forward "
+        "(waited where their bucket is next written, or at the step) instead of being waited there; holds at most "
+        f"N buckets' full fp32 buffers between micro-batches; 0 waits for every bucket at the end of each backward; "
+        f"default {DEFAULT_CARRY_BUCKETS}",
         check=whole_number(0, " (buckets whose reduce-scatter may run on into the next micro-batch)"), json=(int,))
     carry_reductions: bool = option(
         False, "ZeRO-2: every reduce-scatter still running when a micro-batch's backward ends runs on under the next "
