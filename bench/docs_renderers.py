@@ -299,12 +299,14 @@ def zero_wire(figures: dict) -> str:
              f"{row['exposed_ms']:.0f}",
              ratio_range(row["exposed_over_collectives"], 2) if row["exposed_over_collectives"] else "",
              f"{row['cpu_busy']:.2f}", f"{row['grad_bytes_per_param']:.2f}"]
+            + ([f"{row['after_step_bytes_per_param']:.2f}"] if "after_step_bytes_per_param" in row else [])
             for gas, table in figures["gas"].items() for row in table["rows"]]
     alone = "; ".join(f"{name} {1000 * t['wall']:.0f} ms wall ({1000 * t['cpu']:.0f} ms CPU)"
                       for name, t in figures["collectives_alone_s"].items())
+    after_step = ["B/param after step"] if len(rows[0]) > 8 else []  # runs since the deferred parameter all-gather
     return (f"Forward+backward of one micro-batch: {figures['forward_backward_ms']:.0f} ms. Alone on this wire, no "
             f"compute: {alone}.\n\n" + markdown(["gas", "variant", "step ms", "ratio to stock", "exposed ms",
-                                                   "exp/coll", "CPU busy", "grad B/param"], rows))
+                                                   "exp/coll", "CPU busy", "grad B/param"] + after_step, rows))
 
 
 # ---- hf_cp, autoload_startup -------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ on stdout, the tables on stderr. Columns:
   single_partition_of_fp32_groups and bit16_groups_flat. Bytes per model parameter, larger rank. --census-detail
   prints what remained. (Taken at every boundary: after the first micro-batch ZeRO-2 has no shard yet for buckets it
   carries, nor reduce_every for any bucket.)
+- held after the step: the same census right after a step (pending parameter all-gathers), B/param, larger rank.
 - in bwd/all: gradient reductions (reduce-scatter, all-reduce, reduce of more than one element, and on gloo
   l3plugin's point-to-point exchange sends; scalars are norms and overflow flags) started while a loss.backward() ran, i.e. from autograd's gradient hooks,
   overlapping the rest of backward, and how many the step made (rank 0, the recorded third step).
@@ -71,16 +72,14 @@ VARIANTS = {
     "stock ZeRO-1": (1, None, True, {}),
     "ours ZeRO-1": (1, {}, True, {}),
     "ours ZeRO-1 no overlap": (1, {}, False, {}),
-    "ours ZeRO-1 overlap_param_gather": (1, {"overlap_param_gather": True}, True, {}),
+    "ours ZeRO-1 overlap_param_gather off (before)": (1, {"overlap_param_gather": False}, True, {}),
     "stock ZeRO-2": (2, None, True, {}),
-    "ours ZeRO-2": (2, {}, True, {}),  # the defaults (carry_buckets DEFAULT_CARRY_BUCKETS)
+    "ours ZeRO-2": (2, {}, True, {}),  # the defaults (carry_buckets DEFAULT_CARRY_BUCKETS, overlap_param_gather)
     "ours ZeRO-2 carry_buckets 0 (before)": (2, {"carry_buckets": 0}, True, {}),
     **{f"ours ZeRO-2 carry_buckets {n}": (2, {"carry_buckets": n}, True, {}) for n in (3, 5)},
     "ours ZeRO-2 no overlap": (2, {}, False, {}),
-    "ours ZeRO-2 overlap_param_gather": (2, {"overlap_param_gather": True}, True, {}),
+    "ours ZeRO-2 overlap_param_gather off (before)": (2, {"overlap_param_gather": False}, True, {}),
     "ours ZeRO-2 carry_reductions": (2, {"carry_reductions": True}, True, {}),
-    "ours ZeRO-2 carry_reductions + overlap_param_gather": (2, {"carry_reductions": True,
-                                                                "overlap_param_gather": True}, True, {}),
     "stock ZeRO-2 fp32 grad_accum": (2, None, True, {"data_types": {"grad_accum_dtype": "fp32"}}),
     "ours ZeRO-2 reduce_every=gas/2": (2, {"reduce_every": "half"}, True, {}),
 }
@@ -122,9 +121,7 @@ def make_model(width, layers):
     import torch
 
     torch.manual_seed(0)
-    mods = []
-    for _ in range(layers):
-        mods += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    mods = [m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.Tanh())]
     return torch.nn.Sequential(*mods, torch.nn.Linear(width, 1))
 
 
@@ -252,21 +249,24 @@ def prepare_variant(name, gas, micro_batch, width, layers, bucket):
     census = {}  # the largest boundary's {storage: (bytes, "dtype(shape)" of its largest tensor)}; labels only:
     # a tensor kept here would stay alive into the next boundary's census
 
-    def take_census():
-        excluded = set(before) | known_state(engine) | {x.untyped_storage().data_ptr() for x in BATCHES}
-        found = {ptr: (nbytes, f"{str(t.dtype).replace('torch.', '')}{tuple(t.shape)}")
-                 for ptr, (nbytes, t) in live_tensors([engine.module]).items() if ptr not in excluded}
-        if sum(nbytes for nbytes, _ in found.values()) > sum(nbytes for nbytes, _ in census.values()):
-            census.clear()
-            census.update(found)
+    def take_census(into=census):
+        with torch._C.DisableTorchFunction():  # past the parameter-gather guard: counting must not complete them
+            excluded = set(before) | known_state(engine) | {x.untyped_storage().data_ptr() for x in BATCHES}
+            found = {ptr: (nbytes, f"{str(t.dtype).replace('torch.', '')}{tuple(t.shape)}")
+                     for ptr, (nbytes, t) in live_tensors([engine.module]).items() if ptr not in excluded}
+        if sum(nbytes for nbytes, _ in found.values()) > sum(nbytes for nbytes, _ in into.values()):
+            into.clear()
+            into.update(found)
 
     train_step(engine, between_micro_batches=take_census)
+    take_census(after_step := {})  # the same census right after the step: pending parameter all-gathers, inputs
+    step_bytes = sum(nbytes for nbytes, _ in after_step.values())
     detail = {}  # "dtype(shape)" of the largest tensor on a storage -> [storages, bytes]
     for nbytes, label in census.values():
         counts = detail.setdefault(label, [0, 0])
         counts[0], counts[1] = counts[0] + 1, counts[1] + nbytes
     grad_bytes = sum(nbytes for nbytes, _ in census.values())
-    del before, census
+    del before, census, after_step
 
     in_backward = set()  # log indices of the collectives started while a loss.backward() ran
     original_backward = torch.Tensor.backward
@@ -293,6 +293,7 @@ def prepare_variant(name, gas, micro_batch, width, layers, bucket):
         comm[key] = comm.get(key, 0) + c.bytes
     ENGINES[name] = engine
     return {"optimizer": type(engine.optimizer).__name__, "grad_error": error, "grad_bytes": grad_bytes,
+            "step_bytes": step_bytes,
             "detail": detail, "comm": comm, "reductions": len(reductions),
             "in_backward": len(reductions & in_backward)}
 
@@ -352,13 +353,10 @@ def collectives_alone(params, bucket, repeats=3, gather=True):
                        for i, g in enumerate(grads)]:
             flight.wait()
 
-    def all_gather():
-        for flight in [comm.start_all_gather(s, dist.group.WORLD) for s in shards]:
-            flight.wait()
-
     ops = {"fp32 reduce-scatter of all buckets": reduce_scatter}
     if gather:
-        ops["bf16 parameter all-gather"] = all_gather
+        ops["bf16 parameter all-gather"] = lambda: [f.wait() for f in [comm.start_all_gather(s, dist.group.WORLD)
+                                                                        for s in shards]]
     return wire.time_collectives_alone(1, repeats, ops=ops)
 
 
@@ -478,6 +476,7 @@ def print_table(gas, args, params, info, step, exposed, busy):
                "exposed_over_collectives": harness.ratio_stats(exposed[name], exposed[twin]) if twin else None,
                "cpu_busy": statistics.median(busy[name]),
                "grad_bytes_per_param": max(r["grad_bytes"] for r in info[name]) / params,
+               "after_step_bytes_per_param": max(r["step_bytes"] for r in info[name]) / params,
                "reductions_in_backward": rank0["in_backward"], "reductions": rank0["reductions"],
                "grad_error": rank0["grad_error"], "collective_bytes": rank0["comm"]}
         rows.append(row)
@@ -486,7 +485,8 @@ def print_table(gas, args, params, info, step, exposed, busy):
         comm = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in sorted(rank0["comm"].items()))
         print(f"{name:<52} {rank0['optimizer']:<24} {row['step_ms']:>7.0f} {ratio:>16} {row['exposed_ms']:>10.0f} "
               f"{fraction:>17} {row['cpu_busy']:>8.2f} {row['grad_bytes_per_param']:>12.2f} "
-              f"{rank0['in_backward']:>5}/{rank0['reductions']:<4} {rank0['grad_error']:>8.1e}  {comm}", flush=True)
+              f"{rank0['in_backward']:>5}/{rank0['reductions']:<4} {rank0['grad_error']:>8.1e}  {comm}; held after "
+              f"the step {row['after_step_bytes_per_param']:.2f} B/param", flush=True)
     if args.census_detail:
         for name in VARIANTS:
             for rank, r in enumerate(info[name]):

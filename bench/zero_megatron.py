@@ -17,9 +17,10 @@ ZeRO-2 and ZeRO-1:
   started in backward: all of a round's reduce-scatters start after its last backward;
 - "default": what megatron_zero + attach_to_schedule do: each bucket's reduce-scatter starts from the gradient
   hook of the round's last backward that completes it; the round end waits for all but the 3 started last
-  (carry_buckets), which run on under the next round;
+  (carry_buckets), which run on under the next round; the step only starts the parameter all-gathers, each
+  completed in the next forward (overlap_param_gather);
 - "carry_buckets 0" (ZeRO-2): the same, but the round end waits for every one of the round's reductions;
-  "carry_buckets 2 (before)": all but the 2 started last (the default before).
+  "overlap_param_gather off (before)": the step completes its parameter all-gathers (the default before).
 
 One RankPool(2) serves the whole run (on a per-rank wire every rank on its own link, bench/wire.py). Per gas,
 each contender is built once in the workers and kept; its first three steps there are the warm-up and give the
@@ -67,7 +68,7 @@ CONTENDERS = {
     "ZeRO-2 blocking": (2, {"overlap": False}, True),
     "ZeRO-2 round-end start": (2, {}, False),
     "ZeRO-2 carry_buckets 0": (2, {"carry_buckets": 0}, True),
-    "ZeRO-2 carry_buckets 2 (before)": (2, {"carry_buckets": 2}, True),
+    "ZeRO-2 overlap_param_gather off (before)": (2, {"overlap_param_gather": False}, True),
     "ZeRO-2 default": (2, {}, True),
     "ZeRO-1 blocking": (1, {"overlap": False}, True),
     "ZeRO-1 round-end start": (1, {}, False),
@@ -322,7 +323,7 @@ def print_table(gas, params, info, rounds):
     step = {n: [max(r[0] for r in per_rank) for per_rank in results] for n, results in rounds.items()}
     exposed = {n: [t - max(r[1] for r in per_rank) for t, per_rank in zip(step[n], results)]
                for n, results in rounds.items()}
-    header = (f"{'gas ' + str(gas):<24} {'step ms':>7} {'exposed ms':>10} {'exp/coll (range)':>17} "
+    header = (f"{'gas ' + str(gas):<40} {'step ms':>7} {'exposed ms':>10} {'exp/coll (range)':>17} "
               f"{'grad B/param':>12} {'in bwd/all':>10} {'waits ms r0/r1':>14} {'final ms r0/r1':>14} {'identical':>9}")
     print(f"\n{header}\n{'-' * len(header)}")
     rows = []
@@ -340,7 +341,7 @@ def print_table(gas, params, info, rounds):
                "identical_to_blocking": all(a["digest"] == b["digest"] for a, b in zip(info[name], info[twin]))}
         rows.append(row)
         fraction = harness.ratio_text(row["exposed_over_collectives"], 2) if name != twin else "-"
-        print(f"{name:<24} {row['step_ms']:>7.0f} {row['exposed_ms']:>10.0f} {fraction:>17} "
+        print(f"{name:<40} {row['step_ms']:>7.0f} {row['exposed_ms']:>10.0f} {fraction:>17} "
               f"{row['grad_bytes_per_param']:>12.2f} {rank0['in_backward']:>5}/{rank0['reductions']:<4} "
               f"{waits[0]:>6.0f}/{waits[1]:<7.0f} {final[0]:>6.0f}/{final[1]:<7.0f} "
               f"{'yes' if row['identical_to_blocking'] else 'NO':>9}", flush=True)

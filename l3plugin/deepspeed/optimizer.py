@@ -152,12 +152,9 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
         reductions completed as they finish (carry_reductions)."""
         hooks = []
         if self.zero.settings.overlap and self.zero.settings.overlap_param_gather:
+            # A tied weight PipelineModule uses through a forward_fn (outside its module's forward) is completed by
+            # the guard at that use (param_gather.py).
             hooks += self.zero.wait_params_in_forward(module)
-            # PipelineModule may use a tied module's weight through a forward_fn, outside that module's
-            # forward (its pre-hook would not fire): tied weights are completed when the pipeline module starts.
-            tied = [p for m in getattr(module, "tied_modules", {}).values() for p in m.parameters()]
-            if tied:
-                hooks.append(module.register_forward_pre_hook(lambda *_: self.zero.wait_param_gather(tied)))
         if self.carry_buckets is None:  # unbounded carry: free what has finished while the next forward runs
             hooks += [sub.register_forward_pre_hook(lambda *_: self.zero.complete_finished_reductions())
                       for sub in module.modules() if next(sub.parameters(recurse=False), None) is not None]

@@ -132,9 +132,10 @@ def _register_tp_sums(zero, model_chunks, config) -> None:
 def megatron_zero(model_chunks, optimizer, *, stage=1, clip_grad=0.0, gradient_scale=None, group=None,
                   **settings):
     """``group`` overrides the gradient-reduction group (default: parallel_state's DP x CP group).
-    ``overlap_param_gather=True`` (a ZeroSettings field): ``zero.step()`` only starts the parameter
+    ``overlap_param_gather`` (a ZeroSettings field, default True): ``zero.step()`` only starts the parameter
     all-gathers; each chunk's layers wait for theirs in their forward pre-hooks (Megatron's
-    --overlap-param-gather, for l3plugin's optimizer). With ``config.calculate_per_token_loss`` the
+    --overlap-param-gather, for l3plugin's optimizer), any other read first in the guard of
+    ``l3plugin/zero/param_gather.py``. With ``config.calculate_per_token_loss`` the
     gradients are summed over the group (``gradient_scale`` 1.0, Megatron's choice) and scaled by 1 / tokens
     in the finalize function ``attach_to_schedule`` installs."""
     from megatron.core import parallel_state as ps

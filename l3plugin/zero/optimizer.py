@@ -37,7 +37,8 @@ their result or their buffer is needed: a bucket's reduce-scatter before the buc
 again, at the next round end (Megatron path: started during a round's last backward, one round in flight
 after a round end), at the end of the backward pass that started it (DeepSpeed adapter: all but the few
 started last, ``wait_reductions_but_latest``; those run on under the next forward), and in ``finish_grad_sync``;
-the bf16 parameter all-gathers two buckets at a time inside ``step``. Every wait is bounded by
+the bf16 parameter all-gathers where the next forward first uses each bucket (``overlap_param_gather``, on by
+default; ``param_gather.py``: forward pre-hooks and a guard against earlier reads). Every wait is bounded by
 ``wait_timeout`` and fails with an error naming the rank, the group and the bucket. Overlap on and off do
 the same arithmetic in the same order: bit-identical results (tested).
 
@@ -73,9 +74,10 @@ from l3plugin.collective.waits import resolve_timeout
 from l3plugin.zero.buffers import GradBucket, GradBufferMemory, plan_buckets
 from l3plugin.zero.full_tensors import FullTensors
 from l3plugin.zero.grad_sums import apply_grad_sum, make_grad_sum
+from l3plugin.zero.param_gather import GUARD, ParamGather
 from l3plugin.zero.settings import ZeroSettings
 
-class FP32ReduceZero(FullTensors):
+class FP32ReduceZero(FullTensors, ParamGather):
     """Wraps a torch optimizer built over the model's (bf16) parameters; takes ownership of its param groups.
 
     group: the gradient-reduction process group (DP, or DP x CP); None = the default group.
@@ -291,6 +293,7 @@ class FP32ReduceZero(FullTensors):
         last): complete earlier rounds' reductions (other chunks' buckets), start those of ``params`` not
         started yet, which run under the next round. ``carry`` (they started in the backward: ``before_round_end``):
         wait for all but the ``carry`` started last; the rest are waited where their bucket is next needed."""
+        GUARD.leave_if_done()  # a guard whose last gather completed in its own dispatch could not leave then
         if self.settings.stage == 2 or is_last_round:
             params = list(params)  # may be a generator (a module's parameters()): read twice
             mine = {bucket.spec.index for bucket in self.buckets_of(params)}
@@ -404,65 +407,6 @@ class FP32ReduceZero(FullTensors):
             self.all_gather_params()
         self.zero_grad()
         return norm
-
-    # -- parameter all-gather ------------------------------------------------------------------------------
-    # Started bucket by bucket in ascending order (the order of the forward, and the same on every rank),
-    # completed (waited, copied into the parameters) in ``wait_param_gather``: at once, or with
-    # ``overlap_param_gather`` from forward pre-hooks just before the parameters are used.
-    @torch.no_grad()
-    def all_gather_params(self, wait: bool | None = None) -> None:
-        """Write the fp32 shards into every rank's parameters, gathered in the parameters' dtype.
-
-        ``wait`` (default: not ``overlap_param_gather``): complete every bucket before returning; with
-        overlap the next bucket's all-gather is started before this one is copied out (two in flight at
-        most: bounded memory). Without waiting every all-gather is started here (always all of them, so the
-        collectives are issued in the same order on every rank whatever later waits for them) and each bucket
-        is completed by ``wait_param_gather``: from the forward pre-hooks of ``wait_params_in_forward``, or
-        before anything else reads the parameters (checkpoints, the next step)."""
-        self.wait_param_gather()  # the previous step's gathers land first: they write the same parameters
-        if wait is None:
-            wait = not (self.settings.overlap and self.settings.overlap_param_gather)
-        ahead = 2 if self.settings.overlap else 1
-        for index, bucket in enumerate(self.buckets):
-            self._gathers[index] = comm.start_all_gather(bucket.master.detach().to(bucket.spec.dtype), self.group,
-                                                         what=f"parameter bucket {index}")
-            if wait and index + 1 >= ahead:
-                self._finish_gather(index + 1 - ahead)
-        if wait:
-            self.wait_param_gather()
-
-    @torch.no_grad()
-    def _finish_gather(self, index: int) -> None:
-        full = self._gathers.pop(index).wait(self.wait_timeout)
-        bucket = self.buckets[index]
-        for slot, p in zip(bucket.spec.slots, bucket.params):
-            p.copy_(full[slot.offset:slot.offset + slot.numel].view_as(p))
-
-    def wait_param_gather(self, params=None) -> None:
-        """Complete the started parameter all-gathers of the buckets of ``params`` (all if None): local work
-        only (the collectives were all started by ``all_gather_params``)."""
-        if self._gathers:
-            for bucket in self.buckets_of(params):
-                if bucket.spec.index in self._gathers:
-                    self._finish_gather(bucket.spec.index)
-
-    def wait_params_in_forward(self, module: torch.nn.Module) -> list:
-        """Forward pre-hooks on every submodule of ``module`` that owns parameters of this optimizer: each
-        completes its parameters' all-gather just before its forward, so with ``overlap_param_gather`` the
-        gathers of later layers run on the wire under the forward of earlier ones (what the paper and Megatron
-        call overlapping the parameter all-gather with the next forward). A state-dict pre-hook on ``module``
-        completes all of them before the weights are read for a checkpoint. Parameters must be used inside
-        their own module's forward (true for nn.Linear, Embedding, norms, ...): one read otherwise before the
-        next forward sees the previous step's values; call ``wait_param_gather()`` first. Returns the hook
-        handles."""
-        handles = []
-        for sub in module.modules():
-            owned = [p for p in sub.parameters(recurse=False) if p in self.slots]
-            if owned:
-                handles.append(sub.register_forward_pre_hook(
-                    lambda _module, _args, owned=owned: self.wait_param_gather(owned)))
-        handles.append(module.register_state_dict_pre_hook(lambda *_: self.wait_param_gather()))
-        return handles
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wait_reductions()  # a started collective is never abandoned: other ranks take part in it

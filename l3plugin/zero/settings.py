@@ -106,9 +106,9 @@ class ZeroSettings:
     overlap: bool = option(True, "start reduce-scatters as soon as a bucket is final and wait late; False: "
                            "blocking (DeepSpeed: zero_optimization.overlap_comm)", check=boolean)
     overlap_param_gather: bool = option(
-        False, "start the bf16 parameter all-gathers at the step and wait for each bucket just before the forward "
-        "of the first module using it; holds a gathered bf16 copy of the parameters until the next forward has "
-        "used them", check=boolean, json=(bool,))
+        True, "with overlap: the step starts the bf16 parameter all-gathers and each bucket is completed where the "
+        "next forward (or any earlier read) first uses its parameters; holds the gathered bf16 buckets until then "
+        "(up to a bf16 copy of the parameters); False: completed inside the step", check=boolean, json=(bool,))
     wait_timeout: float | None = option(None, "seconds a collective may take before a rank-named error (default: "
                                         "$L3PLUGIN_WAIT_TIMEOUT or 600)", check=seconds, json=(int, float))
     reduce_every: int | None = option(

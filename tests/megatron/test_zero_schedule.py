@@ -135,11 +135,11 @@ def test_overlapped_round_reductions_are_bit_identical(ranks, stage):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_parameter_gathers_overlapped_with_the_next_forward_are_bit_identical(ranks, stage):
-    """overlap_param_gather: step() only starts the all-gathers, each layer waits for its bucket in its
-    forward pre-hook; three steps (two forwards on gathered parameters) equal the blocking path bit for bit."""
+    """overlap_param_gather (the default): step() only starts the all-gathers, each layer waits for its bucket in
+    its forward pre-hook; three steps (two forwards on gathered parameters) equal the blocking path bit for bit."""
     p, v, m, k = 2, 2, 5, 2
     blocking = ranks.run(4, zero_step, stage, p, v, m, k, False, 3, timeout=120)
-    overlapped = ranks.run(4, zero_step, stage, p, v, m, k, True, 3, overlap_param_gather=True, timeout=120)
+    overlapped = ranks.run(4, zero_step, stage, p, v, m, k, True, 3, timeout=120)
     for b, o in zip(blocking, overlapped):
         assert all(torch.equal(b["weights"][lid], o["weights"][lid]) for lid in b["weights"])
         assert b["pending"] == 0 and o["pending"] == o["buckets"]
