@@ -53,9 +53,11 @@ def _metadata_functions() -> frozenset:
     return frozenset(out)
 
 
-def _function_stack() -> list:
-    """The torch-function modes of this thread, bottom first."""
-    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+def _function_stack() -> list | None:
+    """The torch-function modes of this thread, bottom first; None if this torch cannot list them (no guard then:
+    the step completes its gathers)."""
+    length, at = (getattr(torch._C, name, None) for name in ("_len_torch_function_stack", "_get_function_stack_at"))
+    return None if length is None or at is None else [at(i) for i in range(length())]
 
 
 class StaleReadGuard(TorchFunctionMode):
@@ -103,7 +105,7 @@ class StaleReadGuard(TorchFunctionMode):
         stack (another mode is there without it): the caller then completes the gather at once."""
         stack = _function_stack()
         if not self.pushed:
-            if stack:
+            if stack is None or stack:
                 return False
             self.__enter__()
             self.pushed = True
@@ -111,8 +113,9 @@ class StaleReadGuard(TorchFunctionMode):
             self.pending.clear()
             self.pushed = False
             return self.hold(owner, index, params)
-        for key in [k for k, (p, o, _) in self.pending.items() if p() is None or o() is None]:
-            del self.pending[key]  # left by optimizers or models that are gone
+        if index == 0:  # once per step: entries left by optimizers or models that are gone
+            for key in [k for k, (p, o, _) in self.pending.items() if p() is None or o() is None]:
+                del self.pending[key]
         for p in params:
             self.pending[id(p)] = (weakref.ref(p), weakref.ref(owner), index)
         return True
