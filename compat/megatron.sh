@@ -58,11 +58,13 @@ else
     if [ ! -f "$VENV/.compat-installed" ]; then
         "$BASE_PY" -m venv "$VENV"
         TORCH="$(grep -E '^torch==' "$ROOT/constraints.txt" || echo torch)"
+        DEEPSPEED="$(grep -E '^deepspeed==' "$ROOT/constraints.txt" || echo deepspeed)"
         # torch and triton from the package index (triton: megatron.core.pipeline_parallel imports it from
         # 0.18); six, regex, pyyaml, einops: Megatron-LM's training code; psutil: dist_checkpointing from 0.19
-        # (not declared by megatron-core); the rest: l3plugin's tests.
-        "$PY" -m pip install --quiet "$TORCH" triton numpy packaging six regex pyyaml einops psutil \
-            "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
+        # (not declared by megatron-core); deepspeed (no ops built): tests/test_patches.py checks every patch
+        # set, the DeepSpeed adapter's too; the rest: l3plugin's tests.
+        DS_BUILD_OPS=0 "$PY" -m pip install --quiet "$TORCH" "$DEEPSPEED" triton numpy packaging six regex pyyaml \
+            einops psutil "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
         touch "$VENV/.compat-installed"
     fi
 fi
