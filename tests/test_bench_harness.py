@@ -275,6 +275,8 @@ def test_the_measured_multimodal_table_is_the_saved_run_rendered():
     ("zero2_wire_per_rank_all.json", "zero-wire", "ours ZeRO-2 carry_reductions + overlap_param_gather"),
     ("zero_megatron_wire_carry3.json", "zero-megatron", "ZeRO-2 carry_buckets 2 (before)"),
     ("zero_wire_param_gather.json", "zero-wire", "ours ZeRO-2 overlap_param_gather off (before)"),
+    ("pp_wire_send30.json", "pp-wire", "flexible k=1.5p=3"),
+    ("pp_wire_send30_vpp34.json", "pp-wire", "flexible k=1.5p=3"),
     ("zero_megatron_wire_param_gather.json", "zero-megatron", "ZeRO-2 overlap_param_gather off (before)"),
 ])
 def test_the_measured_per_rank_wire_tables_are_the_saved_runs_rendered(run, table, holds):
