@@ -62,8 +62,8 @@ def _function_stack() -> list | None:
 
 class StaleReadGuard(TorchFunctionMode):
     """One per process (``GUARD``): on the torch-function mode stack while any parameter all-gather is pending.
-    ``pending``: id(parameter) -> (weak parameter, weak owner, bucket index); weak, so a dropped optimizer or
-    model leaves nothing alive and a reused id never matches another tensor."""
+    ``pending``: id(parameter) -> (weak parameter, weak owner); weak, so a dropped optimizer or model leaves
+    nothing alive and a reused id never matches another tensor."""
 
     METADATA = _metadata_functions()
 
@@ -100,9 +100,11 @@ class StaleReadGuard(TorchFunctionMode):
             else:
                 owner.wait_param_gather([tensor])
 
-    def hold(self, owner, index: int, params) -> bool:
-        """Register ``params`` (bucket ``index`` of ``owner``) as pending; False when the guard cannot be on the
-        stack (another mode is there without it): the caller then completes the gather at once."""
+    def hold(self, owner, params) -> bool:
+        """Register ``params`` of ``owner`` as pending (once per step, before its gathers start); False when the
+        guard cannot be on the stack (another mode is there without it): the caller then completes them at once."""
+        if not params:
+            return True  # nothing to guard (a stage with nothing trainable)
         stack = _function_stack()
         if not self.pushed:
             if stack is None or stack:
@@ -112,12 +114,10 @@ class StaleReadGuard(TorchFunctionMode):
         elif self not in stack:  # popped by somebody else's exit: start over
             self.pending.clear()
             self.pushed = False
-            return self.hold(owner, index, params)
-        if index == 0:  # once per step: entries left by optimizers or models that are gone
-            for key in [k for k, (p, o, _) in self.pending.items() if p() is None or o() is None]:
-                del self.pending[key]
-        for p in params:
-            self.pending[id(p)] = (weakref.ref(p), weakref.ref(owner), index)
+            return self.hold(owner, params)
+        for key in [k for k, (p, o) in self.pending.items() if p() is None or o() is None]:
+            del self.pending[key]  # left by optimizers or models that are gone
+        self.pending.update({id(p): (weakref.ref(p), weakref.ref(owner)) for p in params})
         return True
 
     def release(self, params) -> None:
@@ -152,12 +152,12 @@ class ParamGather:
         self.wait_param_gather()  # the previous step's gathers land first: they write the same parameters
         if wait is None:
             wait = not (self.settings.overlap and self.settings.overlap_param_gather)
+        if not wait and not GUARD.hold(self, [p for bucket in self.buckets for p in bucket.params]):
+            wait = True  # another torch-function mode is on the stack: no guarded deferral
         ahead = 2 if self.settings.overlap else 1
         for index, bucket in enumerate(self.buckets):
             self._gathers[index] = comm.start_all_gather(bucket.master.detach().to(bucket.spec.dtype), self.group,
                                                          what=f"parameter bucket {index}")
-            if not wait and not GUARD.hold(self, index, bucket.params):
-                wait = True  # another torch-function mode is on the stack: no guarded deferral
             if wait and index + 1 >= ahead:
                 self._finish_gather(index + 1 - ahead)
         if wait:
