@@ -119,3 +119,15 @@ def test_a_compiled_model_trains_bit_identically_with_the_deferred_gather(ranks,
     for r, b in zip(ranks.run(2, compiled_training, True, hooks, timeout=180), blocking):
         assert r["pending"] and not b["pending"]
         assert all(torch.equal(x, y) for x, y in zip(r["params"], b["params"]))
+
+
+def test_the_option_defaults_on_and_bad_values_name_it():
+    from l3plugin.zero.settings import ZeroSettings, json_options
+
+    assert ZeroSettings().overlap_param_gather is True
+    assert json_options({}, "l3plugin")["overlap_param_gather"] is True  # left out of DeepSpeed's block: on
+    assert json_options({"overlap_param_gather": False}, "l3plugin")["overlap_param_gather"] is False
+    with pytest.raises(ValueError, match=r"overlap_param_gather='yes' must be True or False"):
+        ZeroSettings(overlap_param_gather="yes")
+    with pytest.raises(ValueError, match=r'"l3plugin.overlap_param_gather" must be bool'):
+        json_options({"overlap_param_gather": "true"}, "l3plugin")
