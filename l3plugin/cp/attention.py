@@ -33,9 +33,9 @@ import torch.distributed as dist
 from l3plugin.collective.waits import resolve_timeout
 from l3plugin.cp.kernels import PhasedFlash, cpu_flash_kernel, select_kernel
 from l3plugin.cp.kv_gather import GatherKV, GatheredKV, check_cp_kv
-from l3plugin.cp.layout import check_bool, check_cu_seqlens, make_layout
+from l3plugin.cp.layout import check_bool, check_cu_seqlens, make_layout, per_document_layout
 from l3plugin.cp.overlap import PARTS, overlapped_attention, part_plan
-from l3plugin.cp.sharding import document_metadata
+from l3plugin.cp.sharding import attention_boundaries, check_thd_boundaries, document_metadata, padding_positions
 
 
 def _check_inputs(q, k, v):
@@ -134,4 +134,33 @@ def all_gather_attention(q, k, v, cu_seqlens, *, group=None, causal=True, softma
         node.buffer, node.full = GatheredKV(node.full, plan.gathered_order(), group, timeout, k, v, prefetch), None
         # Runs when the gradient of ``out`` is known, before any kernel's backward reads the saved views.
         out.register_hook(lambda grad: node.buffer.begin_backward())
+    return out
+
+
+def thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded=None, *, group=None, causal=True, **options):
+    """All-gather CP attention of one THD packed sequence laid out as Megatron-Core / Transformer Engine shard
+    it (layout.per_document_layout; the offsets' convention: sharding.py, "THD packing"). That split is one
+    more CP layout, so the all-gather attention runs on it unchanged. Padding never reaches a real token: every
+    document's padding tail is its own document of the attention (``attention_boundaries``), and padding
+    tokens' outputs are zero, so their gradients are zero too.
+
+    q: [t, heads_q, head_dim]; k, v: [t, heads_kv, head_dim]: this rank's t tokens, pieces r and 2cp-1-r of
+    every document (per_document_layout); cu_seqlens / cu_seqlens_padded: over the whole packed sequence, the
+    same on every rank (checked here, before any communication, so bad ones raise on every rank alike).
+    ``options`` go to ``all_gather_attention`` (softmax_scale, kernel, cp_kv, overlap, ...; not ``layout``).
+    Returns [t, heads_q, head_dim]; padding tokens get zeros (and so no gradient).
+    """
+    check_bool("causal", causal)
+    if "layout" in options:
+        raise ValueError("thd_attention takes no layout: THD input is laid out per document (per_document_layout)")
+    cp = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    cu, padded = check_thd_boundaries(cu_seqlens, cu_seqlens_padded, q.size(0), cp)
+    layout = per_document_layout(padded, cp)
+    out = all_gather_attention(q, k, v, attention_boundaries(cu, padded), group=group, causal=causal,
+                               layout=layout, **options)
+    pad = padding_positions(cu, padded)
+    if bool(pad.any()):
+        real = ~pad[layout.indices(rank)]
+        out = out * real.to(out.device, out.dtype)[:, None, None]
     return out

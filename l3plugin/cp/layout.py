@@ -9,6 +9,9 @@ layout only decides how the attention work is spread.
 - ``"2cp"`` (the paper's, §4; the default): the sequence is cut into 2*cp equal chunks and rank i holds
   chunks i and 2*cp-1-i. That balances causal work for ONE document; with many documents it does not
   (log-normal lengths, median ~600 tokens: max/min attention work ~1.7 at cp=2, ~3 at cp=4).
+- ``"per-document"`` (Megatron's and Transformer Engine's THD packing, ``per_document_layout``): every
+  document padded to a multiple of 2*cp and split like "2cp" on its own. Not chosen by name: it comes with
+  THD input (attention.thd_attention).
 - ``"balanced"`` (beyond the paper): the sequence is cut into equal pieces and the pieces are dealt to
   ranks by attention work (largest first, to the least-loaded rank that still has room; every rank gets
   the same number of pieces, hence the same number of tokens). The piece count starts small and doubles
@@ -36,6 +39,7 @@ import torch
 from l3plugin.checks import check_int
 
 LAYOUT_NAMES = ("2cp", "balanced")
+PER_DOCUMENT = "per-document"  # Megatron's / TE's THD split (per_document_layout): comes with THD input, not chosen
 TOLERANCE = 1.05  # balanced: stop refining once max/min attention work is within this
 MIN_PIECE = 64  # balanced: smallest piece in tokens (a GPU kernel call on fewer is mostly overhead)
 
@@ -247,6 +251,40 @@ def balanced_layout(cu_seqlens, seq_len: int, cp_size: int, *, tolerance: float 
                          f"same number of tokens; pad the sequence to a multiple of {cp_size}")
     cu = check_cu_seqlens(cu_seqlens, seq_len)
     return _balanced(tuple(cu.tolist()), seq_len, cp_size, float(tolerance), min_piece)
+
+
+@functools.lru_cache(maxsize=64)
+def _per_document(padded: tuple, cp_size: int) -> CPLayout:
+    ranges = [[] for _ in range(cp_size)]
+    for a, b in zip(padded, padded[1:]):
+        piece = (b - a) // (2 * cp_size)
+        if piece == 0:
+            continue  # an empty document
+        for r in range(cp_size):
+            for p in (r, 2 * cp_size - 1 - r):
+                lo, hi = a + p * piece, a + (p + 1) * piece
+                mine = ranges[r]
+                if mine and mine[-1][1] == lo:  # adjacent: the middle pieces, or a document end and the next start
+                    mine[-1] = (mine[-1][0], hi)
+                else:
+                    mine.append((lo, hi))
+    return CPLayout(PER_DOCUMENT, padded[-1], cp_size, tuple(tuple(mine) for mine in ranges))
+
+
+def per_document_layout(cu_seqlens_padded, cp_size: int) -> CPLayout:
+    """The CP layout of Megatron's / Transformer Engine's THD split (cp > 1): every document padded to a multiple
+    of 2*cp (``cu_seqlens_padded``: where each padded document starts, [0, ..., S]) and cut into 2*cp equal
+    pieces; rank r holds pieces r and 2*cp-1-r of EVERY document, document after document (what Megatron's THD
+    RoPE, rope_utils._apply_rotary_pos_emb_thd, assumes). Adjacent pieces of one rank are merged into one
+    range; empty documents hold nothing. Cached: built in every attention call."""
+    check_int("cp_size", cp_size)
+    padded = torch.as_tensor(cu_seqlens_padded).detach().to("cpu").reshape(-1).to(torch.int64)
+    lengths = padded[1:] - padded[:-1]
+    if padded.numel() < 2 or padded[0].item() != 0 or bool((lengths < 0).any()) or (
+            cp_size > 1 and bool((lengths % (2 * cp_size)).any())):
+        raise ValueError(f"cu_seqlens_padded={padded.tolist()[:16]} is invalid: offsets from 0, not decreasing, "
+                         f"every document's padded length a multiple of 2 x cp_size = {2 * cp_size}")
+    return _per_document(tuple(padded.tolist()), cp_size)
 
 
 def make_layout(layout, seq_len: int, cp_size: int, cu_seqlens=None) -> CPLayout:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from l3plugin.checks import check_int
 from l3plugin.cp.layout import check_bool, check_cu_seqlens, make_layout, two_chunk_layout
 
 __all__ = ["ChunkDocuments", "check_bool", "check_cu_seqlens", "cu_seqlens_from_eod", "document_ids",
@@ -134,3 +135,90 @@ def document_metadata(cu_seqlens, seq_len: int, cp_size: int, cp_rank: int, caus
             cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_kv=bounds.to(torch.int32),
             max_seqlen_q=int(q_len.max()), max_seqlen_kv=int((doc_end - doc_start).max())))
     return tuple(out)
+
+
+# ---- THD packing (Megatron-Core / Transformer Engine): real and padded document offsets ----
+# One packed sequence is given as ``cu_seqlens``, the cumulative REAL lengths of its documents [0, l0, l0+l1,
+# ...], and ``cu_seqlens_padded``, where each document starts in the packed tensor [0, p0, p0+p1, ...] with
+# p_i >= l_i: document i's tokens are at [P_i, P_i + l_i), [P_i + l_i, P_(i+1)) is its padding (None: no
+# padding, the padded offsets are cu_seqlens). Under CP, layout.per_document_layout says who holds what.
+# Empty documents (repeated offsets, as fixed-size cu_seqlens buffers end) are allowed.
+
+def _offsets(name: str, value) -> torch.Tensor:
+    raw = torch.as_tensor(value).detach().to("cpu").reshape(-1)
+    if raw.dtype == torch.bool or raw.is_floating_point() or raw.is_complex():
+        raise ValueError(f"{name} must hold integer token offsets, got dtype {raw.dtype}")
+    return raw.to(torch.int64)
+
+
+def _shown(t: torch.Tensor) -> str:
+    values = t.tolist()
+    return str(values) if len(values) <= 16 else f"{values[:16]}... ({len(values)} entries)"
+
+
+def check_thd_boundaries(cu_seqlens, cu_seqlens_padded, local_len: int, cp_size: int):
+    """(cu_seqlens, cu_seqlens_padded) as int64 CPU tensors, after checking they describe one packed
+    sequence whose local part on each of ``cp_size`` ranks has ``local_len`` tokens ("THD packing" above).
+    Raises a ValueError naming the parameter, its value and the rule it breaks."""
+    check_int("local_len", local_len, 0)
+    check_int("cp_size", cp_size)
+    cu = _offsets("cu_seqlens_q", cu_seqlens)
+    given_padded = cu_seqlens_padded is not None
+    padded = _offsets("cu_seqlens_q_padded", cu_seqlens_padded) if given_padded else cu
+    pname = "cu_seqlens_q_padded" if given_padded else "cu_seqlens_q (no cu_seqlens_q_padded given)"
+    seq_len = local_len * cp_size
+    for name, t in (("cu_seqlens_q", cu), (pname, padded)):
+        if t.numel() < 2 or t[0].item() != 0:
+            raise ValueError(f"{name}={_shown(t)} is invalid: it must start at 0 and have at least 2 entries")
+        if bool((t[1:] < t[:-1]).any()):
+            raise ValueError(f"{name}={_shown(t)} is invalid: offsets must not decrease")
+    if padded[-1].item() != seq_len:
+        raise ValueError(
+            f"{pname}={_shown(padded)} ends at {padded[-1].item()}, but the packed sequence has "
+            f"{local_len} local tokens x cp {cp_size} = {seq_len}: the last (padded) offset must be the length of "
+            f"the whole packed sequence, local tokens x CP size")
+    if given_padded:
+        if cu.numel() != padded.numel():
+            raise ValueError(f"cu_seqlens_q has {cu.numel()} entries but cu_seqlens_q_padded has "
+                             f"{padded.numel()}: both describe the same documents ({_shown(cu)} vs {_shown(padded)})")
+        over = ((cu[1:] - cu[:-1]) > (padded[1:] - padded[:-1])).nonzero().flatten()
+        if over.numel():
+            i = int(over[0])
+            raise ValueError(
+                f"cu_seqlens_q={_shown(cu)} gives document {i} {int(cu[i + 1] - cu[i])} tokens but "
+                f"cu_seqlens_q_padded={_shown(padded)} only {int(padded[i + 1] - padded[i])}: a document's padded "
+                f"length must be at least its length")
+    if cp_size > 1:
+        lengths = padded[1:] - padded[:-1]
+        bad = (lengths % (2 * cp_size)).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            hint = ("" if given_padded else "; give cu_seqlens_q_padded (each document padded to a multiple of "
+                    f"{2 * cp_size}) or use l3plugin's own layouts, which pad nothing (qkv_format 'sbhd')")
+            raise ValueError(
+                f"{pname}={_shown(padded)} gives document {i} a padded length of {int(lengths[i])}, not a multiple "
+                f"of 2 x cp = {2 * cp_size}: with qkv_format 'thd' and CP every document is cut into 2 x cp equal "
+                f"pieces{hint}")
+    return cu, padded
+
+
+def attention_boundaries(cu_seqlens, cu_seqlens_padded) -> torch.Tensor:
+    """Document boundaries over the whole PADDED sequence for the attention: every document's tokens, and
+    separately its padding tail (empty ones dropped). Padding then attends only padding, and no real token
+    sees it."""
+    cu = _offsets("cu_seqlens_q", cu_seqlens)
+    padded = _offsets("cu_seqlens_q_padded", cu_seqlens_padded)
+    ends = padded[:-1] + (cu[1:] - cu[:-1])
+    edges = torch.unique(torch.cat([padded, ends]))  # sorted; empty documents and tails collapse
+    return edges
+
+
+def padding_positions(cu_seqlens, cu_seqlens_padded) -> torch.Tensor:
+    """Boolean mask over the whole padded sequence: True at the padding tokens."""
+    cu = _offsets("cu_seqlens_q", cu_seqlens)
+    padded = _offsets("cu_seqlens_q_padded", cu_seqlens_padded)
+    seq_len = int(padded[-1])
+    lengths = padded[1:] - padded[:-1]
+    starts = torch.repeat_interleave(padded[:-1], lengths)
+    real = torch.repeat_interleave(cu[1:] - cu[:-1], lengths)
+    return (torch.arange(seq_len) - starts) >= real

@@ -16,9 +16,17 @@ one document. Shard the batch with ``l3plugin.cp.shard_batch`` and the same ``cp
   ``packed_seq_params.cu_seqlens_q`` (the layout is derived from it, identically on every rank).
   l3plugin's planner (l3plugin/planner/) does not model the CP imbalance of either layout.
 
-Prefer ``PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=...)``: Megatron then applies RoPE by global
-position, matching our layout. With ``qkv_format="thd"`` Megatron's RoPE assumes TE's per-document CP
-split, which is not ours, so that combination is refused when cp > 1.
+``PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=...)`` selects l3plugin's layouts above (nothing padded,
+documents cross chunk borders; Megatron applies RoPE by global position, matching them).
+
+``qkv_format="thd"`` is Megatron-Core's own packed format, taken as Megatron builds it: q/k/v [t, heads, dim]
+(no batch dimension: micro-batch size 1), ``cu_seqlens_q`` the real document lengths, ``cu_seqlens_q_padded``
+(optional) where each padded document starts, both over the whole packed sequence. With cp > 1 the local t
+tokens are Megatron's / TE's per-document split (every document padded to a multiple of 2cp, rank i holding
+its pieces i and 2cp-1-i), the split Megatron's THD RoPE (``_apply_rotary_pos_emb_thd``) assumes for the
+offsets it is given (cu_seqlens_q_padded, else cu_seqlens_q): l3plugin attends that layout as it is
+(l3plugin.cp.attention.thd_attention), padding tokens get zero output. Bad boundaries raise on every rank before any
+communication, naming the parameter, its value and the rule.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import functools
 
 import torch
 
-from l3plugin.cp.attention import all_gather_attention, check_cp_kv
+from l3plugin.cp.attention import all_gather_attention, check_cp_kv, thd_attention
 from l3plugin.cp.layout import LAYOUT_NAMES, make_layout
 from l3plugin.versions import MEGATRON_CHECKED
 from l3plugin.patchset import Patch, PatchSet
@@ -81,14 +89,12 @@ class AllGatherCPCoreAttention(torch.nn.Module):
             raise ValueError("attention_bias is not supported by the all-gather CP attention")
         causal = self._is_causal(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
         group = self.cp_group if self.cp_group.size() > 1 else None
-        if query.dim() == 3:  # THD: [t, heads, dim], one packed sequence
-            if group is not None:
-                raise ValueError("qkv_format='thd' with cp > 1: Megatron's RoPE then uses TE's per-document "
-                                 "CP layout; use PackedSeqParams(qkv_format='sbhd', cu_seqlens_q=...)")
-            cu = self._cu_seqlens(packed_seq_params, query.size(0))
-            out = all_gather_attention(query, key, value, cu, group=group, causal=causal,
-                                       softmax_scale=self.softmax_scale, kernel=self.kernel,
-                                       layout=self.cp_layout, cp_kv=self.cp_kv)
+        thd = getattr(packed_seq_params, "qkv_format", None) == "thd"
+        if thd or query.dim() == 3:  # THD: [t, heads, dim], one packed sequence
+            query, key, value = self._thd_inputs(query, key, value)
+            cu, padded = self._thd_boundaries(packed_seq_params, query.size(0) * (group.size() if group else 1))
+            out = thd_attention(query, key, value, cu, padded, group=group, causal=causal,
+                                softmax_scale=self.softmax_scale, kernel=self.kernel, cp_kv=self.cp_kv)
             return out.reshape(out.size(0), -1)
         seq_len = query.size(0) * (group.size() if group is not None else 1)
         if packed_seq_params is not None and query.size(1) != 1:
@@ -101,6 +107,30 @@ class AllGatherCPCoreAttention(torch.nn.Module):
                 for b in range(query.size(1))]
         out = torch.stack(outs, dim=1)  # [s, b, heads, dim]
         return out.reshape(out.size(0), out.size(1), -1)
+
+    def _thd_inputs(self, query, key, value):
+        """Megatron squeezes THD's batch dimension of size 1 (attention.py); a larger one arrives 4-D."""
+        if query.dim() == 4:
+            if query.size(1) != 1:
+                raise ValueError(f"layer {self.layer_number}: qkv_format='thd' with micro-batch size "
+                                 f"{query.size(1)} (query shape {tuple(query.shape)}): a THD batch is one packed "
+                                 f"sequence, micro-batch size must be 1; pack the samples into one sequence")
+            query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+        return query, key, value
+
+    def _thd_boundaries(self, packed, seq_len):
+        """(cu_seqlens_q, cu_seqlens_q_padded) of a THD forward; self-attention: the kv ones must agree."""
+        if packed is None or packed.cu_seqlens_q is None:
+            return self._cu_seqlens(packed, seq_len), None
+        for q_name, kv_name in (("cu_seqlens_q", "cu_seqlens_kv"), ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")):
+            q_cu, kv_cu = getattr(packed, q_name), getattr(packed, kv_name)
+            if kv_cu is not None and (q_cu is None or not torch.equal(
+                    torch.as_tensor(q_cu).reshape(-1).cpu().long(), torch.as_tensor(kv_cu).reshape(-1).cpu().long())):
+                raise ValueError(f"layer {self.layer_number}: packed_seq_params.{kv_name}="
+                                 f"{torch.as_tensor(kv_cu).reshape(-1).tolist()[:16]} differs from {q_name}="
+                                 f"{None if q_cu is None else torch.as_tensor(q_cu).reshape(-1).tolist()[:16]}: "
+                                 f"self-attention has one set of documents (give the same, or leave {kv_name} None)")
+        return packed.cu_seqlens_q, packed.cu_seqlens_q_padded
 
     def _cu_seqlens(self, packed_seq_params, seq_len):
         if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
