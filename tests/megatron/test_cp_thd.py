@@ -219,3 +219,67 @@ def test_gpt_thd_cp2_matches_cp1(ranks, lengths):
         for name, ref in cp1["grads"].items():
             err = float((r["grads"][name] - ref).abs().max())
             assert err < 1e-12, f"{name}: {err}"
+
+
+BAD_INPUTS = {
+    # name: (micro-batch size, cu_seqlens_q, cu_seqlens_q_padded, expected message); 14 local tokens, cp 2: S = 28
+    "micro-batch-2": (2, [0, 12, 28], None,
+                      r"qkv_format='thd' with micro-batch size 2 \(query shape \(14, 2, 4, 8\)\): a THD batch is one "
+                      r"packed sequence, micro-batch size must be 1"),
+    "cu-not-at-sequence-end": (1, [0, 12, 20], None,
+                               r"cu_seqlens_q \(no cu_seqlens_q_padded given\)=\[0, 12, 20\] ends at 20, but the packed "
+                               r"sequence has 14 local tokens x cp 2 = 28: the last \(padded\) offset must be"),
+    "padded-not-local-length": (1, [0, 5, 19], [0, 8, 32], r"cu_seqlens_q_padded=\[0, 8, 32\] ends at 32, but the "
+                                r"packed sequence has 14 local tokens x cp 2 = 28"),
+    "padded-not-multiple-of-2cp": (1, [0, 5, 19], [0, 6, 28], r"cu_seqlens_q_padded=\[0, 6, 28\] gives document 0 a "
+                                   r"padded length of 6, not a multiple of 2 x cp = 4"),
+    "odd-documents-without-padded": (1, [0, 5, 28], None, r"cu_seqlens_q \(no cu_seqlens_q_padded given\)=\[0, 5, 28\] "
+                                     r"gives document 0 a padded length of 5, not a multiple of 2 x cp = 4.*give "
+                                     r"cu_seqlens_q_padded"),
+    "document-longer-than-padded": (1, [0, 9, 19], [0, 8, 28], r"cu_seqlens_q=\[0, 9, 19\] gives document 0 9 tokens "
+                                    r"but cu_seqlens_q_padded=\[0, 8, 28\] only 8"),
+}
+
+
+def bad_thd_forward(micro_batch, cu, cu_padded):
+    """Every rank calls the core attention with the same bad input; returns its error (None if it ran), then
+    every rank meets in a barrier: nothing is left waiting in a collective."""
+    import torch.distributed as dist
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from l3plugin.megatron.attention import AllGatherCPCoreAttention
+
+    group = dist.group.WORLD
+    config = gpt.gpt_config(1, hidden=HEADS * DIM, heads=HEADS, kv_heads=KV_HEADS, cp=2)
+    attention = AllGatherCPCoreAttention(config, 1, AttnMaskType.causal, "self",
+                                         pg_collection=types.SimpleNamespace(cp=group))
+    shape = (14, micro_batch) if micro_batch > 1 else (14,)
+    q = torch.randn(*shape, HEADS, DIM, dtype=torch.float64)
+    k, v = (torch.randn(*shape, KV_HEADS, DIM, dtype=torch.float64) for _ in range(2))
+    to = (lambda x: None if x is None else torch.tensor(x, dtype=torch.int32))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=to(cu), cu_seqlens_kv=to(cu),
+                             cu_seqlens_q_padded=to(cu_padded), cu_seqlens_kv_padded=to(cu_padded),
+                             max_seqlen_q=28, max_seqlen_kv=28)
+    try:
+        attention(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    dist.barrier(group)
+    return message
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_thd_input_is_named_on_every_rank(ranks, case):
+    import re
+
+    micro_batch, cu, cu_padded, expected = BAD_INPUTS[case]
+    messages = ranks.run(2, bad_thd_forward, micro_batch, cu, cu_padded, timeout=60)
+    for message in messages:
+        assert message is not None and re.search(expected, message), message
+
+
+def test_good_thd_input_runs_where_the_bad_ones_fail(ranks):
+    """Control for the test above: the same call with consistent offsets raises nothing."""
+    assert ranks.run(2, bad_thd_forward, 1, [0, 5, 19], [0, 8, 28], timeout=60) == [None, None]
