@@ -27,7 +27,8 @@ class CPRoute:
 
     layout: str = "2cp"
     cp_kv: str = "regather"
-    documents: bool = False  # --reset-attention-mask: document boundaries from EOD tokens
+    documents: bool = False  # --reset-attention-mask (boundaries from EOD tokens) or the loader's (below)
+    loader_documents: bool = False  # --dataloader-inter-document-masking (0.19+): the data loader's cu_seqlens
 
 
 def add_cp_arguments(group):
@@ -81,15 +82,19 @@ def check_cp_args(args) -> CPRoute | None:
             raise ValueError(f"--cp-comm-type {CP_COMM_TYPE} does not support --{flag.replace('_', '-')} "
                              f"(it brings its own packing or model); document masks come from "
                              f"--reset-attention-mask")
-    documents = bool(getattr(args, "reset_attention_mask", False))
+    loader = bool(getattr(args, "dataloader_inter_document_masking", False))
+    documents = bool(getattr(args, "reset_attention_mask", False)) or loader
     if documents and getattr(args, "micro_batch_size", 1) != 1:
-        raise ValueError(f"--reset-attention-mask with --cp-comm-type {CP_COMM_TYPE} needs --micro-batch-size 1 "
+        flag = "--dataloader-inter-document-masking" if loader else "--reset-attention-mask"
+        raise ValueError(f"{flag} with --cp-comm-type {CP_COMM_TYPE} needs --micro-batch-size 1 "
                          f"(got {args.micro_batch_size}): the document boundaries describe one packed "
                          f"sequence; raise --global-batch-size instead")
     if layout == "balanced" and not documents:
         raise ValueError("--l3plugin-cp-layout balanced deals documents to ranks: it needs "
-                         "--reset-attention-mask (documents from EOD tokens); use the default 2cp layout without")
-    return CPRoute(layout=layout, cp_kv=getattr(args, "l3plugin_cp_kv", "regather"), documents=documents)
+                         "--reset-attention-mask (documents from EOD tokens) or --dataloader-inter-document-masking; "
+                         "use the default 2cp layout without")
+    return CPRoute(layout=layout, cp_kv=getattr(args, "l3plugin_cp_kv", "regather"), documents=documents,
+                   loader_documents=loader)
 
 
 def prepare_cp_args(args):

@@ -15,6 +15,10 @@ So on these versions l3plugin (set CP_BATCH, declared at the bottom; its rows ar
 - ``gpt_model_forward``: the "thd" PackedSeqParams that pretrain_gpt built from those boundaries become
   "sbhd" (every token keeps its global position; TE's per-document THD split is not l3plugin's layout).
 
+With ``--dataloader-inter-document-masking`` (0.19+) the boundaries are the data loader's own ``cu_seqlens``
+(broadcast over TP and flattened by Megatron, given to middle stages too): ``tp_batch_with_documents`` leaves
+them as they are; the sharding and the "sbhd" form are the same (``sbhd_from_thd``).
+
 Each falls through to Megatron's own unless Megatron-LM's parsed arguments select l3plugin's CP.
 """
 
@@ -85,6 +89,8 @@ def tp_batch_with_documents(batch, *args, **kwargs):
     if route is None:
         return stock(batch, *args, **kwargs)
     bound = inspect.signature(stock).bind(batch, *args, **kwargs).arguments
+    if route.loader_documents:  # the data loader's cu_seqlens (0.19+), broadcast and flattened by Megatron itself
+        return stock(batch, *args, **kwargs)
     tokens = batch.get("tokens") if bound["tp_rank"] == 0 else None
     cu = None if tokens is None else cu_seqlens_from_eod(tokens, eod_token())
     out = stock(batch, *args, **kwargs)
@@ -111,6 +117,19 @@ def cp_batch_by_layout(batch, *args, **kwargs):
     return {**batch, **sequences}
 
 
+def sbhd_from_thd(packed):
+    """pretrain_gpt's "thd" PackedSeqParams (global document boundaries, no padded offsets; the batch sharded over
+    the whole packed sequence: l3plugin's layout, or Megatron's own per-sequence zigzag with
+    --dataloader-inter-document-masking, the same as l3plugin's "2cp") as "sbhd": every token keeps its global
+    position, and RoPE's length (max_seqlen, RotaryEmbedding.get_rotary_seq_len) becomes the whole sequence S.
+
+    Given as "thd", Megatron's THD RoPE would split each rank's S/cp tokens by cu_seqlens // cp, the per-document
+    split of TE, which this batch does not have: with documents of odd length those pieces do not even add up to
+    S/cp (core_v0.19.0: ``split_with_sizes expects split_sizes to sum exactly to 128 ... got [8, 67, 43, 9]``)."""
+    seq_len = int(torch.as_tensor(packed.cu_seqlens_q).reshape(-1)[-1])
+    return dataclasses.replace(packed, qkv_format="sbhd", max_seqlen_q=seq_len, max_seqlen_kv=seq_len)
+
+
 def gpt_model_forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
     """GPTModel.forward with pretrain_gpt's "thd" PackedSeqParams (built from the global boundaries of
     ``tp_batch_with_documents``) given as "sbhd" when l3plugin's CP with documents is selected."""
@@ -119,7 +138,7 @@ def gpt_model_forward(self, input_ids, position_ids, attention_mask, *args, **kw
         bound = inspect.signature(stock).bind(self, input_ids, position_ids, attention_mask, *args, **kwargs)
         packed = bound.arguments.get("packed_seq_params")
         if packed is not None and packed.qkv_format == "thd" and packed.cu_seqlens_q_padded is None:
-            bound.arguments["packed_seq_params"] = dataclasses.replace(packed, qkv_format="sbhd")
+            bound.arguments["packed_seq_params"] = sbhd_from_thd(packed)
             return stock(*bound.args, **bound.kwargs)
     return stock(self, input_ids, position_ids, attention_mask, *args, **kwargs)
 

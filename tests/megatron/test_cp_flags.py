@@ -198,6 +198,20 @@ def test_parsed_options_are_checked_once_per_arguments_object(monkeypatch):
         arguments.parsed_options()
 
 
+def test_dataloader_inter_document_masking_selects_the_documents_route():
+    """Megatron-LM 0.19's --dataloader-inter-document-masking: the loader's cu_seqlens are the documents (no
+    --reset-attention-mask needed); one packed sequence per micro-batch; the balanced layout is allowed."""
+    from l3plugin.megatron.arguments import CPRoute, check_cp_args
+
+    loader = dict(reset_attention_mask=False, dataloader_inter_document_masking=True)
+    assert check_cp_args(ns(**loader)) == CPRoute(documents=True, loader_documents=True)
+    assert check_cp_args(ns(**loader, l3plugin_cp_layout="balanced")).layout == "balanced"
+    assert check_cp_args(ns()).loader_documents is False
+    with pytest.raises(ValueError, match="--dataloader-inter-document-masking with --cp-comm-type l3plugin_all_gather "
+                                         "needs --micro-batch-size 1 \\(got 2\\)"):
+        check_cp_args(ns(**loader, micro_batch_size=2))
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(context_parallel_size=1), "--context-parallel-size 1"),
     (dict(cp_comm_type=["l3plugin_all_gather", "p2p"]), "mixes"),

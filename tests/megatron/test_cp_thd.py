@@ -283,3 +283,75 @@ def test_bad_thd_input_is_named_on_every_rank(ranks, case):
 def test_good_thd_input_runs_where_the_bad_ones_fail(ranks):
     """Control for the test above: the same call with consistent offsets raises nothing."""
     assert ranks.run(2, bad_thd_forward, 1, [0, 5, 19], [0, 8, 28], timeout=60) == [None, None]
+
+
+def gpt_zigzag_step(form, lengths=(5, 11, 3, 17, 1, 7), dtype=torch.float64):
+    """What Megatron-LM 0.19's pretrain_gpt gives the model with --dataloader-inter-document-masking at CP 2:
+    the packed sequence sharded by the per-sequence zigzag (= l3plugin's "2cp" layout: documents cross chunk
+    borders, nothing padded) and PackedSeqParams("thd", cu_seqlens_q=<global, unpadded>, no padded offsets,
+    max_seqlen=<longest document>). ``form``: "thd" as given, "route" as l3plugin's flags route passes it on
+    (batch_hooks.sbhd_from_thd), "cp1": one CP rank, the unsharded sequence in sbhd."""
+    import torch.distributed as dist
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from l3plugin.cp.sharding import shard_batch
+    from l3plugin.demo.model import build_chunk
+    from l3plugin.megatron.batch_hooks import sbhd_from_thd
+    from l3plugin.mesh import init_mesh
+
+    cp = 1 if form == "cp1" else 2
+    mesh = init_mesh(cp=cp, dp=2 // cp)
+    n = sum(lengths)
+    config = gpt.gpt_config(2, cp=cp, params_dtype=dtype)
+    model = build_chunk(config, vocab=gpt.VOCAB, seq_len=n, pre_process=True, post_process=True,
+                        position_embedding_type="rope").to(dtype)
+    model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq.to(dtype)
+    batch = gpt.microbatches(1, 1, n)[0]
+    den = batch["loss_mask"].sum()
+    cu = cumulative(lengths)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                             max_seqlen_kv=max(lengths))
+    if cp > 1:
+        batch = shard_batch(batch, cp, mesh.coords["cp"])
+    packed = packed if form == "thd" else sbhd_from_thd(packed)
+    try:
+        per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                          packed_seq_params=packed)
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    loss = (per_token.to(dtype) * batch["loss_mask"].to(dtype)).sum() / den
+    loss.backward()
+    total, grads = loss.detach().clone(), gpt.named_grads([model])
+    if cp > 1:
+        dist.all_reduce(total, group=mesh.cp_group)
+        for g in grads.values():
+            dist.all_reduce(g, group=mesh.cp_group)
+    return {"loss": total, "grads": grads}
+
+
+def test_inter_document_masking_batch_crashes_thd_rope_and_runs_as_the_route_passes_it(ranks):
+    """The core_v0.19.0 crash, at the Megatron-Core level: Megatron's THD RoPE splits each rank's 22 tokens by
+    cu_seqlens // cp, which add up to 21 with odd documents. As l3plugin's route passes it on (sbhd, max_seqlen S)
+    the same batch equals CP 1 (fp64)."""
+    crashed = ranks.run(2, gpt_zigzag_step, "thd", timeout=120)
+    for r in crashed:
+        assert "split_with_sizes expects split_sizes to sum exactly to 22" in r["error"], r
+    route = ranks.run(2, gpt_zigzag_step, "route", timeout=120)
+    cp1 = ranks.run(2, gpt_zigzag_step, "cp1", timeout=120)[0]
+    for r in route:
+        assert abs(float(r["loss"] - cp1["loss"])) < 1e-12
+        for name, ref in cp1["grads"].items():
+            err = float((r["grads"][name] - ref).abs().max())
+            assert err < 1e-12, f"{name}: {err}"
+
+
+def test_sbhd_from_thd_keeps_the_boundaries_and_sizes_rope_by_the_sequence():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from l3plugin.megatron.batch_hooks import sbhd_from_thd
+
+    cu = cumulative([5, 11, 3, 17, 1, 7])
+    out = sbhd_from_thd(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=17,
+                                        max_seqlen_kv=17))
+    assert (out.qkv_format, out.max_seqlen_q, out.max_seqlen_kv) == ("sbhd", 44, 44)
+    assert out.cu_seqlens_q is cu and out.cu_seqlens_kv is cu
