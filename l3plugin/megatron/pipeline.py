@@ -8,7 +8,11 @@ forward_backward functions (and ignores unknown future ones). It runs the per-ra
 
 Differences from the stock interleaved schedule, all deliberate:
 - any m >= 1 and any k in 1..m (k from ``config.microbatch_group_size_per_vp_stage``, default p);
-  k < p runs all-forward-all-backward, a last group smaller than p is fine;
+  k < p runs all-forward-all-backward, a last group smaller than p is fine; m may change from call to call;
+- ``config.variable_seq_lengths`` (RL and SFT frameworks: micro-batches of different lengths, seq_length and
+  micro_batch_size then unused): each activation's shape travels just before it and a gradient takes its
+  activation's shape, so no receive waits for a shape exchange (stock exchanges shapes before every message);
+  also with ``adjust_tensor_shapes_fn``, whose shapes the messages then carry themselves;
 - P2P goes through ``l3plugin.schedule.p2p`` (device taken from the model; on gloo receives are posted
   as early as the plan allows within a budget, l3plugin.schedule.receives, so transfers overlap compute; on
   other transports (NCCL) both peers of a pair post their sends and receives in one agreed order), not Megatron's
@@ -140,18 +144,23 @@ def _model_device(model) -> torch.device:
 
 
 
-def _checked_config(model, data_iterator, adjust_tensor_shapes_fn):
+def _checked_config(model, data_iterator):
     """The model's Megatron config, after refusing what the flexible schedule does not support."""
     from megatron.core.utils import get_model_config
 
     if len(data_iterator) != len(model):
         raise ValueError(f"data_iterator has {len(data_iterator)} entries but model has {len(model)} "
                          f"chunks: pass one iterator per model chunk")
-    config = get_model_config(model[0])
-    if adjust_tensor_shapes_fn is not None or getattr(config, "variable_seq_lengths", False):
-        raise NotImplementedError("the flexible schedule sends fixed [seq, batch, hidden] tensors: "
-                                  "adjust_tensor_shapes_fn and variable_seq_lengths are not supported")
-    return config
+    return get_model_config(model[0])
+
+
+def shapes_vary(config, adjust_tensor_shapes_fn) -> bool:
+    """Whether messages carry their own shapes (p2p.py): Megatron's ``variable_seq_lengths`` (and
+    ``mtp_standalone``, for which stock exchanges shapes too), or an ``adjust_tensor_shapes_fn`` (stock's hook for
+    messages that are not [seq, batch, hidden]: each message's real shape travels with it, so the hook itself is
+    not called)."""
+    return bool(adjust_tensor_shapes_fn is not None or getattr(config, "variable_seq_lengths", False)
+                or getattr(config, "mtp_standalone", False))
 
 
 def _step_plan(config, model, pp_group, num_microbatches, forward_only, device, receive_posting):
@@ -368,7 +377,7 @@ def forward_backward_pipelining_flexible(
 
     model = model if isinstance(model, list) else [model]
     data_iterator = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(model)
-    config = _checked_config(model, data_iterator, adjust_tensor_shapes_fn)
+    config = _checked_config(model, data_iterator)
     pp_group, tp_group, cp_group, pg_collection = _process_groups(p2p_communicator, pg_collection)
     r, is_last_rank = pp_group.rank(), pp_group.rank() == pp_group.size() - 1
     check_int("num_microbatches", num_microbatches)
@@ -382,7 +391,7 @@ def forward_backward_pipelining_flexible(
     channels = PipelineChannels(
         schedule, r, orders, dist.get_process_group_ranks(pp_group), pp_group,
         shape=(seq, micro_batch_size, config.hidden_size), dtype=config.pipeline_dtype, device=device,
-        posts=posts)
+        posts=posts, variable_shapes=shapes_vary(config, adjust_tensor_shapes_fn))
     syncs = SyncHooks(config, model, schedule, r, grad_sync_points, round_ends, forward_only)
     executor = _Executor(
         schedule, r, channels, syncs, forward_step_func=forward_step_func, data_iterator=data_iterator,

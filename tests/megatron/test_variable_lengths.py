@@ -1,0 +1,180 @@
+"""Variable-length micro-batches in the flexible schedule, called the way RL frameworks call Megatron.
+
+verl's Megatron engine builds ``TransformerConfig(variable_seq_lengths=True, ...)`` and calls
+``get_forward_backward_func()(..., num_microbatches=n, seq_length=1, micro_batch_size=1, forward_only=...)`` with a
+different n every call (token-balanced batches, n not a multiple of p) and micro-batches of different lengths, for
+log-prob passes (forward-only, under no_grad) and for training. Here: every such call on real gloo ranks equals a
+serial run bit for bit, for p in {2, 4}, v in {1, 2, 3}, m from 1 to 2p + 1 and k below, at and above p, with
+both receive postings (early: gloo's; agreed: the pair order NCCL needs), in one pool of workers that keeps its
+model chunks' configuration and changes m and k from call to call as an RL loop does.
+"""
+
+import pytest
+import torch
+
+import toy_pipeline as toy
+
+HIDDEN = 8
+MIN_LEN, MAX_LEN = 3, 9  # tokens per micro-batch, as in the issue's reproduction
+
+
+def varlen_microbatches(m: int, seed: int) -> list[dict]:
+    """m micro-batches of one sequence each, lengths drawn from MIN_LEN..MAX_LEN ([s, 1, h], Megatron's layout)."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    lengths = torch.randint(MIN_LEN, MAX_LEN + 1, (m,), generator=gen).tolist()
+    return [toy.make_microbatches(1, length, 1, HIDDEN, seed=seed * 101 + i)[0] for i, length in enumerate(lengths)]
+
+
+def grid(p: int, m_step: int = 1) -> list[tuple[int, int, int]]:
+    """(v, m, k) for one p: m = 1..2p+1 (every ``m_step``-th), k = 1 (< p), p and p + 1 where k <= m (k = p with
+    m < p: Megatron's default, which the schedule turns into one group of m)."""
+    return [(v, m, k) for v in (1, 2, 3) for m in range(1, 2 * p + 2, m_step) for k in (1, p, p + 1)
+            if k <= m or k == p]
+
+
+def varlen_config(p, v, k, num_layers):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=1, pipeline_model_parallel_size=p,
+        virtual_pipeline_model_parallel_size=v if v > 1 else None, pipeline_dtype=torch.float32,
+        microbatch_group_size_per_vp_stage=k, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        batch_p2p_comm=False,
+        deallocate_pipeline_outputs=True)
+
+
+def run_rl_calls(p, cases, receive_posting):
+    """On every rank: for each (v, m, k), a forward-only log-prob pass under no_grad, then a training pass, both
+    through ``get_forward_backward_func()`` as verl calls it. Returns this rank's losses and gradients per case,
+    and the activations the forward-only passes kept (must be none)."""
+    from megatron.core import pipeline_parallel
+
+    import l3plugin.megatron as l3m
+    from l3plugin.mesh import init_mesh
+
+    out, v_now = [], None
+    l3m.install("flexible")
+    try:
+        for case, (v, m, k) in enumerate(cases):
+            if v != v_now:
+                mesh, v_now = init_mesh(pp=p, vpp=v if v > 1 else None), v
+            layers = 2 * p * v
+            config = varlen_config(p, v, k, layers)
+            chunks = toy.build_chunks(config, num_layers=layers, hidden=HIDDEN, pp_rank=mesh.coords["pp"],
+                                      pp_size=p, vpp_size=v)
+            batches = varlen_microbatches(m, seed=case)
+            step = pipeline_parallel.get_forward_backward_func()
+            assert step is l3m.forward_backward_pipelining_flexible
+            kwargs = dict(forward_step_func=toy.forward_step, model=chunks, num_microbatches=m, seq_length=1,
+                          micro_batch_size=1, receive_posting=receive_posting)
+            with torch.no_grad():
+                logprob = step(data_iterator=[iter(batches) for _ in chunks], forward_only=True, **kwargs)
+            kept = sum(p_.grad is not None for c in chunks for p_ in c.parameters())
+            train = step(data_iterator=[iter(batches) for _ in chunks], forward_only=False, **kwargs)
+            out.append({"forward_only": [d["loss"] for d in logprob], "losses": [d["loss"] for d in train],
+                        "grads": {lid: g for c in chunks for lid, g in c.grads().items()}, "grads_after_fwd": kept})
+    finally:
+        l3m.uninstall()
+    return out
+
+
+def check_cases(p, cases, results):
+    for case, (v, m, k) in enumerate(cases):
+        batches = varlen_microbatches(m, seed=case)
+        per_rank = [r[case] for r in results]
+        where = f"p={p} v={v} m={m} k={k}"
+        assert all(r["grads_after_fwd"] == 0 for r in per_rank), where  # the log-prob pass kept no gradients
+        ref_losses, _ = toy.serial_reference(batches, num_layers=2 * p * v, hidden=HIDDEN)
+        assert len(per_rank[-1]["forward_only"]) == m, where
+        assert all(torch.equal(a, b) for a, b in zip(per_rank[-1]["forward_only"], ref_losses)), where
+        toy.assert_matches_serial(per_rank, batches, num_layers=2 * p * v, hidden=HIDDEN)
+
+
+# Early receives (gloo's) on the whole grid; the agreed pair order (NCCL's) on every m at p = 2, every other m at p = 4.
+@pytest.mark.parametrize("p,receive_posting,m_step", [(2, "early", 1), (4, "early", 1), (2, "agreed", 1),
+                                                      (4, "agreed", 2)])
+def test_rl_call_pattern_matches_serial_bitwise(ranks, p, receive_posting, m_step):
+    cases = grid(p, m_step)
+    results = ranks.run(p, run_rl_calls, p, cases, receive_posting, timeout=300)
+    check_cases(p, cases, results)
+
+
+def test_grid_covers_the_issue():
+    for p in (2, 4):
+        cases = grid(p)
+        assert {v for v, _, _ in cases} == {1, 2, 3}
+        assert {m for _, m, _ in cases} == set(range(1, 2 * p + 2))
+        assert any(k < p for *_, k in cases) and any(k == p for *_, k in cases) and any(k > p for *_, k in cases)
+
+
+def run_stock_and_flexible(p, v, m, k):
+    """On every rank: one training step of stock Megatron (CPU shim) and one of the flexible schedule, each on
+    fresh chunks, with the same variable-length micro-batches (verl's keywords)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from l3plugin.megatron import forward_backward_pipelining_flexible
+    from l3plugin.mesh import init_mesh
+    from megatron_cpu_shim import stock_schedules_on_cpu
+
+    mesh = init_mesh(pp=p, vpp=v if v > 1 else None)
+    batches = varlen_microbatches(m, seed=99)
+    out = {}
+    for name in ("stock", "flexible"):
+        config = varlen_config(p, v, k, 2 * p * v)
+        chunks = toy.build_chunks(config, num_layers=2 * p * v, hidden=HIDDEN, pp_rank=mesh.coords["pp"],
+                                  pp_size=p, vpp_size=v)
+        kwargs = dict(forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks],
+                      model=chunks if v > 1 else chunks[0], num_microbatches=m, seq_length=1, micro_batch_size=1)
+        if name == "stock":
+            with stock_schedules_on_cpu():
+                result = get_forward_backward_func()(**kwargs)
+        else:
+            result = forward_backward_pipelining_flexible(**kwargs)
+        out[name] = {"losses": [d["loss"] for d in result],
+                     "grads": {lid: g for c in chunks for lid, g in c.grads().items()}}
+    return out
+
+
+# Where stock accepts the configuration (k >= p, every group full); p = 2 with virtual stages is left out: stock's
+# batched shape exchange there has the same-peer hazard of NVIDIA/Megatron-LM#750 (upstream-facts.md).
+STOCK = [(2, 1, 5, 2), (4, 1, 6, 4), (4, 2, 8, 4)]
+
+
+@pytest.mark.parametrize("p,v,m,k", STOCK, ids=[f"p{p}v{v}m{m}k{k}" for p, v, m, k in STOCK])
+def test_variable_lengths_match_stock_megatron_and_serial(ranks, p, v, m, k):
+    results = ranks.run(p, run_stock_and_flexible, p, v, m, k, timeout=120)
+    batches = varlen_microbatches(m, seed=99)
+    for name in ("stock", "flexible"):
+        toy.assert_matches_serial([r[name] for r in results], batches, num_layers=2 * p * v, hidden=HIDDEN)
+
+
+def run_fixed_config_with_varying_lengths():
+    """p = 2: micro-batches of 4 and 6 tokens with variable_seq_lengths off (seq_length=4): rank 0 must refuse
+    to send micro-batch 1 naming the fix; rank 1, left waiting, must fail too (within the wait bound)."""
+    import os
+
+    from l3plugin.megatron import forward_backward_pipelining_flexible
+    from l3plugin.mesh import init_mesh
+
+    mesh = init_mesh(pp=2)
+    config = varlen_config(2, 1, 2, 4)
+    config.variable_seq_lengths = False
+    chunks = toy.build_chunks(config, num_layers=4, hidden=HIDDEN, pp_rank=mesh.coords["pp"], pp_size=2)
+    batches = [toy.make_microbatches(1, length, 1, HIDDEN, seed=i)[0] for i, length in enumerate((4, 6))]
+    os.environ["L3PLUGIN_WAIT_TIMEOUT"] = "2"
+    try:
+        forward_backward_pipelining_flexible(forward_step_func=toy.forward_step, data_iterator=[iter(batches)],
+                                             model=chunks, num_microbatches=2, seq_length=4, micro_batch_size=1)
+    except Exception as exc:  # noqa: BLE001 - the test reads each rank's message
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        del os.environ["L3PLUGIN_WAIT_TIMEOUT"]
+    return None
+
+
+def test_lengths_that_vary_without_the_flag_fail_on_every_rank(ranks):
+    first, second = ranks.run(2, run_fixed_config_with_varying_lengths, timeout=60)
+    assert first is not None and "the activation of microbatch 1 (stage 0 -> 1) has shape (6, 1, 8)" in first, first
+    assert "messages are (4, 1, 8)" in first and "config.variable_seq_lengths=True" in first, first
+    # Rank 1 does not hang: its wait is bounded (CommTimeout naming rank 0), or gloo reports rank 0's side gone.
+    assert second is not None and ("pipeline rank 0" in second or "Connection closed by peer" in second), second
