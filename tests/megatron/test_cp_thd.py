@@ -227,8 +227,8 @@ BAD_INPUTS = {
                       r"qkv_format='thd' with micro-batch size 2 \(query shape \(14, 2, 4, 8\)\): a THD batch is one "
                       r"packed sequence, micro-batch size must be 1"),
     "cu-not-at-sequence-end": (1, [0, 12, 20], None,
-                               r"cu_seqlens_q \(no cu_seqlens_q_padded given\)=\[0, 12, 20\] ends at 20, but the packed "
-                               r"sequence has 14 local tokens x cp 2 = 28: the last \(padded\) offset must be"),
+                               r"cu_seqlens_q \(no cu_seqlens_q_padded given\)=\[0, 12, 20\] ends at 20, but the "
+                               r"packed sequence has 14 local tokens x cp 2 = 28: the last \(padded\) offset must be"),
     "padded-not-local-length": (1, [0, 5, 19], [0, 8, 32], r"cu_seqlens_q_padded=\[0, 8, 32\] ends at 32, but the "
                                 r"packed sequence has 14 local tokens x cp 2 = 28"),
     "padded-not-multiple-of-2cp": (1, [0, 5, 19], [0, 6, 28], r"cu_seqlens_q_padded=\[0, 6, 28\] gives document 0 a "
