@@ -27,6 +27,31 @@ def test_megatron_example_trains_with_the_flexible_schedule():
     assert len(lines) == 2 and all("forward_backward_pipelining_flexible" in line for line in lines), out
 
 
+def post_training_figures(out: str) -> dict:
+    """{(mode, step): (micro-batches, lengths, log-prob sum, loss)} from rl_post_training.py's lines."""
+    import re
+
+    rows = re.findall(r"^(rl|sft) step (\d+): microbatches (\d+) lengths (\[[\d, ]+\]) logprob_sum (\S+) "
+                      r"loss (\S+) \(forward_backward_pipelining_flexible\)$", out, re.M)
+    return {(mode, int(step)): (int(m), lengths, float(logp), float(loss)) for mode, step, m, lengths, logp, loss in rows}
+
+
+def test_rl_and_sft_post_training_on_cp2_pp2_vpp2_equal_one_process():
+    """The post-training example (variable-length THD micro-batches, m changing every step, a forward-only log-prob
+    pass then a training pass; then SFT) at CP 2 x PP 2 x 2 virtual stages equals the same loop in one process to
+    fp32 rounding, step after step (the weights after each optimizer step included: the next step reads them)."""
+    script, steps = "examples/megatron/rl_post_training.py", "2"
+    parallel = post_training_figures(run_torchrun(4, script, "--pp", "2", "--vpp", "2", "--cp", "2", "--steps", steps))
+    single = post_training_figures(run_torchrun(1, script, "--pp", "1", "--vpp", "1", "--cp", "1", "--steps", steps))
+    assert sorted(parallel) == sorted(single) == [("rl", 0), ("rl", 1), ("sft", 0), ("sft", 1)], (parallel, single)
+    assert len({parallel[key][0] for key in parallel}) > 1  # the micro-batch count changes from step to step
+    for key, (m, lengths, logp, loss) in parallel.items():
+        m1, lengths1, logp1, loss1 = single[key]
+        assert (m, lengths) == (m1, lengths1), key
+        assert abs(logp - logp1) <= 1e-5 * abs(logp1) and abs(loss - loss1) <= 1e-5 * max(abs(loss1), 1e-2), (
+            key, parallel[key], single[key])
+
+
 PATCHED_TAGS = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0")  # docs/verified.md
 
 
