@@ -402,11 +402,19 @@ def forward_backward_pipelining_flexible(
     syncs.disable()
     syncs.start_param_gathers(-1)
     for index, action in enumerate(schedule.ranks[r].actions):
-        channels.before_action(index)
-        if action.op == FORWARD:
-            executor.forward(action)
-        else:
-            executor.backward(index, action)
+        try:
+            channels.before_action(index)
+            if action.op == FORWARD:
+                executor.forward(action)
+            else:
+                executor.backward(index, action)
+        except Exception as exc:  # the traceback says where; this says which micro-batch of which step
+            kind = "forward" if action.op == FORWARD else "backward"
+            exc.add_note(f"l3plugin: in the {kind} of micro-batch {action.microbatch} of {num_microbatches} (model "
+                         f"chunk {action.chunk}, virtual stage {schedule.stage_of(r, action.chunk)}) on pipeline "
+                         f"rank {r}; the other pipeline ranks fail when their waits for this rank end "
+                         f"(L3PLUGIN_WAIT_TIMEOUT)")
+            raise
     channels.finish()
     syncs.enable()
     _finish_step(config, model, embedding_module, is_last_rank, tp_group, executor.total_num_tokens,

@@ -178,3 +178,41 @@ def test_lengths_that_vary_without_the_flag_fail_on_every_rank(ranks):
     assert "messages are (4, 1, 8)" in first and "config.variable_seq_lengths=True" in first, first
     # Rank 1 does not hang: its wait is bounded (CommTimeout naming rank 0), or gloo reports rank 0's side gone.
     assert second is not None and ("pipeline rank 0" in second or "Connection closed by peer" in second), second
+
+
+def run_with_a_bad_micro_batch(bad):
+    """p = 2, v = 2, variable lengths: micro-batch ``bad`` breaks a rule of the user's forward step (as a length
+    that sequence parallelism cannot split would). Returns each rank's error text."""
+    import os
+
+    from l3plugin.megatron import forward_backward_pipelining_flexible
+    from l3plugin.mesh import init_mesh
+
+    mesh = init_mesh(pp=2, vpp=2)
+    config = varlen_config(2, 2, 2, 8)
+    chunks = toy.build_chunks(config, num_layers=8, hidden=HIDDEN, pp_rank=mesh.coords["pp"], pp_size=2, vpp_size=2)
+    batches = varlen_microbatches(5, seed=3)
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        if model.is_first and batch is batches[bad]:
+            raise ValueError(f"sequence length {batch['x'].shape[0]} is not divisible by the TP size 4")
+        return toy.forward_step(iter([batch]), model)
+
+    os.environ["L3PLUGIN_WAIT_TIMEOUT"] = "2"
+    try:
+        forward_backward_pipelining_flexible(forward_step_func=forward_step,
+                                             data_iterator=[iter(batches) for _ in chunks], model=chunks,
+                                             num_microbatches=5, seq_length=1, micro_batch_size=1)
+    except Exception as exc:  # noqa: BLE001 - the test reads each rank's message
+        return "\n".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", [])])
+    finally:
+        del os.environ["L3PLUGIN_WAIT_TIMEOUT"]
+    return None
+
+
+def test_an_error_in_a_micro_batch_names_it_and_no_rank_hangs(ranks):
+    first, second = ranks.run(2, run_with_a_bad_micro_batch, 3, timeout=60)
+    assert first is not None and "not divisible by the TP size 4" in first, first
+    assert ("in the forward of micro-batch 3 of 5 (model chunk 0, virtual stage 0) on pipeline rank 0" in first), first
+    assert second is not None and ("pipeline rank 0" in second or "Connection closed by peer" in second), second
