@@ -4,7 +4,7 @@ verl's Megatron engine builds ``TransformerConfig(variable_seq_lengths=True, ...
 ``get_forward_backward_func()(..., num_microbatches=n, seq_length=1, micro_batch_size=1, forward_only=...)`` with a
 different n every call (token-balanced batches, n not a multiple of p) and micro-batches of different lengths, for
 log-prob passes (forward-only, under no_grad) and for training. Here: every such call on real gloo ranks equals a
-serial run bit for bit, for p in {2, 4}, v in {1, 2, 3}, m from 1 to 2p + 1 and k below, at and above p, with
+serial run bit for bit, for p in {2, 3, 4}, v in {1, 2, 3}, m from 1 to 2p + 1 and k below, at and above p, with
 both receive postings (early: gloo's; agreed: the pair order NCCL needs), in one pool of workers that keeps its
 model chunks' configuration and changes m and k from call to call as an RL loop does.
 """
@@ -90,9 +90,10 @@ def check_cases(p, cases, results):
         toy.assert_matches_serial(per_rank, batches, num_layers=2 * p * v, hidden=HIDDEN)
 
 
-# Early receives (gloo's) on the whole grid; the agreed pair order (NCCL's) on every m at p = 2, every other m at p = 4.
-@pytest.mark.parametrize("p,receive_posting,m_step", [(2, "early", 1), (4, "early", 1), (2, "agreed", 1),
-                                                      (4, "agreed", 2)])
+# Early receives (gloo's) on the whole grid at p = 2 and 4 and every third m at p = 3; the agreed pair order (NCCL's)
+# on every m at p = 2, every other m at p = 4.
+@pytest.mark.parametrize("p,receive_posting,m_step", [(2, "early", 1), (3, "early", 3), (4, "early", 1),
+                                                      (2, "agreed", 1), (4, "agreed", 2)])
 def test_rl_call_pattern_matches_serial_bitwise(ranks, p, receive_posting, m_step):
     cases = grid(p, m_step)
     results = ranks.run(p, run_rl_calls, p, cases, receive_posting, timeout=300)
