@@ -43,7 +43,7 @@ import torch
 
 from l3plugin.checks import check_int
 from l3plugin.megatron.cp_documents import schedule_step
-from l3plugin.schedule.p2p import PipelineChannels, pair_orders, posts_receives_early
+from l3plugin.schedule.p2p import PipelineChannels, header_shape, pair_orders, posts_receives_early, shape_header
 from l3plugin.schedule.plan import FORWARD, RankPlan, Schedule, build_schedule, with_trainable_stages
 from l3plugin.schedule.receives import receive_posts
 
@@ -161,6 +161,41 @@ def shapes_vary(config, adjust_tensor_shapes_fn) -> bool:
     not called)."""
     return bool(adjust_tensor_shapes_fn is not None or getattr(config, "variable_seq_lengths", False)
                 or getattr(config, "mtp_standalone", False))
+
+
+def _check_tp_inputs(tp_group, sequence_parallel, _module, args, kwargs):
+    """Forward pre-hook of the first stage (variable lengths, TP > 1): its TP ranks must hold inputs of one shape,
+    else Megatron's TP collectives get different sizes (gloo aborts the process, NCCL hangs); with sequence
+    parallelism the tokens (``input_ids`` [b, s], this CP rank's) must split evenly over TP. One all-gather of a
+    64-byte header per micro-batch; the executor's note names the micro-batch."""
+    from l3plugin.collective import comm
+
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(ids, torch.Tensor):
+        return
+    tp = tp_group.size()
+    rows = comm.all_gather_shards(shape_header(ids), tp_group).view(tp, -1)
+    shapes = [header_shape(row) for row in rows]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"the tensor-parallel ranks of the first pipeline stage got inputs of shapes {shapes} (TP "
+                         f"rank order): with variable_seq_lengths every TP rank must get the same micro-batch")
+    if sequence_parallel and ids.dim() == 2 and not ids.is_floating_point() and ids.shape[1] % tp:
+        raise ValueError(f"a micro-batch of {ids.shape[1]} tokens on this rank (after CP): sequence parallelism "
+                         f"splits them over TP = {tp}, so the length must be a multiple of {tp} (pad the micro-batch)")
+
+
+@contextlib.contextmanager
+def _first_stage_inputs_checked(model, pp_rank, tp_group, config, variable):
+    """``_check_tp_inputs`` on the first stage's chunk for this step, where shapes vary and TP > 1."""
+    if not variable or pp_rank != 0 or tp_group.size() == 1:
+        yield
+        return
+    handle = model[0].register_forward_pre_hook(
+        functools.partial(_check_tp_inputs, tp_group, bool(config.sequence_parallel)), with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _step_plan(config, model, pp_group, num_microbatches, forward_only, device, receive_posting):
@@ -388,10 +423,11 @@ def forward_backward_pipelining_flexible(
     seq = (decoder_seq_length or seq_length) // cp_group.size()
     if config.sequence_parallel:
         seq //= tp_group.size()
+    variable = shapes_vary(config, adjust_tensor_shapes_fn)
     channels = PipelineChannels(
         schedule, r, orders, dist.get_process_group_ranks(pp_group), pp_group,
         shape=(seq, micro_batch_size, config.hidden_size), dtype=config.pipeline_dtype, device=device,
-        posts=posts, variable_shapes=shapes_vary(config, adjust_tensor_shapes_fn))
+        posts=posts, variable_shapes=variable)
     syncs = SyncHooks(config, model, schedule, r, grad_sync_points, round_ends, forward_only)
     executor = _Executor(
         schedule, r, channels, syncs, forward_step_func=forward_step_func, data_iterator=data_iterator,
@@ -401,20 +437,21 @@ def forward_backward_pipelining_flexible(
     embedding_module = _start_step(config, model, is_last_rank, forward_only)
     syncs.disable()
     syncs.start_param_gathers(-1)
-    for index, action in enumerate(schedule.ranks[r].actions):
-        try:
-            channels.before_action(index)
-            if action.op == FORWARD:
-                executor.forward(action)
-            else:
-                executor.backward(index, action)
-        except Exception as exc:  # the traceback says where; this says which micro-batch of which step
-            kind = "forward" if action.op == FORWARD else "backward"
-            exc.add_note(f"l3plugin: in the {kind} of micro-batch {action.microbatch} of {num_microbatches} (model "
-                         f"chunk {action.chunk}, virtual stage {schedule.stage_of(r, action.chunk)}) on pipeline "
-                         f"rank {r}; the other pipeline ranks fail when their waits for this rank end "
-                         f"(L3PLUGIN_WAIT_TIMEOUT)")
-            raise
+    with _first_stage_inputs_checked(model, r, tp_group, config, variable):
+        for index, action in enumerate(schedule.ranks[r].actions):
+            try:
+                channels.before_action(index)
+                if action.op == FORWARD:
+                    executor.forward(action)
+                else:
+                    executor.backward(index, action)
+            except Exception as exc:  # the traceback says where; this says which micro-batch of which step
+                kind = "forward" if action.op == FORWARD else "backward"
+                exc.add_note(f"l3plugin: in the {kind} of micro-batch {action.microbatch} of {num_microbatches} "
+                             f"(model chunk {action.chunk}, virtual stage {schedule.stage_of(r, action.chunk)}) on "
+                             f"pipeline rank {r}; the other pipeline ranks fail when their waits for this rank end "
+                             f"(L3PLUGIN_WAIT_TIMEOUT)")
+                raise
     channels.finish()
     syncs.enable()
     _finish_step(config, model, embedding_module, is_last_rank, tp_group, executor.total_num_tokens,

@@ -217,3 +217,58 @@ def test_an_error_in_a_micro_batch_names_it_and_no_rank_hangs(ranks):
     assert first is not None and "not divisible by the TP size 4" in first, first
     assert ("in the forward of micro-batch 3 of 5 (model chunk 0, virtual stage 0) on pipeline rank 0" in first), first
     assert second is not None and ("pipeline rank 0" in second or "Connection closed by peer" in second), second
+
+
+def run_tp_inputs(lengths_by_tp_rank, sequence_parallel):
+    """tp = 2, pp = 1, variable lengths: a token-id model whose micro-batch m has lengths_by_tp_rank[tp rank][m]
+    tokens. Returns this rank's error text (with the executor's notes), or None if the step ran."""
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer import TransformerConfig
+
+    from l3plugin.megatron import forward_backward_pipelining_flexible
+    from l3plugin.mesh import init_mesh
+
+    mesh = init_mesh(tp=2)
+    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, tensor_model_parallel_size=2,
+                               sequence_parallel=sequence_parallel, variable_seq_lengths=True,
+                               moe_token_dispatcher_type="alltoall", pipeline_dtype=torch.float32)
+
+    class TokenChunk(torch.nn.Module):
+        model_type = ModelType.encoder_or_decoder
+
+        def __init__(self):
+            super().__init__()
+            self.config, self.embedding = config, torch.nn.Embedding(16, HIDDEN)
+
+        def set_input_tensor(self, _tensor):
+            pass
+
+        def forward(self, input_ids):
+            return self.embedding(input_ids)
+
+    def forward_step(data_iterator, model):
+        ids = next(data_iterator)
+        return model(ids), lambda out: (out.float().pow(2).mean(), {"loss": out.detach().sum()})
+
+    lengths = lengths_by_tp_rank[mesh.coords["tp"]]
+    batches = [torch.arange(n)[None] % 16 for n in lengths]
+    try:
+        forward_backward_pipelining_flexible(forward_step_func=forward_step, data_iterator=iter(batches),
+                                             model=[TokenChunk()], num_microbatches=len(batches), seq_length=1,
+                                             micro_batch_size=1)
+    except Exception as exc:  # noqa: BLE001 - the test reads each rank's message
+        return "\n".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", [])])
+    return None
+
+
+def test_micro_batches_that_differ_across_tp_or_do_not_split_for_sp_are_named_on_every_rank(ranks):
+    # Micro-batch 1 has 6 tokens on TP rank 0 and 7 on TP rank 1: both ranks refuse it, naming it and the shapes.
+    for text in ranks.run(2, run_tp_inputs, [[4, 6, 4], [4, 7, 4]], False, timeout=60):
+        assert text is not None and "got inputs of shapes [(1, 6), (1, 7)] (TP rank order)" in text, text
+        assert "in the forward of micro-batch 1 of 3" in text, text
+    # Sequence parallelism: 5 tokens do not split over TP 2 (micro-batch 2).
+    for text in ranks.run(2, run_tp_inputs, [[4, 6, 5], [4, 6, 5]], True, timeout=60):
+        assert text is not None and "a micro-batch of 5 tokens on this rank (after CP)" in text, text
+        assert "must be a multiple of 2" in text and "in the forward of micro-batch 2 of 3" in text, text
+    # The same micro-batches on both TP ranks, each a multiple of 2: the step runs.
+    assert ranks.run(2, run_tp_inputs, [[4, 6, 8], [4, 6, 8]], True, timeout=60) == [None, None]
