@@ -1,5 +1,6 @@
 """Every example runs (small, CPU, gloo), so none can rot."""
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from l3plugin.ranks import run_command
+from runs_ahead import RunsAhead
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,13 +38,30 @@ def post_training_figures(out: str) -> dict:
     return {(mode, int(step)): (int(m), lengths, float(logp), float(loss)) for mode, step, m, lengths, logp, loss in rows}
 
 
-def test_rl_and_sft_post_training_on_cp2_pp2_vpp2_equal_one_process():
+POST_TRAINING = "examples/megatron/rl_post_training.py"
+
+
+@pytest.fixture(scope="module")
+def post_training_runs(request):
+    """The example at CP 2 x PP 2 x 2 virtual stages and in one process, started together (the one-process run
+    mostly imports, beside the 4 ranks' compute)."""
+    runs = {layout: functools.partial(run_torchrun, n, POST_TRAINING, "--pp", pp, "--vpp", pp, "--cp", pp,
+                                      "--steps", "2")
+            for layout, n, pp in (("parallel", 4, "2"), ("single", 1, "1"))}
+    test = "test_rl_and_sft_post_training_on_cp2_pp2_vpp2_equal_one_process"
+    with RunsAhead(request, runs, {layout: (test,) for layout in runs}) as ahead:
+        yield ahead
+
+
+def test_rl_and_sft_post_training_on_cp2_pp2_vpp2_equal_one_process(post_training_runs):
     """The post-training example (variable-length THD micro-batches, m changing every step, a forward-only log-prob
     pass then a training pass; then SFT) at CP 2 x PP 2 x 2 virtual stages equals the same loop in one process to
     fp32 rounding, step after step (the weights after each optimizer step included: the next step reads them)."""
-    script, steps = "examples/megatron/rl_post_training.py", "2"
-    parallel = post_training_figures(run_torchrun(4, script, "--pp", "2", "--vpp", "2", "--cp", "2", "--steps", steps))
-    single = post_training_figures(run_torchrun(1, script, "--pp", "1", "--vpp", "1", "--cp", "1", "--steps", steps))
+    outputs = {layout: post_training_runs.result(layout) for layout in ("parallel", "single")}
+    for out in outputs.values():
+        if isinstance(out, BaseException):
+            raise out
+    parallel, single = (post_training_figures(outputs[layout]) for layout in ("parallel", "single"))
     assert sorted(parallel) == sorted(single) == [("rl", 0), ("rl", 1), ("sft", 0), ("sft", 1)], (parallel, single)
     assert len({parallel[key][0] for key in parallel}) > 1  # the micro-batch count changes from step to step
     for key, (m, lengths, logp, loss) in parallel.items():
