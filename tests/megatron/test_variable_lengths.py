@@ -272,3 +272,24 @@ def test_micro_batches_that_differ_across_tp_or_do_not_split_for_sp_are_named_on
         assert "must be a multiple of 2" in text and "in the forward of micro-batch 2 of 3" in text, text
     # The same micro-batches on both TP ranks, each a multiple of 2: the step runs.
     assert ranks.run(2, run_tp_inputs, [[4, 6, 8], [4, 6, 8]], True, timeout=60) == [None, None]
+
+
+def run_frozen_prefix(p, v, m, k, frozen, receive_posting):
+    """Variable lengths with a frozen prefix (no gradient messages into it): one training step on this rank."""
+    from l3plugin.mesh import init_mesh
+
+    mesh = init_mesh(pp=p, vpp=v if v > 1 else None)
+    layers = 2 * p * v
+    config = varlen_config(p, v, k, layers)
+    chunks = toy.build_chunks(config, num_layers=layers, hidden=HIDDEN, pp_rank=mesh.coords["pp"], pp_size=p,
+                              vpp_size=v, frozen=frozen)
+    return toy.flexible_step(chunks, varlen_microbatches(m, seed=5), seq_length=1, micro_batch_size=1,
+                             receive_posting=receive_posting)
+
+
+@pytest.mark.parametrize("receive_posting", ["early", "agreed"])
+def test_variable_lengths_with_a_frozen_prefix_match_serial(ranks, receive_posting):
+    p, v, m, k, frozen = 4, 2, 5, 4, tuple(range(6))  # stages 0-2 of 8 frozen
+    results = ranks.run(p, run_frozen_prefix, p, v, m, k, frozen, receive_posting, timeout=120)
+    toy.assert_matches_serial(results, varlen_microbatches(m, seed=5), num_layers=2 * p * v, hidden=HIDDEN,
+                              frozen=frozen)
