@@ -2,7 +2,8 @@
 # Runs real Megatron-LM pretrain_gpt.py (core_v0.16.1 .. core_v0.19.0) on CPU, 2 ranks, gloo: stock cp = 1 with
 # its dense EOD document mask against l3plugin's CP = 2 (launcher, both layouts, both K/V modes; the two-line
 # patch), the stock refusal, the planner's emitted flags, and the flexible schedule against stock's at PP 2 (with
-# and without virtual stages); prints each run's lm loss per iteration.
+# and without virtual stages); from 0.19 the data loader's documents (--dataloader-inter-document-masking, idm_*)
+# under l3plugin's CP; prints each run's lm loss per iteration.
 # See ../README.md, "Checked with the real script".
 # Usage: MLM=/path/to/Megatron-LM VENV=/path/to/venv DATA=/path/prefix_text_document [TAG=core_v0.19.0] check.sh [RUN...]
 # (TAG picks patches/megatron-lm-$TAG-pretrain_gpt.patch; l3plugin must be importable in VENV or on PYTHONPATH.)
@@ -22,11 +23,16 @@ CPU="--max-position-embeddings 256 --position-embedding-type rope --transformer-
  --seed 1234 --tokenizer-type NullTokenizer --vocab-size 1023 --data-path $DATA --split 100,0,0
  --log-interval 1 --eval-iters 0 --eval-interval 1000 --no-rope-fusion --no-masked-softmax-fusion
  --no-bias-gelu-fusion --no-bias-dropout-fusion --no-gradient-accumulation-fusion --no-persist-layer-norm"
+# make_data.py ends every document with id 1023 = --vocab-size, NullTokenizer's EOD up to 0.17; from 0.18 its EOD
+# defaults to vocab_size - 1 (1022, an ordinary token of the data): name 1023, else the EOD masks cut at random 1022s.
+case "$TAG" in core_v0.16*|core_v0.17*) ;; *) CPU="$CPU --null-tokenizer-eod-id 1023" ;; esac
 MODEL="$TINY $CPU"
 MODEL4="${MODEL/--num-layers 2/--num-layers 4}"  # pp 2 x 2 virtual stages of one layer each
 PP2="--pipeline-model-parallel-size 2"; VP2="$PP2 --num-layers-per-virtual-pipeline-stage 1"
 DOCS="--reset-attention-mask --reset-position-ids --eod-mask-loss --calculate-per-token-loss"
 CP="--context-parallel-size 2 --cp-comm-type l3plugin_all_gather"
+# Megatron-LM 0.19+: the data loader's own document boundaries (cu_seqlens; pretrain_gpt builds "thd" PackedSeqParams).
+IDM="--dataloader-inter-document-masking --eod-mask-loss --calculate-per-token-loss"
 RUN="torchrun --nproc-per-node 2 $HERE/cpu_run.py"
 LAUNCH="$RUN -m l3plugin.megatron.launch pretrain_gpt.py"
 LAUNCH4="${LAUNCH/--nproc-per-node 2/--nproc-per-node 4}"; LAUNCH8="${LAUNCH/--nproc-per-node 2/--nproc-per-node 8}"
@@ -58,6 +64,9 @@ declare -A CMD=(
   [cp2_patch_2cp]="$RUN pretrain_gpt_l3plugin.py $MODEL $DOCS $CP"
   [cp2_no_documents]="$LAUNCH $MODEL ${DOCS/--reset-attention-mask /} $CP"
   [cp2_stock_refuses]="$RUN pretrain_gpt.py $MODEL $DOCS $CP"
+  [idm_cp2_2cp]="$LAUNCH $MODEL $IDM $CP --l3plugin-cp-layout 2cp"
+  [idm_cp2_balanced]="$LAUNCH $MODEL $IDM $CP --l3plugin-cp-layout balanced"
+  [idm_cp2_patch]="$RUN pretrain_gpt_l3plugin.py $MODEL $IDM $CP"
   [pp2_cp1_stock]="$RUN pretrain_gpt.py $MODEL $DOCS --pipeline-model-parallel-size 2"
   [pp2_cp2_2cp]="$LAUNCH4 $MODEL $DOCS $CP --pipeline-model-parallel-size 2"
   # 4D layouts. Megatron seeds each pipeline stage's weights differently, so every run starts from one checkpoint
@@ -70,6 +79,7 @@ declare -A CMD=(
   [ckpt_pp4_cp2_flexible]="$LAUNCH8 $MODEL4 $DOCS $INIT $CP --pipeline-model-parallel-size 4 --pipeline-schedule flexible"
   [ckpt_vp2_cp1_flexible]="$LAUNCH $MODEL4 $DOCS $INIT $VP2 --pipeline-schedule flexible"
   [ckpt_vp2_cp2_flexible]="$LAUNCH4 $MODEL4 $DOCS $INIT $CP $VP2 --pipeline-schedule flexible"
+  [ckpt_vp2_cp2_idm_flexible]="$LAUNCH4 $MODEL4 $IDM $INIT $CP $VP2 --pipeline-schedule flexible"
   [ckpt_vp2_cp2_stock]="$LAUNCH4 $MODEL4 $DOCS $INIT $CP $VP2"
   [ckpt_tp2_pp2_cp1_stock]="$RUN4 pretrain_gpt.py $MODEL4 $DOCS $INIT $TP2PP2"
   [ckpt_tp2_pp2_cp2]="$LAUNCH8 $MODEL4 $DOCS $INIT $CP $TP2PP2"
@@ -90,9 +100,11 @@ declare -A CMD=(
   [pp2_vp2_k1_stock_refuses]="$RUN pretrain_gpt.py $MODEL4 $VP2 --microbatch-group-size-per-virtual-pipeline-stage 1"
 )
 ORDER="cp1_stock cp2_2cp_regather cp2_2cp_keep cp2_balanced_regather cp2_balanced_keep cp2_patch_2cp cp2_no_documents cp2_stock_refuses
+ idm_cp2_2cp idm_cp2_balanced idm_cp2_patch
  cp1_stock_per_rank_mean cp2_2cp_per_rank_mean pp2_cp1_stock pp2_cp2_2cp planner_cp2_regather planner_cp2_keep planner_flags_cp1_stock
  pp2_stock pp2_flexible pp2_vp2_stock pp2_vp2_flexible pp2_vp2_patch_flexible pp2_vp2_k1_flexible pp2_vp2_k1_stock_refuses
  init_ckpt ckpt_cp1_stock ckpt_pp4_cp1_stock ckpt_pp4_cp2 ckpt_pp4_cp2_flexible ckpt_vp2_cp1_flexible ckpt_vp2_cp2_flexible
+ ckpt_vp2_cp2_idm_flexible
  ckpt_vp2_cp2_stock ckpt_tp2_pp2_cp1_stock ckpt_tp2_pp2_cp2 planner_4d planner_4d_fp32 ckpt_cp1_stock_bf16"
 for name in ${@:-$ORDER}; do
   echo "== $name: ${CMD[$name]}" | tr -s ' \n' ' '; echo

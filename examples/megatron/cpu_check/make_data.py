@@ -1,6 +1,7 @@
 """A tiny packed pre-training corpus in Megatron's indexed format (.bin/.idx), written with Megatron-Core's own
 IndexedDatasetBuilder, as tools/preprocess_data.py --append-eod writes it: random token ids in [0, V) per
-document, each document followed by the EOD id V (NullTokenizer(V)'s eod). Documents of 8..160 tokens,
+document, each document followed by the EOD id V (NullTokenizer(V)'s eod up to Megatron-LM 0.17; from 0.18 its
+default is V - 1, an ordinary token here: give --null-tokenizer-eod-id V, as check.sh does). Documents of 8..160 tokens,
 so a 256-token sample holds several EOD tokens and documents cross the CP chunk borders.
 
     python make_data.py PREFIX [--vocab 1023] [--docs 2000] [--seed 1234]
