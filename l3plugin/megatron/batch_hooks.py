@@ -17,7 +17,9 @@ So on these versions l3plugin (set CP_BATCH, declared at the bottom; its rows ar
 
 With ``--dataloader-inter-document-masking`` (0.19+) the boundaries are the data loader's own ``cu_seqlens``
 (broadcast over TP and flattened by Megatron, given to middle stages too): ``tp_batch_with_documents`` leaves
-them as they are; the sharding and the "sbhd" form are the same (``sbhd_from_thd``).
+them as they are; the sharding and the "sbhd" form are the same (``sbhd_from_thd``). pretrain_gpt's get_batch
+then reads data on middle pipeline stages as well, which it builds only for --sft: ``dataset_builder_init``
+builds it on every stage.
 
 Each falls through to Megatron's own unless Megatron-LM's parsed arguments select l3plugin's CP.
 """
@@ -130,6 +132,35 @@ def sbhd_from_thd(packed):
     return dataclasses.replace(packed, qkv_format="sbhd", max_seqlen_q=seq_len, max_seqlen_kv=seq_len)
 
 
+def dataset_built_where(route, config, is_built_on_rank, tp_rank):
+    """Where the datasets are built: pretrain_gpt's ``is_built_on_rank``, except with l3plugin's CP and
+    ``--dataloader-inter-document-masking`` (``route.loader_documents`` and the dataset config's
+    ``inter_document_masking``): on TP rank 0 of EVERY pipeline stage (``tp_rank()`` gives this rank's TP rank).
+
+    With that flag, pretrain_gpt's ``get_batch`` reads the next batch on middle stages too (a middle virtual stage
+    of any rank, or PP > 2) for its ``cu_seqlens``, but its ``is_dataset_built_on_rank`` builds data there only
+    for ``--sft``: core_v0.19.0 then fails on a middle stage with ``'NoneType' object is not an iterator``. Built
+    on every stage (as pretrain_gpt does for --sft), each stage reads its micro-batches' own boundaries;
+    cp_documents.py checks them against the first stage's."""
+    if route is None or not route.loader_documents or not getattr(config, "inter_document_masking", False):
+        return is_built_on_rank
+
+    def on_tp_rank_0_of_every_stage():
+        return tp_rank() == 0
+
+    return on_tp_rank_0_of_every_stage
+
+
+def dataset_builder_init(self, cls, sizes, is_built_on_rank, config, *args, **kwargs):
+    """BlendedMegatronDatasetBuilder.__init__ building where ``dataset_built_where`` says."""
+    from megatron.core import parallel_state
+
+    stock = CP_BATCH.stock("BlendedMegatronDatasetBuilder.__init__")
+    where = dataset_built_where(_documents_route(), config, is_built_on_rank,
+                                parallel_state.get_tensor_model_parallel_rank)
+    return stock(self, cls, sizes, where, config, *args, **kwargs)
+
+
 def gpt_model_forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
     """GPTModel.forward with pretrain_gpt's "thd" PackedSeqParams (built from the global boundaries of
     ``tp_batch_with_documents``) given as "sbhd" when l3plugin's CP with documents is selected."""
@@ -162,6 +193,11 @@ CP_BATCH = PatchSet("l3plugin.megatron (CP batches from Megatron-LM 0.18 on)", "
     Patch("megatron.core.utils", "get_batch_on_this_cp_rank", cp_batch_by_layout,
           signature=("batch", "is_hybrid_cp", "cp_group"), rebind=True, versions=">=0.18",
           why="the batch sharded by l3plugin's CP layout, the document boundaries left global" + _ONLY_OURS),
+    Patch("megatron.core.datasets.blended_megatron_dataset_builder:BlendedMegatronDatasetBuilder", "__init__",
+          dataset_builder_init, signature=("self", "cls", "sizes", "is_built_on_rank", "config"), versions=">=0.19",
+          why="with --dataloader-inter-document-masking the datasets are built on TP rank 0 of every pipeline "
+              "stage: pretrain_gpt's get_batch reads cu_seqlens on middle stages too, but builds their data only "
+              "for --sft" + _ONLY_OURS),
     Patch("megatron.core.models.gpt.gpt_model:GPTModel", "forward", gpt_model_forward,
           signature=("self", "input_ids", "position_ids", "attention_mask", "decoder_input", "labels",
                      "inference_context", "packed_seq_params"), versions=">=0.18",

@@ -212,6 +212,28 @@ def test_dataloader_inter_document_masking_selects_the_documents_route():
         check_cp_args(ns(**loader, micro_batch_size=2))
 
 
+def test_dataloader_inter_document_masking_builds_data_on_every_pipeline_stage():
+    """With --dataloader-inter-document-masking pretrain_gpt's get_batch reads cu_seqlens on middle stages, whose
+    data it builds only for --sft: under l3plugin's route the datasets are built on TP rank 0 of every stage;
+    without the flag, or without the route, pretrain_gpt's own rule stands."""
+    import types
+
+    from l3plugin.megatron.arguments import CPRoute
+    from l3plugin.megatron.batch_hooks import dataset_built_where
+
+    def first_or_last_only():
+        return False  # pretrain_gpt's rule on a middle stage
+
+    loader = CPRoute(documents=True, loader_documents=True)
+    idm = types.SimpleNamespace(inter_document_masking=True)
+    for tp_rank, built in ((0, True), (1, False)):
+        assert dataset_built_where(loader, idm, first_or_last_only, lambda: tp_rank)() is built
+    eod = CPRoute(documents=True)
+    plain = types.SimpleNamespace(inter_document_masking=False)
+    for route, config in ((None, idm), (eod, idm), (loader, plain)):
+        assert dataset_built_where(route, config, first_or_last_only, lambda: 0) is first_or_last_only
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(context_parallel_size=1), "--context-parallel-size 1"),
     (dict(cp_comm_type=["l3plugin_all_gather", "p2p"]), "mixes"),
