@@ -67,6 +67,8 @@ declare -A CMD=(
   [idm_cp2_2cp]="$LAUNCH $MODEL $IDM $CP --l3plugin-cp-layout 2cp"
   [idm_cp2_balanced]="$LAUNCH $MODEL $IDM $CP --l3plugin-cp-layout balanced"
   [idm_cp2_patch]="$RUN pretrain_gpt_l3plugin.py $MODEL $IDM $CP"
+  [tp2_cp1_stock]="$RUN pretrain_gpt.py $MODEL $DOCS --tensor-model-parallel-size 2"
+  [idm_tp2_cp2]="$LAUNCH4 $MODEL $IDM $CP --tensor-model-parallel-size 2"
   [pp2_cp1_stock]="$RUN pretrain_gpt.py $MODEL $DOCS --pipeline-model-parallel-size 2"
   [pp2_cp2_2cp]="$LAUNCH4 $MODEL $DOCS $CP --pipeline-model-parallel-size 2"
   # 4D layouts. Megatron seeds each pipeline stage's weights differently, so every run starts from one checkpoint
@@ -100,7 +102,7 @@ declare -A CMD=(
   [pp2_vp2_k1_stock_refuses]="$RUN pretrain_gpt.py $MODEL4 $VP2 --microbatch-group-size-per-virtual-pipeline-stage 1"
 )
 ORDER="cp1_stock cp2_2cp_regather cp2_2cp_keep cp2_balanced_regather cp2_balanced_keep cp2_patch_2cp cp2_no_documents cp2_stock_refuses
- idm_cp2_2cp idm_cp2_balanced idm_cp2_patch
+ idm_cp2_2cp idm_cp2_balanced idm_cp2_patch tp2_cp1_stock idm_tp2_cp2
  cp1_stock_per_rank_mean cp2_2cp_per_rank_mean pp2_cp1_stock pp2_cp2_2cp planner_cp2_regather planner_cp2_keep planner_flags_cp1_stock
  pp2_stock pp2_flexible pp2_vp2_stock pp2_vp2_flexible pp2_vp2_patch_flexible pp2_vp2_k1_flexible pp2_vp2_k1_stock_refuses
  init_ckpt ckpt_cp1_stock ckpt_pp4_cp1_stock ckpt_pp4_cp2 ckpt_pp4_cp2_flexible ckpt_vp2_cp1_flexible ckpt_vp2_cp2_flexible
