@@ -69,6 +69,31 @@ def named_grads(chunks) -> dict[str, torch.Tensor]:
     return {global_name(ch, n): p.grad.clone() for ch in chunks for n, p in ch.named_parameters()}
 
 
+def cp_loss_and_grads(model, per_token, loss_mask, den, dtype, cp_group) -> dict:
+    """Backward of the masked token sum of ``per_token`` over ``den`` tokens; the loss and the gradients summed over
+    the CP group (CP extends DP for parameters), as {"loss", "grads"}."""
+    import torch.distributed as dist
+
+    loss = (per_token.to(dtype) * loss_mask.to(dtype)).sum() / den
+    loss.backward()
+    total, grads = loss.detach().clone(), named_grads([model])
+    if cp_group.size() > 1:
+        dist.all_reduce(total, group=cp_group)
+        for g in grads.values():
+            dist.all_reduce(g, group=cp_group)
+    return {"loss": total, "grads": grads}
+
+
+def assert_equal_to_cp1(results, cp1, tol=1e-12):
+    """Every rank's {"loss", "grads"} equals the CP 1 run's within ``tol`` (max abs), naming the first tensor off."""
+    for r in results:
+        assert abs(float(r["loss"] - cp1["loss"])) < tol
+        assert r["grads"].keys() == cp1["grads"].keys()
+        for name, ref in cp1["grads"].items():
+            err = float((r["grads"][name] - ref).abs().max())
+            assert err < tol, f"{name}: {err}"
+
+
 def microbatches(m, micro_batch_size, seq_len, seed=11):
     gen = torch.Generator().manual_seed(seed)
     out = []

@@ -11,7 +11,6 @@ LAYOUTS = {"one-document": [0, SEQ], "paper-3-3-8-2": [0, 3, 6, 14, 16], "tiny-d
 
 def gpt_step(cp, cu, dtype, cp_layout="2cp", position_embedding_type="learned_absolute"):
     """Loss (mean over the full sequence's masked tokens) and full-model grads summed over CP ranks."""
-    import torch.distributed as dist
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from l3plugin.cp import sharding
@@ -32,15 +31,7 @@ def gpt_step(cp, cu, dtype, cp_layout="2cp", position_embedding_type="learned_ab
                              max_seqlen_q=SEQ, max_seqlen_kv=SEQ)
     per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                       packed_seq_params=packed)
-    loss = (per_token.to(dtype) * batch["loss_mask"].to(dtype)).sum() / den
-    loss.backward()
-    total = loss.detach().clone()
-    grads = gpt.named_grads([model])
-    if cp > 1:  # CP extends DP for parameters: gradients are summed over the CP group
-        dist.all_reduce(total, group=mesh.cp_group)
-        for g in grads.values():
-            dist.all_reduce(g, group=mesh.cp_group)
-    return {"loss": total, "grads": grads}
+    return gpt.cp_loss_and_grads(model, per_token, batch["loss_mask"], den, dtype, mesh.cp_group)
 
 
 # Megatron's RoPE moves its frequencies to torch.cuda.current_device() (rotary_pos_embedding.py:162),
@@ -50,12 +41,7 @@ def test_gpt_cp2_matches_cp1(ranks, layout):
     dtype = torch.float64
     cp2 = ranks.run(2, gpt_step, 2, LAYOUTS[layout], dtype, timeout=120)
     cp1 = ranks.run(2, gpt_step, 1, LAYOUTS[layout], dtype, timeout=120)[0]
-    for r in cp2:
-        assert abs(float(r["loss"] - cp1["loss"])) < 1e-12
-        assert r["grads"].keys() == cp1["grads"].keys()
-        for name, ref in cp1["grads"].items():
-            err = float((r["grads"][name] - ref).abs().max())
-            assert err < 1e-12, f"{name}: {err}"
+    gpt.assert_equal_to_cp1(cp2, cp1)
 
 
 # The balanced layout with RoPE: rope_follows_cp_layout must give each rank its own positions' rotary
@@ -69,11 +55,7 @@ def test_gpt_cp2_balanced_layout_matches_cp1(ranks, layout, embedding):
     dtype = torch.float64
     cp2 = ranks.run(2, gpt_step, 2, LAYOUTS[layout], dtype, "balanced", embedding, timeout=120)
     cp1 = ranks.run(2, gpt_step, 1, LAYOUTS[layout], dtype, "2cp", embedding, timeout=120)[0]
-    for r in cp2:
-        assert abs(float(r["loss"] - cp1["loss"])) < 1e-12
-        for name, ref in cp1["grads"].items():
-            err = float((r["grads"][name] - ref).abs().max())
-            assert err < 1e-12, f"{name}: {err}"
+    gpt.assert_equal_to_cp1(cp2, cp1)
 
 
 def gpt_step_without_rope_fix(*args):

@@ -166,7 +166,6 @@ def gpt_thd_step(cp, lengths, dtype=torch.float64):
     """A 2-layer GPTModel (RoPE, GQA) on one packed sequence: at cp > 1 in Megatron's THD form (padded
     documents, per-document split, PackedSeqParams "thd"); at cp 1 in l3plugin's sbhd form over the unpadded
     sequence (global RoPE positions). Loss (token mean over the real tokens) and CP-summed gradients."""
-    import torch.distributed as dist
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from l3plugin.demo.model import build_chunk
@@ -196,14 +195,7 @@ def gpt_thd_step(cp, lengths, dtype=torch.float64):
     else:
         packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
     per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed)
-    loss = (per_token.to(dtype) * batch["loss_mask"].to(dtype)).sum() / den
-    loss.backward()
-    total, grads = loss.detach().clone(), gpt.named_grads([model])
-    if cp > 1:
-        dist.all_reduce(total, group=mesh.cp_group)
-        for g in grads.values():
-            dist.all_reduce(g, group=mesh.cp_group)
-    return {"loss": total, "grads": grads}
+    return gpt.cp_loss_and_grads(model, per_token, batch["loss_mask"], den, dtype, mesh.cp_group)
 
 
 @pytest.mark.parametrize("lengths", [[5, 11, 3, 17, 1, 7], [2, 30]], ids=["odd-lengths", "two-documents"])
@@ -213,12 +205,7 @@ def test_gpt_thd_cp2_matches_cp1(ranks, lengths):
     positions at CP 1) but not in value within a document: fp64 agrees to 1e-12."""
     cp2 = ranks.run(2, gpt_thd_step, 2, lengths, timeout=120)
     cp1 = ranks.run(2, gpt_thd_step, 1, lengths, timeout=120)[0]
-    for r in cp2:
-        assert abs(float(r["loss"] - cp1["loss"])) < 1e-12
-        assert r["grads"].keys() == cp1["grads"].keys()
-        for name, ref in cp1["grads"].items():
-            err = float((r["grads"][name] - ref).abs().max())
-            assert err < 1e-12, f"{name}: {err}"
+    gpt.assert_equal_to_cp1(cp2, cp1)
 
 
 BAD_INPUTS = {
@@ -291,7 +278,6 @@ def gpt_zigzag_step(form, lengths=(5, 11, 3, 17, 1, 7), dtype=torch.float64):
     borders, nothing padded) and PackedSeqParams("thd", cu_seqlens_q=<global, unpadded>, no padded offsets,
     max_seqlen=<longest document>). ``form``: "thd" as given, "route" as l3plugin's flags route passes it on
     (batch_hooks.sbhd_from_thd), "cp1": one CP rank, the unsharded sequence in sbhd."""
-    import torch.distributed as dist
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from l3plugin.cp.sharding import shard_batch
@@ -319,14 +305,7 @@ def gpt_zigzag_step(form, lengths=(5, 11, 3, 17, 1, 7), dtype=torch.float64):
                           packed_seq_params=packed)
     except RuntimeError as exc:
         return {"error": str(exc)}
-    loss = (per_token.to(dtype) * batch["loss_mask"].to(dtype)).sum() / den
-    loss.backward()
-    total, grads = loss.detach().clone(), gpt.named_grads([model])
-    if cp > 1:
-        dist.all_reduce(total, group=mesh.cp_group)
-        for g in grads.values():
-            dist.all_reduce(g, group=mesh.cp_group)
-    return {"loss": total, "grads": grads}
+    return gpt.cp_loss_and_grads(model, per_token, batch["loss_mask"], den, dtype, mesh.cp_group)
 
 
 def test_inter_document_masking_batch_crashes_thd_rope_and_runs_as_the_route_passes_it(ranks):
@@ -338,11 +317,7 @@ def test_inter_document_masking_batch_crashes_thd_rope_and_runs_as_the_route_pas
         assert "split_with_sizes expects split_sizes to sum exactly to 22" in r["error"], r
     route = ranks.run(2, gpt_zigzag_step, "route", timeout=120)
     cp1 = ranks.run(2, gpt_zigzag_step, "cp1", timeout=120)[0]
-    for r in route:
-        assert abs(float(r["loss"] - cp1["loss"])) < 1e-12
-        for name, ref in cp1["grads"].items():
-            err = float((r["grads"][name] - ref).abs().max())
-            assert err < 1e-12, f"{name}: {err}"
+    gpt.assert_equal_to_cp1(route, cp1)
 
 
 def test_sbhd_from_thd_keeps_the_boundaries_and_sizes_rope_by_the_sequence():
