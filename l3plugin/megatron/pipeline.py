@@ -145,7 +145,7 @@ def _model_device(model) -> torch.device:
 
 
 def _checked_config(model, data_iterator):
-    """The model's Megatron config, after refusing what the flexible schedule does not support."""
+    """The model's Megatron config, after checking there is one data iterator per model chunk."""
     from megatron.core.utils import get_model_config
 
     if len(data_iterator) != len(model):
