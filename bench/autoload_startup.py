@@ -1,6 +1,6 @@
 """What l3plugin-autoload.pth adds to every interpreter start (`python -c pass`) of this venv.
 
-    .venv/bin/python bench/autoload_startup.py            # 40 + 5 rounds, about a minute
+    .venv/bin/python bench/autoload_startup.py            # 40 + 15 rounds, two to three minutes
     .venv/bin/python bench/autoload_startup.py --rounds 100 --deepspeed-rounds 0
 
 Contenders, interleaved (bench/harness.py: each round runs both, the order alternating; warm-up rounds first)
@@ -12,7 +12,10 @@ that instead (everything else about start-up, sys.path and the .pth files read, 
 - copy, compiled / copy, cached: a copy of it first on PYTHONPATH, with PYTHONDONTWRITEBYTECODE=1 and no
   cache (every start compiles it) / with its bytecode cached (as a regular install precompiles it).
 Then what the hook adds to `import deepspeed` (it imports l3plugin.deepspeed and patches the engines):
-`python -c "import deepspeed"` with and without L3PLUGIN_NO_AUTOLOAD=1, interleaved the same way.
+`python -c "import deepspeed"` with and without L3PLUGIN_NO_AUTOLOAD=1, interleaved the same way: wall time,
+the child's CPU time and its peak RSS (its own rusage, from wait4). Both with this bench's tree first on
+PYTHONPATH, so the hook imports the l3plugin of the checkout the bench sits in (run a copy of it in a worktree
+of an older commit, with the same venv, to measure that commit).
 Prints tables; asserts nothing about the timings (only that its own set-up is right). --json: every figure as
 JSON on stdout, the tables on stderr.
 """
@@ -29,7 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+TREE = Path(__file__).resolve().parents[1]  # the checkout this bench sits in: its l3plugin is measured
+sys.path.insert(0, str(TREE))
 
 import harness  # noqa: E402
 import wire  # noqa: E402
@@ -41,26 +45,40 @@ def start_once(env, code="pass") -> float:
     return time.perf_counter() - t
 
 
-def interleaved(rounds, a_env, b_env, code="pass", warmup=1):
-    """Per-contender start times (a, b): harness.interleaved_rounds of the two environments."""
+def start_measured(env, code) -> tuple:
+    """(wall seconds, CPU seconds, peak RSS in MiB) of one `python -c code`, from the child's own rusage: CPU
+    time (user + system) is what a loaded machine's wall time blurs; ru_maxrss is in KiB on Linux."""
+    t = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - t
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise subprocess.CalledProcessError(child.returncode, child.args)
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+
+
+def interleaved(rounds, a_env, b_env, code="pass", warmup=1, once=start_once):
+    """Per-contender results of ``once`` (a, b): harness.interleaved_rounds of the two environments."""
     envs = {"a": a_env, "b": b_env}
-    times = harness.interleaved_rounds(envs, lambda name: start_once(envs[name], code), rounds, warmup)
+    times = harness.interleaved_rounds(envs, lambda name: once(envs[name], code), rounds, warmup)
     return times["a"], times["b"]
 
 
-def row(label, a, b, unit=1e3):
-    """Print a row; return its figures (seconds)."""
-    figures = {"label": label, "without_s": statistics.median(b), "with_s": statistics.median(a),
-               "ratio": harness.ratio_stats(a, b), "added_s": statistics.median(x - y for x, y in zip(a, b))}
-    print(f"{label:<22} {figures['without_s'] * unit:>10.1f} {figures['with_s'] * unit:>8.1f} "
-          f"{figures['ratio']['median']:>13.3f} {figures['added_s'] * unit:>9.2f}")
+def row(label, a, b, unit=1e3, suffix="_s", digits=(1, 2)):
+    """Print a row; return its figures (seconds, or MiB with unit=1 and suffix="_mib")."""
+    figures = {"label": label, f"without{suffix}": statistics.median(b), f"with{suffix}": statistics.median(a),
+               "ratio": harness.ratio_stats(a, b), f"added{suffix}": statistics.median(x - y for x, y in zip(a, b))}
+    print(f"{label:<22} {figures[f'without{suffix}'] * unit:>10.{digits[0]}f} "
+          f"{figures[f'with{suffix}'] * unit:>8.{digits[0]}f} {harness.ratio_text(figures['ratio']):>21} "
+          f"{figures[f'added{suffix}'] * unit:>9.{digits[1]}f}")
     return figures
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--deepspeed-rounds", type=int, default=5, help="0 skips the import deepspeed table")
+    parser.add_argument("--deepspeed-rounds", type=int, default=15, help="0 skips the import deepspeed table")
     wire.add_argument(parser)
     harness.add_json_argument(parser)
     args = parser.parse_args(argv)
@@ -88,7 +106,7 @@ def tables(args, link, figures):
                        startup=[], deepspeed_rounds=args.deepspeed_rounds)
         print(f"python {sys.version.split()[0]}, installed hook {l3plugin_autoload.__file__} (bytecode cached: "
               f"{cached}, PYTHONDONTWRITEBYTECODE={base.get('PYTHONDONTWRITEBYTECODE', '')!r}), {args.rounds} rounds")
-        print(f"{'hook':<22} {'no hook ms':>10} {'hook ms':>8} {'hook/no hook':>13} {'added ms':>9}")
+        print(f"{'hook':<22} {'no hook ms':>10} {'hook ms':>8} {'hook/no hook (range)':>21} {'added ms':>9}")
         no_cache = {**base, "PYTHONDONTWRITEBYTECODE": "1"}
         with_cache = {k: v for k, v in base.items() if k != "PYTHONDONTWRITEBYTECODE"}
         for label, env, hook_path in (("installed", base, nothing_dir), ("copy, compiled", no_cache, hook_dir),
@@ -100,10 +118,18 @@ def tables(args, link, figures):
                 assert bool(list(hook_dir.glob("__pycache__/*.pyc"))) == (env is with_cache), label
             figures["startup"].append(row(label, *times))
         if args.deepspeed_rounds:
-            print(f"\nimport deepspeed, {args.deepspeed_rounds} rounds")
-            print(f"{'':<22} {'off ms':>10} {'on ms':>8} {'on/off':>13} {'added ms':>9}")
-            figures["import_deepspeed"] = row("hook on / off", *interleaved(
-                args.deepspeed_rounds, base, {**base, "L3PLUGIN_NO_AUTOLOAD": "1"}, "import deepspeed"))
+            tree = {**base, "PYTHONPATH": str(TREE)}
+            on, off = interleaved(args.deepspeed_rounds, tree, {**tree, "L3PLUGIN_NO_AUTOLOAD": "1"},
+                                  "import deepspeed", once=start_measured)
+            figures["tree"] = str(TREE)
+            print(f"\nimport deepspeed, {args.deepspeed_rounds} rounds, l3plugin from {TREE}, load average "
+                  f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after the runs")
+            print(f"{'':<22} {'off':>10} {'on':>8} {'on/off (range)':>21} {'added':>9}")
+            figures["import_deepspeed"] = row("wall ms", [r[0] for r in on], [r[0] for r in off])
+            figures["import_deepspeed_cpu"] = row("CPU ms", [r[1] for r in on], [r[1] for r in off])
+            figures["import_deepspeed_peak_rss"] = row("peak RSS MiB", [r[2] for r in on], [r[2] for r in off],
+                                                       unit=1, suffix="_mib", digits=(0, 1))
+            figures["load_average"] = os.getloadavg()
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ when accelerate was imported first (set ACCELERATE, in sequence_parallel.py).
 ``uninstall()`` restores everything. The package: ``config.py`` (the options and what is supported),
 ``engine.py`` (the replaced methods), ``sequence_parallel.py`` (``context_parallel_size``: DeepSpeed's
 sequence-parallel groups, accelerate's data loaders, a transformers model's attention through
-``l3plugin.huggingface``), ``optimizer.py`` (the optimizer the engines drive, and what they call),
+``l3plugin.huggingface``), ``optimizer.py`` (the optimizer the engines drive, and what they call; imported
+when the first engine with the key builds it, so that a plain ``import deepspeed`` stays as light as stock),
 ``checkpoint.py`` (crash-consistent saves, verified loads, ``export_fp32_state_dict``).
 
 Checkpoints are stock ZeRO-1/2 checkpoints: a stock engine (same config without the key) resumes them with

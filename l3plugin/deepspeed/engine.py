@@ -16,7 +16,6 @@ import weakref
 from l3plugin.deepspeed import checkpoint
 from l3plugin.deepspeed.config import (PluginOptions, check_model_supported, check_supported, config_of_call,
                                        handing_over, options_for, zero_settings)
-from l3plugin.deepspeed.optimizer import DeepSpeedFP32ReduceZero, runs_fp32_reduce_zero
 from l3plugin.deepspeed.sequence_parallel import ACCELERATE, check_for_hf_users, initialize_with_cp
 from l3plugin.versions import DEEPSPEED_CHECKED
 from l3plugin.patchset import Patch, PatchSet
@@ -52,6 +51,14 @@ def options_of(engine) -> PluginOptions | None:
 def wants_fp32_reduce_zero(engine) -> bool:
     options = options_of(engine)
     return options is not None and options.fp32_reduce_zero
+
+
+def runs_fp32_reduce_zero(engine) -> bool:
+    """Whether ``engine`` runs l3plugin's optimizer. optimizer.py (the ZeRO optimizer, torch._dynamo: over a second)
+    is imported when the first engine with the key is built, not by every `import deepspeed`: before that no
+    engine can run it, and stock engines asking here never import it."""
+    module = sys.modules.get("l3plugin.deepspeed.optimizer")
+    return module is not None and module.runs_fp32_reduce_zero(engine)
 
 
 def _stock(cls: str, name: str):
@@ -115,6 +122,8 @@ def configure_zero_optimizer(self, optimizer):
         raise ValueError('l3plugin FP32-reducing ZeRO needs an optimizer: add "optimizer" to the config '
                          "or pass optimizer= to deepspeed.initialize")
     from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from l3plugin.deepspeed.optimizer import DeepSpeedFP32ReduceZero  # with the key only: see runs_fp32_reduce_zero
 
     built = DeepSpeedFP32ReduceZero(self, optimizer, zero_settings(self, options_of(self)))
     state_of(self).hide_stage2 = isinstance(self, PipelineEngine)
