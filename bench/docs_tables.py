@@ -143,6 +143,12 @@ DOC_FIGURES = (
     ("docs/zero.md", "`bench/zero_megatron.py --quick`'s census, W = 2, 2 layers", ("zero-megatron",), ""),
     ("docs/benchmarks.md", "| gas | contender | step ms | exposed ms | exp/coll | grad B/param | in bwd |",
      ("zero-megatron",), ""),
+    ("docs/benchmarks.md", "| pp_variable_lengths run | contender |", (),
+     "bench/pp_variable_lengths.py's printed rows, by hand (the runs' JSON: docs/runs/pp_variable_lengths_*.json)"),
+    ("docs/cp.md", "| documents | docs / sequence | THD padding per sequence", (),
+     "printed by bench/cp_thd_padding.py (a count over generated document lengths, no timing)"),
+    ("docs/post-training.md", "| step | micro-batches | lengths |", (),
+     "the output of examples/megatron/rl_post_training.py (tests/test_examples.py compares the two layouts)"),
 )
 
 
