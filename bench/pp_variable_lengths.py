@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/pp_variable_lengths.py            # 2 gloo ranks (one per core), ~1 min
     .venv/bin/python bench/pp_variable_lengths.py --json     # every figure as JSON on stdout
+    .venv/bin/python bench/pp_variable_lengths.py --wire 1gbit   # each rank its own 1 Gbit/s full-duplex link
 
 The same model and the same micro-batches (all of one length, so the fixed-shape path is valid too), with
 ``config.variable_seq_lengths`` off and on: l3plugin's flexible schedule at pp=2, vpp 1 and 2, posting receives
@@ -10,8 +11,9 @@ tests), whose variable-length path exchanges shapes before every message. Interl
 the order rotating every round, a warm-up round first); per contender the step time (slowest rank, median), the
 median of per-round ratios variable / fixed (range), and for the flexible schedule a census of what one rank sent
 per step (PipelineChannels.waits: the tensors handed to isend) and its blocking in receives. Asserts nothing but
-that variable and fixed gradients are identical. On the shared loopback, no shaped wire: the cost measured is
-latency and CPU, not bandwidth (a header is 64 bytes).
+that variable and fixed gradients are identical. Without ``--wire`` on the shared loopback, where the cost is latency
+and CPU; with ``--wire RATE`` (bench/wire.py, per-rank links by default) every byte also waits for the wire, so a
+data receive posted late (after its header) would show as receive wait.
 """
 
 from __future__ import annotations
@@ -88,15 +90,21 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=8, help="layers of the toy model (pp x vpp must divide it)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=256, help="tokens per micro-batch (every micro-batch)")
+    import wire
+
+    wire.add_argument(parser)
     harness.add_json_argument(parser)
     args = parser.parse_args(argv)
     from l3plugin.ranks import RankPool
 
+    link = harness.enter_wire(args.wire, "float32", args.wire_mode)
     with harness.json_output(args.json, "pp_variable_lengths", argv) as figures:
+        where = link.describe() if link.on else "the shared loopback"
         print(f"pp={P}, m={M}, k=p, toy model: {args.layers} layers, hidden {args.hidden}, {args.seq} tokens per "
-              f"micro-batch, 2 gloo ranks on the shared loopback, {args.rounds} interleaved rounds")
-        with RankPool(P, preload=("megatron.core",)) as pool:
+              f"micro-batch, 2 gloo ranks on {where}, {args.rounds} interleaved rounds")
+        with RankPool(P, preload=("megatron.core",), **link.pool_options(P)) as pool:
             per_rank = pool.run(_rank_rounds, args.rounds, args.layers, args.hidden, args.seq, timeout=1800)
+        harness.report_wire_traffic(link, figures)
         identical = all(r["identical"] for r in per_rank)
         print(f"{'contender':22} {'fixed ms':>9} {'variable ms':>12} {'variable/fixed':>20} {'msgs/step':>10} "
               f"{'bytes/step':>16} {'recv wait ms':>14}")
