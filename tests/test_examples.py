@@ -1,6 +1,5 @@
 """Every example runs (small, CPU, gloo), so none can rot."""
 
-import functools
 import os
 import sys
 from pathlib import Path
@@ -8,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from l3plugin.ranks import run_command
-from runs_ahead import RunsAhead
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,30 +36,31 @@ def post_training_figures(out: str) -> dict:
     return {(mode, int(step)): (int(m), lengths, float(logp), float(loss)) for mode, step, m, lengths, logp, loss in rows}
 
 
-POST_TRAINING = "examples/megatron/rl_post_training.py"
+def post_training_lines(argv):
+    """On every rank of a pool (its process group as torchrun's would be): the example's loops (its ``train``, all
+    of the example but the process-group set-up of ``main``), with l3plugin's install undone after."""
+    import importlib.util
+
+    import l3plugin.megatron
+
+    spec = importlib.util.spec_from_file_location("rl_post_training", ROOT / "examples/megatron/rl_post_training.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    try:
+        return example.train(example.parse(argv))
+    finally:
+        l3plugin.megatron.uninstall()
 
 
-@pytest.fixture(scope="module")
-def post_training_runs(request):
-    """The example at CP 2 x PP 2 x 2 virtual stages and in one process, started together (the one-process run
-    mostly imports, beside the 4 ranks' compute)."""
-    runs = {layout: functools.partial(run_torchrun, n, POST_TRAINING, "--pp", pp, "--vpp", pp, "--cp", pp,
-                                      "--steps", "2")
-            for layout, n, pp in (("parallel", 4, "2"), ("single", 1, "1"))}
-    test = "test_rl_and_sft_post_training_on_cp2_pp2_vpp2_equal_one_process"
-    with RunsAhead(request, runs, {layout: (test,) for layout in runs}) as ahead:
-        yield ahead
-
-
-def test_rl_and_sft_post_training_on_cp2_pp2_vpp2_equal_one_process(post_training_runs):
+def test_rl_and_sft_post_training_on_cp2_pp2_vpp2_equal_one_process(ranks):
     """The post-training example (variable-length THD micro-batches, m changing every step, a forward-only log-prob
     pass then a training pass; then SFT) at CP 2 x PP 2 x 2 virtual stages equals the same loop in one process to
     fp32 rounding, step after step (the weights after each optimizer step included: the next step reads them)."""
-    outputs = {layout: post_training_runs.result(layout) for layout in ("parallel", "single")}
-    for out in outputs.values():
-        if isinstance(out, BaseException):
-            raise out
-    parallel, single = (post_training_figures(outputs[layout]) for layout in ("parallel", "single"))
+    runs = {layout: [line for lines in ranks.run(n, post_training_lines, ["--pp", pp, "--vpp", pp, "--cp", pp,
+                                                                          "--steps", "2"], timeout=300)
+                     for line in lines]
+            for layout, n, pp in (("parallel", 4, "2"), ("single", 1, "1"))}
+    parallel, single = (post_training_figures("\n".join(runs[layout])) for layout in ("parallel", "single"))
     assert sorted(parallel) == sorted(single) == [("rl", 0), ("rl", 1), ("sft", 0), ("sft", 1)], (parallel, single)
     assert len({parallel[key][0] for key in parallel}) > 1  # the micro-batch count changes from step to step
     for key, (m, lengths, logp, loss) in parallel.items():

@@ -39,12 +39,12 @@ from l3plugin.mesh import init_mesh
 VOCAB, LAYERS, CLIP = 128, 4, 0.2
 
 
-def parse():
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("cp", 2), ("pp", 2), ("vpp", 2), ("steps", 3), ("pad-cp", 2)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--mode", choices=("rl", "sft", "both"), default="both")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if LAYERS % (args.pp * args.vpp):
         p.error(f"--pp x --vpp = {args.pp * args.vpp} must divide the model's {LAYERS} layers")
     if args.pad_cp % args.cp:
@@ -119,6 +119,15 @@ def main():
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=10))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    for line in train(args):
+        print(line, flush=True)
+    dist.destroy_process_group()
+
+
+def train(args) -> list[str]:
+    """The loops on this rank (torch.distributed initialised, world = cp x pp); the lines the last pipeline stage's
+    first CP rank prints, one per step (none elsewhere)."""
+    lines = []
     vpp = args.vpp if args.vpp > 1 else None
     mesh = init_mesh(cp=args.cp, pp=args.pp, vpp=vpp, distributed_timeout_minutes=10)
     l3plugin.megatron.install("flexible")  # l3plugin: what an RL framework adds before it builds its schedule
@@ -168,10 +177,10 @@ def main():
             totals = torch.stack([sum((o["sum"] for o in old), torch.tensor(0.0)), sum(o["loss"] for o in out)])
             dist.all_reduce(totals, group=mesh.cp_group)
             if mesh.coords["cp"] == 0:
-                print(f"{mode} step {step}: microbatches {len(batches)} lengths {[int(b[0].numel()) for b in data]} "
-                      f"logprob_sum {totals[0].item():.6f} loss {totals[1].item():.9f} ({step_fn.__name__})",
-                      flush=True)
-    dist.destroy_process_group()
+                lines.append(f"{mode} step {step}: microbatches {len(batches)} lengths "
+                             f"{[int(b[0].numel()) for b in data]} logprob_sum {totals[0].item():.6f} "
+                             f"loss {totals[1].item():.9f} ({step_fn.__name__})")
+    return lines
 
 
 if __name__ == "__main__":
