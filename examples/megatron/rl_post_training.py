@@ -9,13 +9,13 @@
    advantage), then an optimizer step.
 ``--mode sft``: every step one training pass with the token-mean cross-entropy of packed samples.
 ``--mode both`` (default): the RL loop, then the SFT loop from the RL loop's weights.
-The number of micro-batches and their lengths change every step (token-balanced dynamic batches: m = 3..7, not a
+The number of micro-batches and their lengths change every step (token-balanced dynamic batches: m = 3..7, often not a
 multiple of pp, and each micro-batch one packed sequence of 2-4 documents of 3-21 tokens). The schedule is called
 as verl calls it: ``variable_seq_lengths=True`` and ``seq_length=1, micro_batch_size=1`` (shapes travel with the
 messages). Sequences are packed in Megatron's THD form (``PackedSeqParams(qkv_format="thd")``, every document padded
 to a multiple of 2 x cp and split per document, rank i holding pieces i and 2cp-1-i), which l3plugin's CP attention
-takes as it is. Stock Megatron refuses this loop twice: interleaving needs m divisible by pp, and THD needs
-Transformer Engine. The lines that are l3plugin's are marked "l3plugin:"; the rest is what such a framework has.
+takes as it is. Stock Megatron refuses this loop twice: interleaving needs m divisible by its group size (pp by
+default), and THD needs Transformer Engine. The lines that are l3plugin's are marked "l3plugin:"; the rest is what such a framework has.
 Prints per step the log-prob sum of the rollouts (RL) and the loss, to compare against the one-process run
 (tests/test_examples.py does, in ``make test``).
 """
