@@ -33,7 +33,8 @@ def post_training_figures(out: str) -> dict:
 
     rows = re.findall(r"^(rl|sft) step (\d+): microbatches (\d+) lengths (\[[\d, ]+\]) logprob_sum (\S+) "
                       r"loss (\S+) \(forward_backward_pipelining_flexible\)$", out, re.M)
-    return {(mode, int(step)): (int(m), lengths, float(logp), float(loss)) for mode, step, m, lengths, logp, loss in rows}
+    return {(mode, int(step)): (int(m), lengths, float(logp), float(loss))
+            for mode, step, m, lengths, logp, loss in rows}
 
 
 def post_training_lines(argv):

@@ -1,7 +1,7 @@
 """RL- and SFT-style post-training loops on Megatron-Core, as verl / NeMo-RL drive them, with l3plugin switched on.
 
     torchrun --nproc-per-node 4 examples/megatron/rl_post_training.py --pp 2 --vpp 2 --cp 2   # CP 2 x PP 2 x 2 virtual
-    python examples/megatron/rl_post_training.py --pp 1 --vpp 1 --cp 1                        # the same loop, one process
+    python examples/megatron/rl_post_training.py --pp 1 --vpp 1 --cp 1                # the same loop, one process
 
 ``--mode rl``: every step, like an RL framework's actor update,
 1. a forward-only log-prob pass under no_grad (the "old" log-probabilities of the rollouts);
@@ -15,7 +15,8 @@ as verl calls it: ``variable_seq_lengths=True`` and ``seq_length=1, micro_batch_
 messages). Sequences are packed in Megatron's THD form (``PackedSeqParams(qkv_format="thd")``, every document padded
 to a multiple of 2 x cp and split per document, rank i holding pieces i and 2cp-1-i), which l3plugin's CP attention
 takes as it is. Stock Megatron refuses this loop twice: interleaving needs m divisible by its group size (pp by
-default), and THD needs Transformer Engine. The lines that are l3plugin's are marked "l3plugin:"; the rest is what such a framework has.
+default), and THD needs Transformer Engine. The lines that are l3plugin's are marked "l3plugin:"; the rest is what
+such a framework has.
 Prints per step the log-prob sum of the rollouts (RL) and the loss, to compare against the one-process run
 (tests/test_examples.py does, in ``make test``).
 """
