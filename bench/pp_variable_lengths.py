@@ -49,14 +49,15 @@ def _rank_rounds(rounds, layers, hidden, seq):
     from megatron_cpu_shim import stock_schedules_on_cpu
 
     torch.set_num_threads(1)
-    meshes = {v: None for v in (1, 2)}
+    current = {"vpp": None, "mesh": None}  # parallel_state is made again only when the contender's vpp changes
     batches = toy.make_microbatches(M, seq, 1, hidden)
 
     def run(key):
         name, variable = key
         _, v, kind = next(c for c in CONTENDERS if c[0] == name)
-        mesh = init_mesh(pp=P, vpp=v if v > 1 else None) if meshes.get("now") != v else meshes["mesh"]
-        meshes.update(now=v, mesh=mesh)
+        if current["vpp"] != v:
+            current.update(vpp=v, mesh=init_mesh(pp=P, vpp=v if v > 1 else None))
+        mesh = current["mesh"]
         config = TransformerConfig(
             num_layers=layers, hidden_size=hidden, num_attention_heads=1, pipeline_model_parallel_size=P,
             virtual_pipeline_model_parallel_size=v if v > 1 else None, pipeline_dtype=torch.float32,

@@ -198,17 +198,16 @@ class PipelineChannels:
         if msg in self._pending:
             if self.posts is None:
                 self._resolve_shapes(peer, msg)
-            else:
+            else:  # the peer's shape thread posts it (and raises its own bounded-wait error into ``error``)
                 pending = self._pending[msg]
                 blocks, start = not pending.done.is_set(), time.perf_counter()
                 if not pending.done.wait(self.wait_timeout + 1.0):
-                    raise CommTimeout(f"pipeline rank {self.pp_rank}: the shape of {self._describe(msg)} from "
-                                      f"pipeline rank {peer} never arrived")
+                    raise CommTimeout(f"{self._what(f'receive of the shape of {self._describe(msg)} from', peer)} "
+                                      f"never ended")
                 if pending.error is not None:
                     raise pending.error
                 if blocks:
-                    self.waits["recv_s"] += time.perf_counter() - start
-                    self.waits["recv_count"] += 1
+                    self._count_wait("receive", start)
                 del self._pending[msg]
         elif msg not in self._posted:
             raise RuntimeError(f"pipeline rank {self.pp_rank}: {self._describe(msg)} is needed before this rank "
@@ -311,15 +310,20 @@ class PipelineChannels:
     def _describe(self, msg: Message) -> str:
         return f"the {msg.kind} of microbatch {msg.microbatch} (stage {msg.src_stage} -> {msg.dst_stage})"
 
+    def _what(self, operation: str, peer: int) -> str:
+        return f"pipeline rank {self.pp_rank}: {operation} pipeline rank {peer} (global rank {self.global_ranks[peer]})"
+
     def _wait(self, work, operation: str, peer: int):
         blocks, start = not work.is_completed(), time.perf_counter()
-        wait_work(work, timeout=self.wait_timeout,
-                  what=f"pipeline rank {self.pp_rank}: {operation} pipeline rank {peer} (global rank "
-                       f"{self.global_ranks[peer]})")
-        if blocks:  # counted only when the operation had not finished yet: a wait that blocked
-            kind = "recv" if operation.startswith("receive") else "send"
-            self.waits[f"{kind}_s"] += time.perf_counter() - start
-            self.waits[f"{kind}_count"] += 1
+        wait_work(work, timeout=self.wait_timeout, what=self._what(operation, peer))
+        if blocks:
+            self._count_wait(operation, start)
+
+    def _count_wait(self, operation: str, start: float):
+        """A wait that blocked (the operation had not finished yet): its time into ``waits``."""
+        kind = "recv" if operation.startswith("receive") else "send"
+        self.waits[f"{kind}_s"] += time.perf_counter() - start
+        self.waits[f"{kind}_count"] += 1
 
     def _complete(self, msg):
         works, tensor, on_complete, peer = self._sends.pop(msg)
@@ -370,8 +374,7 @@ class _ShapeReceiver:
             pending = ch._pending[msg]
             try:
                 wait_work(pending.work, timeout=ch.wait_timeout,
-                          what=f"pipeline rank {ch.pp_rank}: receive of the shape of {ch._describe(msg)} from "
-                               f"pipeline rank {self.peer} (global rank {ch.global_ranks[self.peer]})")
+                          what=ch._what(f"receive of the shape of {ch._describe(msg)} from", self.peer))
                 ch._post_data(self.peer, msg, header_shape(pending.header), ACTIVATION_TAG)
             except BaseException as exc:  # handed to the main thread, which raises it where it needs msg
                 pending.error = exc

@@ -149,12 +149,26 @@ def test_variable_lengths_match_stock_megatron_and_serial(ranks, p, v, m, k):
         toy.assert_matches_serial([r[name] for r in results], batches, num_layers=2 * p * v, hidden=HIDDEN)
 
 
-def run_fixed_config_with_varying_lengths():
-    """p = 2: micro-batches of 4 and 6 tokens with variable_seq_lengths off (seq_length=4): rank 0 must refuse
-    to send micro-batch 1 naming the fix; rank 1, left waiting, must fail too (within the wait bound)."""
+def step_error(**step_kwargs):
+    """On a rank: one flexible step with our waits bounded at 2 s; its error as text (type, message and the
+    executor's notes), or None if it ran."""
     import os
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
+
+    os.environ["L3PLUGIN_WAIT_TIMEOUT"] = "2"
+    try:
+        forward_backward_pipelining_flexible(**step_kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test reads each rank's message
+        return "\n".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", [])])
+    finally:
+        del os.environ["L3PLUGIN_WAIT_TIMEOUT"]
+    return None
+
+
+def run_fixed_config_with_varying_lengths():
+    """p = 2: micro-batches of 4 and 6 tokens with variable_seq_lengths off (seq_length=4): rank 0 must refuse
+    to send micro-batch 1 naming the fix; rank 1, left waiting, must fail too (within the wait bound)."""
     from l3plugin.mesh import init_mesh
 
     mesh = init_mesh(pp=2)
@@ -162,15 +176,8 @@ def run_fixed_config_with_varying_lengths():
     config.variable_seq_lengths = False
     chunks = toy.build_chunks(config, num_layers=4, hidden=HIDDEN, pp_rank=mesh.coords["pp"], pp_size=2)
     batches = [toy.make_microbatches(1, length, 1, HIDDEN, seed=i)[0] for i, length in enumerate((4, 6))]
-    os.environ["L3PLUGIN_WAIT_TIMEOUT"] = "2"
-    try:
-        forward_backward_pipelining_flexible(forward_step_func=toy.forward_step, data_iterator=[iter(batches)],
-                                             model=chunks, num_microbatches=2, seq_length=4, micro_batch_size=1)
-    except Exception as exc:  # noqa: BLE001 - the test reads each rank's message
-        return f"{type(exc).__name__}: {exc}"
-    finally:
-        del os.environ["L3PLUGIN_WAIT_TIMEOUT"]
-    return None
+    return step_error(forward_step_func=toy.forward_step, data_iterator=[iter(batches)], model=chunks,
+                      num_microbatches=2, seq_length=4, micro_batch_size=1)
 
 
 def test_lengths_that_vary_without_the_flag_fail_on_every_rank(ranks):
@@ -184,9 +191,6 @@ def test_lengths_that_vary_without_the_flag_fail_on_every_rank(ranks):
 def run_with_a_bad_micro_batch(bad):
     """p = 2, v = 2, variable lengths: micro-batch ``bad`` breaks a rule of the user's forward step (as a length
     that sequence parallelism cannot split would). Returns each rank's error text."""
-    import os
-
-    from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.mesh import init_mesh
 
     mesh = init_mesh(pp=2, vpp=2)
@@ -200,16 +204,8 @@ def run_with_a_bad_micro_batch(bad):
             raise ValueError(f"sequence length {batch['x'].shape[0]} is not divisible by the TP size 4")
         return toy.forward_step(iter([batch]), model)
 
-    os.environ["L3PLUGIN_WAIT_TIMEOUT"] = "2"
-    try:
-        forward_backward_pipelining_flexible(forward_step_func=forward_step,
-                                             data_iterator=[iter(batches) for _ in chunks], model=chunks,
-                                             num_microbatches=5, seq_length=1, micro_batch_size=1)
-    except Exception as exc:  # noqa: BLE001 - the test reads each rank's message
-        return "\n".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", [])])
-    finally:
-        del os.environ["L3PLUGIN_WAIT_TIMEOUT"]
-    return None
+    return step_error(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
+                      num_microbatches=5, seq_length=1, micro_batch_size=1)
 
 
 def test_an_error_in_a_micro_batch_names_it_and_no_rank_hangs(ranks):
@@ -225,7 +221,6 @@ def run_tp_inputs(lengths_by_tp_rank, sequence_parallel):
     from megatron.core.enums import ModelType
     from megatron.core.transformer import TransformerConfig
 
-    from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.mesh import init_mesh
 
     mesh = init_mesh(tp=2)
@@ -252,13 +247,8 @@ def run_tp_inputs(lengths_by_tp_rank, sequence_parallel):
 
     lengths = lengths_by_tp_rank[mesh.coords["tp"]]
     batches = [torch.arange(n)[None] % 16 for n in lengths]
-    try:
-        forward_backward_pipelining_flexible(forward_step_func=forward_step, data_iterator=iter(batches),
-                                             model=[TokenChunk()], num_microbatches=len(batches), seq_length=1,
-                                             micro_batch_size=1)
-    except Exception as exc:  # noqa: BLE001 - the test reads each rank's message
-        return "\n".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", [])])
-    return None
+    return step_error(forward_step_func=forward_step, data_iterator=iter(batches), model=[TokenChunk()],
+                      num_microbatches=len(batches), seq_length=1, micro_batch_size=1)
 
 
 def test_micro_batches_that_differ_across_tp_or_do_not_split_for_sp_are_named_on_every_rank(ranks):
