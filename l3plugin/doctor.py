@@ -1,7 +1,8 @@
 """``l3plugin doctor``: every declared patch set (collected by l3plugin/patches.py from the adapters) against the
 upstream versions imported: per set the version and where it was imported from, the range checked and the
 variant in use; per row its target, replacement, status and why. Then every upstream private name l3plugin
-reads (``PrivateState``): present, or missing with what breaks."""
+reads (``PrivateState``): present, or missing with what breaks. Last, the CP attention kernel that
+kernel="auto" uses here and the GPU kernels it looked for."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import warnings
 
 from l3plugin import patches
+from l3plugin.cp import kernels
 from l3plugin.patches import UNCHECKED_ENV, Patch, PatchSet, PrivateState
 from l3plugin.versions import installed_version
 
@@ -49,6 +51,21 @@ def set_header(patch_set: PatchSet) -> str:
     return text
 
 
+def attention_kernels() -> str:
+    """Which CP attention kernel kernel="auto" picks here, for bf16 on CUDA and on CPU, and the GPU kernels found."""
+    import torch
+
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    found = {"flash-attn": kernels._flash_varlen(), "torch varlen_attn": kernels._torch_varlen(),
+             "Transformer Engine": kernels._te_attention_class()}
+    where = (f"this machine's {torch.cuda.get_device_name()} (sm{capability[0]}{capability[1]})" if capability
+             else "a CUDA GPU (none here)")
+    return (f"CP attention kernel 'auto': bf16 on {where} -> {kernels.auto_kernel('cuda', torch.bfloat16, capability)}"
+            f"; on CPU -> {kernels.auto_kernel('cpu', torch.bfloat16)}\n      GPU kernels: "
+            + ", ".join(f"{name} {'installed' if fn is not None else 'absent'}" for name, fn in found.items())
+            + f" (torch {torch.__version__})")
+
+
 def doctor(out=None) -> int:
     """Print every patch set: the upstream version imported (and from where) against the range checked, the
     variant in use, each row's target, replacement (who patches), status and why; then every private upstream
@@ -86,6 +103,7 @@ def doctor(out=None) -> int:
             found = private_status(state)
             bad += found.startswith("MISMATCH")
             print(f"  {state.label}\n      {found}", file=out)
+    print(attention_kernels(), file=out)
     print(f"{sum(len(s.patches) for s in sets)} patches in {len(sets)} sets, {len(private)} private names read; "
           + (f"{bad} problems with the imported versions" if bad else "every target checks out"), file=out)
     return 1 if bad else 0

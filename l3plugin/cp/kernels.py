@@ -19,19 +19,24 @@ of queries attends only the keys of the documents it touches, up to its last que
   the output and the log-sum-exp (masks are rebuilt in the backward), so it needs no recompute: the
   CPU default.
 - ``flash``: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16), when importable.
+- ``torch-varlen``: torch's own flash varlen attention, ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10,
+  CUDA sm80+, fp16/bf16): the fast kernel of a CUDA machine with nothing but torch installed. Its keywords changed
+  between releases (2.10: ``is_causal``; later: ``window_size``, ``scale``, ``enable_gqa``): the kernel reads the
+  installed signature and passes what it takes (GQA K/V heads repeated, the scale folded into q, where it cannot).
 - ``te``: Transformer Engine's fused attention (``DotProductAttention`` with qkv_format "thd" and a
   bottom-right-aligned padding-causal mask), when importable.
-The two GPU kernels consume exactly the metadata ``varlen-reference`` proves on CPU, but they are NOT
-verified on this project's CPU-only CI (their tests skip there).
-``select_kernel("auto", q)`` picks flash (else te) for CUDA fp16/bf16 tensors when installed, cpu-flash
-for CPU tensors when torch has those ops, else the reference. Adapters add kernels with
-``register_kernel``.
+The GPU kernels consume exactly the metadata ``varlen-reference`` proves on CPU; CPU CI checks what they are
+handed, and bench/gpu_check.py checks them against an fp32 reference on a GPU (docs/verified.md, "On a GPU").
+``select_kernel("auto", q)`` (``auto_kernel``) picks, for CUDA fp16/bf16 tensors: flash-attn if installed, else
+torch-varlen, else te, else the reference; cpu-flash for CPU tensors when torch has those ops, else the reference.
+Adapters add kernels with ``register_kernel``.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
+import inspect
 import itertools
 from typing import NamedTuple
 
@@ -400,6 +405,43 @@ def flash_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=No
 
 
 @functools.lru_cache(maxsize=1)
+def _torch_varlen():
+    """(torch's varlen_attn, the names of its parameters), or None on a torch without it (< 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def torch_varlen_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=None):
+    found = _torch_varlen()
+    if found is None:
+        raise RuntimeError(f"kernel 'torch-varlen' needs torch >= 2.10 (torch.nn.attention.varlen), this is torch "
+                           f"{torch.__version__}: choose kernel='auto'")
+    fn, takes = found
+    options = {}
+    if "window_size" in takes:  # (-1, 0): causal, bottom-right aligned like flash-attn's
+        options["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif causal:
+        options["is_causal"] = True
+    if softmax_scale is not None:
+        if "scale" in takes:
+            options["scale"] = softmax_scale
+        else:  # the default scale is 1/sqrt(d): fold the ratio into q (autograd carries it to dq)
+            q = q * (softmax_scale * q.size(-1) ** 0.5)
+    if k.size(1) != q.size(1):
+        if "enable_gqa" in takes:
+            options["enable_gqa"] = True
+        else:  # query head h reads K/V head h // rep (torch's GQA convention)
+            rep = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    dev = q.device
+    return fn(q.contiguous(), k.contiguous(), v.contiguous(), meta.cu_seqlens_q.to(dev, torch.int32),
+              meta.cu_seqlens_kv.to(dev, torch.int32), meta.max_seqlen_q, meta.max_seqlen_kv, **options)
+
+
+@functools.lru_cache(maxsize=1)
 def _te_attention_class():
     """TE's DotProductAttention, or None. Checked here, not through l3plugin.megatron.te_backend (an adapter:
     feature rooms never import adapters); a half-installed TE raises RuntimeError, not ImportError, at import."""
@@ -429,7 +471,7 @@ def te_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_scale=None)
 
 
 KERNELS = {"reference": reference_kernel, "varlen-reference": varlen_reference_kernel,
-           "cpu-flash": cpu_flash_kernel, "flash": flash_kernel, "te": te_kernel}
+           "cpu-flash": cpu_flash_kernel, "flash": flash_kernel, "torch-varlen": torch_varlen_kernel, "te": te_kernel}
 
 
 def register_kernel(name: str, fn) -> None:
@@ -448,17 +490,26 @@ def register_kernel(name: str, fn) -> None:
     KERNELS[name] = fn
 
 
+def auto_kernel(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> str:
+    """The name of the kernel "auto" picks for tensors of ``device_type`` and ``dtype`` here; ``capability``: the
+    CUDA device's (major, minor) (torch's flash kernels need sm80+; None: taken as able)."""
+    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        if _flash_varlen() is not None:
+            return "flash"
+        if _torch_varlen() is not None and (capability is None or capability >= (8, 0)):
+            return "torch-varlen"
+        if _te_attention_class() is not None:
+            return "te"
+    if device_type == "cpu" and _has_cpu_flash():
+        return "cpu-flash"
+    return "reference"
+
+
 def select_kernel(name: str | None, q: torch.Tensor):
-    """The kernel called ``name``; "auto"/None picks flash where it can run, else the reference."""
+    """The kernel called ``name``; "auto"/None: ``auto_kernel`` for q's device and dtype."""
     if name in (None, "auto"):
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-            if _flash_varlen() is not None:
-                return flash_kernel
-            if _te_attention_class() is not None:
-                return te_kernel
-        if q.device.type == "cpu" and _has_cpu_flash():
-            return cpu_flash_kernel
-        return reference_kernel
+        capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+        return KERNELS[auto_kernel(q.device.type, q.dtype, capability)]
     if name not in KERNELS:
         raise ValueError(f"kernel={name!r} is unknown: choose 'auto' or one of {sorted(KERNELS)}")
     return KERNELS[name]

@@ -169,11 +169,11 @@ def test_bad_input_names_the_problem(ranks):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU kernels need a CUDA GPU (none here)")
-@pytest.mark.parametrize("kernel", ["flash", "te"])
+@pytest.mark.parametrize("kernel", ["flash", "torch-varlen", "te"])
 def test_gpu_kernel_matches_reference_on_gpu(kernel):
-    from l3plugin.cp.kernels import _flash_varlen, _te_attention_class
+    from l3plugin.cp.kernels import _flash_varlen, _te_attention_class, _torch_varlen
 
-    if (_flash_varlen() if kernel == "flash" else _te_attention_class()) is None:
+    if {"flash": _flash_varlen, "torch-varlen": _torch_varlen, "te": _te_attention_class}[kernel]() is None:
         pytest.skip(f"{kernel}: its package is not installed")
     q, k, v, _ = (t.cuda().to(torch.bfloat16) for t in make_inputs(torch.float32, 4, 2))
     cu = torch.tensor(layouts(S)["crossing-every-border"])

@@ -170,3 +170,75 @@ def test_register_kernel(monkeypatch):
         register_kernel("auto", mine)
     with pytest.raises(ValueError, match=r"kernel='nope' is unknown: choose 'auto' or one of .*'mine'"):
         select_kernel("nope", q)
+
+
+def flash_semantics(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, gqa):
+    """What a flash varlen kernel computes from its arguments, written from its contract (test double only):
+    per document j, queries cu_q[j]:cu_q[j+1] against keys cu_k[j]:cu_k[j+1], causal aligned bottom-right."""
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and q.is_contiguous() and k.is_contiguous()
+    lens_q, lens_k = torch.diff(cu_q).tolist(), torch.diff(cu_k).tolist()
+    assert (max_q, max_k) == (max(lens_q), max(lens_k)) and cu_q[-1] == q.size(0) and cu_k[-1] <= k.size(0)
+    assert gqa or k.size(1) == q.size(1), "K/V heads differ from query heads without enable_gqa"
+    rep = q.size(1) // k.size(1)
+    out = torch.zeros_like(q)
+    for j, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        rows, keys = slice(cu_q[j], cu_q[j] + lq), slice(cu_k[j], cu_k[j] + lk)
+        mask = torch.ones(lq, lk, dtype=torch.bool)
+        if causal:
+            mask = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+        kj, vj = k[keys].repeat_interleave(rep, dim=1), v[keys].repeat_interleave(rep, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[rows], kj) * (scale or q.size(-1) ** -0.5)
+        out[rows] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), vj)
+    return out
+
+
+def varlen_of_torch_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    return flash_semantics(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=window_size == (-1, 0),
+                           scale=scale, gqa=enable_gqa)
+
+
+def varlen_of_torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    return flash_semantics(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=is_causal, scale=None,
+                           gqa=False)
+
+
+@pytest.mark.parametrize("varlen", [varlen_of_torch_2_13, varlen_of_torch_2_10])
+@pytest.mark.parametrize("causal", [True, False])
+def test_torch_varlen_kernel_hands_over_the_metadata_of_each_chunk(monkeypatch, varlen, causal):
+    """kernel 'torch-varlen' with torch's varlen_attn replaced by its contract (CPU has no flash kernel): the
+    arguments it passes (each torch release's keywords, GQA, a non-default scale) give the dense fp64 result."""
+    import inspect
+
+    monkeypatch.setattr(kernels, "_torch_varlen", lambda: (varlen, frozenset(inspect.signature(varlen).parameters)))
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(S, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(S, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))  # GQA 4/2
+    for scale in (None, 0.2):
+        for name, cu in LAYOUTS.items():
+            mask = allowed(cu, S, causal)
+            for meta in chunks(cu, causal):
+                rows = slice(meta.start, meta.end)
+                ref = dense_reference(q[rows] * (scale or 8 ** -0.5) * 8 ** 0.5, k, v, mask[rows])
+                out = select_kernel("torch-varlen", q)(q[rows], k[:meta.kv_len], v[:meta.kv_len], meta,
+                                                       causal=causal, softmax_scale=scale)
+                err = float((out - ref).abs().max())
+                assert err < 1e-12, f"{varlen.__name__} causal={causal} scale={scale} {name} [{meta.start}: {err}"
+
+
+def test_auto_picks_flash_attn_then_torch_varlen_then_te_on_cuda(monkeypatch):
+    present = {"flash": True, "torch": True, "te": True}
+    monkeypatch.setattr(kernels, "_flash_varlen", lambda: object() if present["flash"] else None)
+    monkeypatch.setattr(kernels, "_torch_varlen", lambda: object() if present["torch"] else None)
+    monkeypatch.setattr(kernels, "_te_attention_class", lambda: object() if present["te"] else None)
+    picks = []
+    for absent in ("", "flash", "torch", "te"):
+        if absent:
+            present[absent] = False
+        picks.append(kernels.auto_kernel("cuda", torch.bfloat16, (9, 0)))
+    assert picks == ["flash", "torch-varlen", "te", "reference"]
+    present.update(torch=True, te=True)
+    assert kernels.auto_kernel("cuda", torch.bfloat16, (7, 0)) == "te"  # torch's flash kernels need sm80+
+    assert kernels.auto_kernel("cuda", torch.float32, (9, 0)) == "reference"  # flash kernels: fp16/bf16 only
+    assert kernels.auto_kernel("cpu", torch.bfloat16) == "cpu-flash"
+    assert select_kernel("auto", torch.zeros(1)) is kernels.cpu_flash_kernel

@@ -1,0 +1,303 @@
+"""What only a CUDA GPU can check, on one GPU in a few minutes, into one JSON file.
+
+    python bench/gpu_check.py --out gpu_check.json            # on a CUDA machine: about 2-4 minutes on an H100/H200
+    python bench/gpu_check.py --sizes 8192 --out check.json   # fewer sizes
+    python bench/gpu_check.py --cpu                           # the same checks, small, on CPU (gloo): for development
+
+Without CUDA (and without --cpu) it writes {"skipped": "..."} and exits 0: CI runs it so. It needs torch and this
+checkout only (no DeepSpeed, Megatron-Core or flash-attn; those it finds are used and named). Sections, each
+recorded even when another fails (the JSON is rewritten after each, so a run cut short keeps what it finished):
+
+1. ``environment``: torch and CUDA versions, the device, which CP kernels exist and which ``kernel="auto"`` picks.
+2. ``cp_kernels``: all-gather CP attention kernels on packed documents (seeded lengths, documents crossing chunk
+   borders) at each size (default 8K, 32K, 128K tokens), bf16, 8 query heads sharing 1 K/V head (GQA; Llama 3 70B's
+   64/8 heads at TP 8), head dim 128. Every chunk of a cp=4 "2cp" layout is computed against its gathered K/V
+   prefix, exactly as the CP ranks call the kernel. Forward and backward against an fp32 reference (the
+   per-document ``varlen-reference`` kernel, in fp32, on the same bf16 inputs): max |error| / max |reference|
+   of the output and of dq, dk, dv; the bf16 ``reference`` kernel's own error beside it (up to 32K) as the scale of
+   bf16 rounding. Then time (CUDA events, median of 5 after a warm-up) and TFLOP/s counted on the unmasked pairs
+   (forward 4*d per pair and query head, backward 2.5x that), against dense causal SDPA (torch's flash backend) on
+   the same tokens as one sequence: what document masking saves.
+3. ``zero``: the FP32-reducing ZeRO-2 optimizer on this device (world size 1; NCCL on CUDA), 3 steps of 4
+   micro-batches of a 4-chunk bf16 MLP: the defaults (reduce-scatters overlapped, parameter all-gathers deferred to
+   first use under the guard) against the blocking path (overlap=False), parameters bit for bit; a read of a
+   parameter between the step and the next forward (the guard completes its bucket first); and the same two with
+   every chunk ``torch.compile``d.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from l3plugin.cp import kernels  # noqa: E402
+from l3plugin.cp.sharding import document_metadata  # noqa: E402
+
+HEADS_Q, HEADS_KV, HEAD_DIM, CP = 8, 1, 128, 4
+DEFAULT_SIZES = (8192, 32768, 131072)
+REFERENCE_BF16_UP_TO = 32768  # the bf16 reference kernel is many small calls: its error scale up to here only
+GPU_KERNELS = ("torch-varlen", "flash", "te")
+
+
+def environment(device) -> dict:
+    out = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        capability = torch.cuda.get_device_capability(device)
+        out.update(cuda=torch.version.cuda, name=props.name, memory_gib=round(props.total_memory / 2**30, 1),
+                   capability=f"sm{capability[0]}{capability[1]}", multiprocessors=props.multi_processor_count,
+                   auto_kernel=kernels.auto_kernel("cuda", torch.bfloat16, capability))
+    else:
+        out["auto_kernel"] = kernels.auto_kernel(device.type, torch.bfloat16)
+    out["kernels_present"] = {"flash-attn": kernels._flash_varlen() is not None,
+                              "torch-varlen": kernels._torch_varlen() is not None,
+                              "te": kernels._te_attention_class() is not None}
+    return out
+
+
+def packed_documents(seq_len: int, seed: int = 0) -> list[int]:
+    """cu_seqlens of documents with seeded lengths from 1 to seq_len / 8 (mean ~seq_len / 16): many cross the
+    chunk borders of a cp=4 layout (chunks of seq_len / 8)."""
+    gen = torch.Generator().manual_seed(seed)
+    cu = [0]
+    while cu[-1] < seq_len:
+        cu.append(min(seq_len, cu[-1] + int(torch.randint(1, seq_len // 8 + 1, (1,), generator=gen))))
+    return cu
+
+
+def unmasked_pairs(cu: list[int]) -> int:
+    return sum((b - a) * (b - a + 1) // 2 for a, b in zip(cu, cu[1:]))
+
+
+def attention_flops(pairs: int, backward: bool) -> float:
+    forward = 4.0 * HEAD_DIM * HEADS_Q * pairs
+    return forward * (3.5 if backward else 1.0)
+
+
+class Inputs:
+    def __init__(self, seq_len, device, seed=0):
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        make = lambda heads: torch.randn(seq_len, heads, HEAD_DIM, generator=gen).to(device, torch.bfloat16)  # noqa: E731
+        self.q, self.k, self.v = make(HEADS_Q), make(HEADS_KV), make(HEADS_KV)
+        self.grad = make(HEADS_Q)
+        self.cu = packed_documents(seq_len, seed)
+        self.metas = [m for rank in range(CP) for m in document_metadata(self.cu, seq_len, CP, rank)]
+
+
+def run_chunks(kernel_name, inp: Inputs, dtype, backward: bool):
+    """Every chunk of every CP rank through one kernel: (output, dq, dk, dv) over the whole sequence."""
+    fn = kernels.KERNELS[kernel_name]
+    q, k, v = (t.detach().to(dtype).requires_grad_(backward) for t in (inp.q, inp.k, inp.v))
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    for meta in inp.metas:
+        rows = slice(meta.start, meta.end)
+        piece = fn(q[rows], k[:meta.kv_len], v[:meta.kv_len], meta, causal=True, softmax_scale=None)
+        if backward:
+            piece.backward(inp.grad[rows].to(dtype))
+        out[rows] = piece.detach()
+    return (out, q.grad, k.grad, v.grad) if backward else (out,)
+
+
+def relative_errors(got, ref) -> dict:
+    names = ("out", "dq", "dk", "dv")
+    return {n: float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+            for n, a, b in zip(names, got, ref)}
+
+
+def timed(fn, device, repeats=5) -> float:
+    """Median seconds of ``fn()`` after one warm-up: CUDA events on a GPU, perf_counter on CPU."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            began = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - began)
+    return statistics.median(samples)
+
+
+def dense_causal(inp: Inputs, backward: bool):
+    q, k, v = (t.detach().transpose(0, 1)[None].requires_grad_(backward) for t in (inp.q, inp.k, inp.v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if backward:
+        out.backward(inp.grad.transpose(0, 1)[None])
+    return out
+
+
+def cp_kernels(device, sizes, record) -> dict:
+    present = [name for name in GPU_KERNELS if device.type == "cuda" and {
+        "torch-varlen": kernels._torch_varlen, "flash": kernels._flash_varlen,
+        "te": kernels._te_attention_class}[name]() is not None]
+    names = present + ["reference"] if device.type == "cuda" else ["cpu-flash", "reference"]
+    results = record.setdefault("cp_kernels", {"kernels": names, "heads_q": HEADS_Q, "heads_kv": HEADS_KV,
+                                               "head_dim": HEAD_DIM, "cp": CP, "sizes": {}})
+    for seq_len in sizes:
+        inp = Inputs(seq_len, device)
+        pairs = unmasked_pairs(inp.cu)
+        row = results["sizes"][str(seq_len)] = {"documents": len(inp.cu) - 1, "unmasked_pairs": pairs,
+                                                "dense_causal_pairs": seq_len * (seq_len + 1) // 2}
+        reference = run_chunks("varlen-reference", inp, torch.float32, True)
+        for name in names:
+            if name == "reference" and seq_len > REFERENCE_BF16_UP_TO:
+                continue
+            entry = row[name] = {}
+            try:
+                got = run_chunks(name, inp, torch.bfloat16, True)
+                entry["relative_error"] = relative_errors(got, reference)
+                del got
+                forward = timed(lambda: run_chunks(name, inp, torch.bfloat16, False), device)
+                both = timed(lambda: run_chunks(name, inp, torch.bfloat16, True), device)
+                entry.update(forward_s=forward, forward_backward_s=both,
+                             tflops_forward=attention_flops(pairs, False) / forward / 1e12,
+                             tflops_forward_backward=attention_flops(pairs, True) / both / 1e12)
+            except Exception as exc:  # noqa: BLE001 - recorded, the other kernels go on
+                entry["error"] = f"{type(exc).__name__}: {exc}"
+                entry["traceback"] = traceback.format_exc(limit=6)
+        del reference
+        try:
+            forward = timed(lambda: dense_causal(inp, False), device)
+            both = timed(lambda: dense_causal(inp, True), device)
+            dense_pairs = row["dense_causal_pairs"]
+            row["dense_causal_sdpa"] = {"forward_s": forward, "forward_backward_s": both,
+                                        "tflops_forward": attention_flops(dense_pairs, False) / forward / 1e12,
+                                        "tflops_forward_backward": attention_flops(dense_pairs, True) / both / 1e12}
+        except Exception as exc:  # noqa: BLE001
+            row["dense_causal_sdpa"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"cp_kernels S={seq_len}: " + json.dumps(row), flush=True)
+        write(record)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+# -- ZeRO ---------------------------------------------------------------------------------------------------
+def make_chunks(device, hidden, compiled):
+    torch.manual_seed(0)
+    chunks = [torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.GELU()).to(device, torch.bfloat16)
+              for _ in range(4)]
+    calls = [torch.compile(c) for c in chunks] if compiled else chunks
+    return chunks, calls
+
+
+def train(device, hidden, *, overlap, compiled, steps=3, micro_batches=4) -> dict:
+    from l3plugin.zero import FP32ReduceZero
+
+    chunks, calls = make_chunks(device, hidden, compiled)
+    params = [p for c in chunks for p in c.parameters()]
+    zero = FP32ReduceZero(torch.optim.AdamW(params, lr=1e-3), stage=2, overlap=overlap,
+                          bucket_numel=hidden * hidden + hidden, chunks=[list(c.parameters()) for c in chunks])
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    losses, deferred = [], []
+    for step in range(steps):
+        for mb in range(micro_batches):
+            last = mb == micro_batches - 1
+            x = torch.randn(8, hidden, generator=gen).to(device, torch.bfloat16)
+            zero.before_round_end(params, last)
+            for call in calls:
+                x = call(x)
+            loss = x.float().pow(2).mean() / micro_batches
+            loss.backward()
+            zero.end_of_round(params, last, carry=zero.settings.carried_buckets)
+            losses.append(loss.item())
+        zero.step()
+        deferred.append(len(zero._gathers))  # all-gathers left to complete at first use
+    read = chunks[2][0].weight.float().norm().item()  # a read before the next forward: the guard completes it
+    zero.wait_param_gather()
+    return {"losses": losses, "deferred_after_step": deferred, "read_norm": read,
+            "params": [p.detach().clone() for p in params]}
+
+
+def zero_check(device, hidden) -> dict:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    out = {"hidden": hidden, "backend": dist.get_backend()}
+    for compiled in (False, True):
+        key = "compiled" if compiled else "eager"
+        try:
+            blocking = train(device, hidden, overlap=False, compiled=compiled)
+            overlapped = train(device, hidden, overlap=True, compiled=compiled)
+            out[key] = {
+                "params_bit_identical": all(torch.equal(a, b) for a, b in zip(blocking["params"], overlapped["params"])),
+                "losses_identical": blocking["losses"] == overlapped["losses"],
+                "read_between_step_and_forward_identical": blocking["read_norm"] == overlapped["read_norm"],
+                "deferred_gathers_after_step": overlapped["deferred_after_step"],
+                "final_loss": overlapped["losses"][-1]}
+        except Exception as exc:  # noqa: BLE001 - recorded; the other variant goes on
+            out[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
+    return out
+
+
+_OUT = None
+
+
+def write(record) -> None:
+    if _OUT is not None:
+        _OUT.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    global _OUT
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="the JSON written")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None,
+                        help=f"tokens per packed sequence (default {' '.join(map(str, DEFAULT_SIZES))}; --cpu: 512)")
+    parser.add_argument("--cpu", action="store_true", help="run the checks on CPU, small (development only)")
+    args = parser.parse_args(argv)
+    for s in args.sizes or ():
+        if s < 8 * CP or s % (2 * CP):
+            parser.error(f"--sizes {s} is invalid: each must be a multiple of {2 * CP} and >= {8 * CP}")
+    _OUT = args.out
+    if not torch.cuda.is_available() and not args.cpu:
+        record = {"skipped": f"no CUDA device (torch {torch.__version__}, cuda available: False): nothing to check; "
+                             f"--cpu runs the same checks small on CPU"}
+        write(record)
+        print(record["skipped"])
+        return 0
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
+    sizes = args.sizes or ((512,) if args.cpu else DEFAULT_SIZES)
+    began = time.perf_counter()
+    record = {"environment": environment(device)}
+    print("environment: " + json.dumps(record["environment"]), flush=True)
+    write(record)
+    for name, run in (("cp_kernels", lambda: cp_kernels(device, sizes, record)),
+                      ("zero", lambda: zero_check(device, 64 if args.cpu else 2048))):
+        section_began = time.perf_counter()
+        try:
+            record[name] = run()
+        except Exception as exc:  # noqa: BLE001 - one section's failure is a finding, not the end of the check
+            record[name] = {**record.get(name, {}), "error": f"{type(exc).__name__}: {exc}",
+                            "traceback": traceback.format_exc(limit=8)}
+        record[name]["seconds"] = round(time.perf_counter() - section_began, 1)
+        print(f"{name}: " + json.dumps({k: v for k, v in record[name].items() if k != "sizes"}), flush=True)
+        write(record)
+    record["seconds"] = round(time.perf_counter() - began, 1)
+    write(record)
+    print(f"wrote {args.out} in {record['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""bench/gpu_check.py where CI runs it: without CUDA it records that it skipped and exits 0."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import gpu_check  # noqa: E402
+
+
+def test_skips_cleanly_without_cuda(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--out", str(out)]) == 0
+    assert json.loads(out.read_text())["skipped"].startswith("no CUDA device")
+
+
+def test_bad_sizes_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path / "g.json"), "--sizes", "100"])
+    assert "--sizes 100 is invalid: each must be a multiple of 8 and >= 32" in capsys.readouterr().err
+
+
+def test_documents_cross_the_chunk_borders_of_cp4():
+    cu = gpu_check.packed_documents(8192)
+    chunk = 8192 // (2 * gpu_check.CP)
+    assert cu[0] == 0 and cu[-1] == 8192 and all(b > a for a, b in zip(cu, cu[1:]))
+    inside_a_document = [c for c in range(chunk, 8192, chunk) if c not in cu]
+    assert len(inside_a_document) >= 4  # of the 7 chunk borders
+    assert gpu_check.unmasked_pairs([0, 3, 5]) == 6 + 3
