@@ -31,6 +31,11 @@ Frozen layers: ``Schedule.first_grad_stage`` is the first virtual stage holding 
 backward steps stay in the plan (the grad-sync hooks still fire there) but compute and exchange
 nothing, and no gradient message goes into them. Activations into stages after it carry a gradient.
 The order of actions does not change, so both ranks of a pair still derive one posting order.
+
+Split backward (zero bubble, l3plugin.schedule.zero_bubble): ``Schedule.weight_stages`` non-empty means each
+backward is split into "B" (the input gradient, sent upstream) and "W" (the weight gradient, which nothing
+waits for); stage s has a W step for every microbatch iff ``weight_stages[s]`` (it holds a trainable
+parameter). W has no message and runs after its own B; a chunk's grad-sync point is its last B or W.
 """
 
 from __future__ import annotations
@@ -41,14 +46,15 @@ from functools import cached_property
 from l3plugin.checks import check_int
 
 FORWARD = "F"
-BACKWARD = "B"
+BACKWARD = "B"  # the whole backward, or only the input gradient where the plan splits it
+WEIGHT = "W"  # the weight gradient of a split backward
 
 
 @dataclass(frozen=True)
 class Action:
     """One compute step on a rank. ``chunk`` is the local model chunk index (0..v-1)."""
 
-    op: str  # "F" or "B"
+    op: str  # "F", "B" or "W"
     microbatch: int
     chunk: int
 
@@ -70,22 +76,27 @@ class RankPlan:
         }
 
     def grad_sync_points(self) -> frozenset[int]:
-        """Indices (into ``actions``) of the last backward of each chunk on this rank.
+        """Indices (into ``actions``) of the last backward step (B or W) of each chunk on this rank.
 
-        After that backward the chunk's gradients are final, so the executor may start the
-        data-parallel gradient all-reduce / reduce-scatter of that chunk there.
+        After it the chunk's gradients are final, so the executor may start the data-parallel gradient
+        all-reduce / reduce-scatter of that chunk there (in a split plan: after the chunk's last W).
         """
         last: dict[int, int] = {}
         for index, action in enumerate(self.actions):
-            if action.op == BACKWARD:
+            if action.op != FORWARD:
                 last[action.chunk] = index
         return frozenset(last.values())
 
     def peak_inflight(self) -> int:
-        """Max over time of (forwards done - backwards done): activation memory in chunks."""
+        """Max over time of the microbatch-chunks whose activations are held: from a forward until its
+        backward, or until its W where the plan has one (what W needs is kept until then). In chunks."""
+        weighted = {(a.microbatch, a.chunk) for a in self.actions if a.op == WEIGHT}
         inflight = peak = 0
         for action in self.actions:
-            inflight += 1 if action.op == FORWARD else -1
+            if action.op == FORWARD:
+                inflight += 1
+            elif action.op == WEIGHT or (action.microbatch, action.chunk) not in weighted:
+                inflight -= 1
             peak = max(peak, inflight)
         return peak
 
@@ -108,6 +119,7 @@ class Schedule:
     group_size: int
     ranks: tuple[RankPlan, ...]
     first_grad_stage: int = 0  # stages before it have no trainable parameter in or before them
+    weight_stages: tuple[bool, ...] = ()  # split backward: per virtual stage, has it W steps (module docstring)
 
     def to_dict(self) -> dict:
         data = {
@@ -119,6 +131,8 @@ class Schedule:
         }
         if self.first_grad_stage:
             data["first_grad_stage"] = self.first_grad_stage
+        if self.weight_stages:
+            data["weight_stages"] = list(self.weight_stages)
         return data
 
     # ---- stage geometry -------------------------------------------------------------------
@@ -142,21 +156,30 @@ class Schedule:
         """True if the activation ``stage`` receives must carry a gradient (an earlier stage trains)."""
         return stage > self.first_grad_stage
 
+    @property
+    def split_backward(self) -> bool:
+        """True if each backward is split into B (input gradient) and W (weight gradient) steps."""
+        return bool(self.weight_stages)
+
+    def has_weight_step(self, stage: int) -> bool:
+        """True if ``stage``'s weight gradients run as W steps of their own (a split plan, a trainable stage)."""
+        return bool(self.weight_stages) and self.weight_stages[stage]
+
     # ---- executor helpers -----------------------------------------------------------------
     def round_of(self, microbatch: int) -> int:
         """Index of the group (round) of k consecutive microbatches ``microbatch`` belongs to."""
         return microbatch // self.group_size
 
     def round_end_points(self, rank: int) -> frozenset[int]:
-        """Indices of the last backward of each (chunk, round) on ``rank``.
+        """Indices of the last backward step (B or W) of each (chunk, round) on ``rank``.
 
         A round is the k consecutive microbatches one chunk processes in one group; its last
-        backward is where a ZeRO-2 executor reduce-scatters that chunk's accumulated gradients.
-        The final round of a chunk coincides with its grad-sync point.
+        backward step is where a ZeRO-2 executor reduce-scatters that chunk's accumulated gradients
+        (in a split plan its last W). The final round of a chunk coincides with its grad-sync point.
         """
         last: dict[tuple[int, int], int] = {}
         for index, action in enumerate(self.ranks[rank].actions):
-            if action.op == BACKWARD:
+            if action.op != FORWARD:
                 last[(action.chunk, self.round_of(action.microbatch))] = index
         return frozenset(last.values())
 
@@ -168,7 +191,7 @@ class Schedule:
         if action.op == FORWARD:
             recv = None if first else Message("activation", mb, stage - 1, stage)
             send = None if last else Message("activation", mb, stage, stage + 1)
-        elif not self.has_grad_path(stage):
+        elif action.op == WEIGHT or not self.has_grad_path(stage):  # W: local, after its own B
             recv = send = None  # a frozen prefix: nothing to compute, nothing to exchange
         else:
             recv = None if last else Message("grad", mb, stage + 1, stage)
@@ -253,6 +276,9 @@ def with_trainable_stages(schedule: Schedule, trainable) -> Schedule:
     """``schedule`` with the gradient path of a model whose virtual stage s has a trainable parameter iff
     ``trainable[s]`` (stage s = chunk s // pp on rank s % pp). Same actions; fewer messages."""
     trainable = list(trainable)
+    if schedule.split_backward:
+        raise ValueError("with_trainable_stages cannot change a split-backward plan (its W steps depend on which "
+                         "stages train): build it with build_zero_bubble_schedule(..., trainable=...)")
     if len(trainable) != schedule.num_stages:
         raise ValueError(f"trainable has {len(trainable)} entries; it needs one per virtual stage "
                          f"(pp x vpp = {schedule.num_stages})")
@@ -291,7 +317,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
 
     Protocol: each rank runs its actions in order; sends never block (unbounded buffering);
     an action waits until its input message has been sent; a backward also needs its own
-    forward (same rank) to have run.  Raises :class:`ScheduleError` on deadlock.
+    forward (same rank) to have run, a W its own B.  Raises :class:`ScheduleError` on deadlock.
     """
     return list(schedule.order)
 
@@ -299,6 +325,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
 def _replay(schedule: Schedule) -> list[tuple[int, int]]:
     sent: set[Message] = set()
     done_forwards: list[set[tuple[int, int]]] = [set() for _ in schedule.ranks]
+    done_backwards: list[set[tuple[int, int]]] = [set() for _ in schedule.ranks]
     cursor = [0] * schedule.pp
     order: list[tuple[int, int]] = []
     waiting_for: dict[Message, int] = {}  # message -> rank blocked on it
@@ -313,6 +340,8 @@ def _replay(schedule: Schedule) -> list[tuple[int, int]]:
             return f"waits for {recv.kind} of microbatch {recv.microbatch} from stage {recv.src_stage}"
         if action.op == BACKWARD and (action.microbatch, action.chunk) not in done_forwards[rank]:
             return "its own forward has not run"
+        if action.op == WEIGHT and (action.microbatch, action.chunk) not in done_backwards[rank]:
+            return "its own backward (B) has not run"
         return None
 
     # Run each rank until it blocks; a blocked rank is woken when its message is sent, so the
@@ -328,12 +357,16 @@ def _replay(schedule: Schedule) -> list[tuple[int, int]]:
                 break
             if action.op == BACKWARD and (action.microbatch, action.chunk) not in done_forwards[rank]:
                 break  # can never be satisfied: the forward comes later on this very rank
+            if action.op == WEIGHT and (action.microbatch, action.chunk) not in done_backwards[rank]:
+                break  # the same: its B comes later on this rank
             if send is not None:
                 sent.add(send)
                 if send in waiting_for:
                     ready.append(waiting_for.pop(send))
             if action.op == FORWARD:
                 done_forwards[rank].add((action.microbatch, action.chunk))
+            elif action.op == BACKWARD:
+                done_backwards[rank].add((action.microbatch, action.chunk))
             order.append((rank, cursor[rank]))
             cursor[rank] += 1
     stuck = [r for r in range(schedule.pp) if cursor[r] < len(schedule.ranks[r].actions)]
@@ -354,31 +387,39 @@ def _replay(schedule: Schedule) -> list[tuple[int, int]]:
 def validate(schedule: Schedule) -> None:
     """Check a schedule: completeness, message matching and deadlock freedom.
 
-    * every rank runs each (F, mb, chunk) and (B, mb, chunk) exactly once;
+    * every rank runs each (F, mb, chunk) and (B, mb, chunk) exactly once, and in a split plan
+      (W, mb, chunk) exactly once for every chunk whose stage has W steps, never for another;
     * every message sent is received by exactly one action and every received message is sent
       (F(mb,s) after F(mb,s-1), B(mb,s) after B(mb,s+1) hold because the message carries them);
-    * B(mb, s) runs after F(mb, s) on the same rank;
+    * B(mb, s) runs after F(mb, s) on the same rank, W(mb, s) after B(mb, s);
     * the replay terminates (no deadlock).
     Raises :class:`ScheduleError` (a ValueError) describing the first problem found.
     """
-    expected = {
-        Action(op, mb, chunk)
-        for op in (FORWARD, BACKWARD)
-        for mb in range(schedule.microbatches)
-        for chunk in range(schedule.vpp)
-    }
     if len(schedule.ranks) != schedule.pp:
         raise ScheduleError(f"expected {schedule.pp} rank plans, got {len(schedule.ranks)}")
+    if schedule.weight_stages and len(schedule.weight_stages) != schedule.num_stages:
+        raise ScheduleError(f"weight_stages has {len(schedule.weight_stages)} flags; it needs one per virtual "
+                            f"stage (pp x vpp = {schedule.num_stages})")
     received: dict[Message, int] = {}
     sent: set[Message] = set()
     for rank, plan in enumerate(schedule.ranks):
         if plan.rank != rank:
             raise ScheduleError(f"rank plan #{rank} says rank={plan.rank}")
+        expected = {
+            Action(op, mb, chunk)
+            for chunk in range(schedule.vpp)
+            for op in (FORWARD, BACKWARD) + ((WEIGHT,) if schedule.has_weight_step(schedule.stage_of(rank, chunk))
+                                             else ())
+            for mb in range(schedule.microbatches)
+        }
         if len(plan.actions) != len(expected) or set(plan.actions) != expected:
             missing = sorted(map(str, expected - set(plan.actions)))[:5]
+            extra = sorted(map(str, set(plan.actions) - expected))[:5]
+            steps = "F, B and W" if schedule.split_backward else "F and B"
             raise ScheduleError(
-                f"rank {rank} does not run every F and B exactly once "
-                f"({len(plan.actions)} actions, expected {len(expected)}; missing e.g. {missing})"
+                f"rank {rank} does not run every {steps} exactly once "
+                f"({len(plan.actions)} actions, expected {len(expected)}; missing e.g. {missing}"
+                + (f"; unexpected e.g. {extra}" if extra else "") + ")"
             )
         for recv, send in schedule.messages[rank]:
             if recv is not None:

@@ -13,6 +13,13 @@ it equals the mean); ``bubble_ratio_per_rank`` keeps the per-rank values.
 Stages of different cost (layers of different kinds, frozen layers, the output head) are given as
 ``stage_times``: one (forward, backward) pair per virtual stage; a backward may cost nothing (a
 frozen stage with nothing trainable before it).
+
+Split backward (the zero-bubble plan, zero_bubble.py): a backward's cost is its input gradient B plus its
+weight gradient W. Give them apart as ``weight_time`` (then ``backward_time`` is B alone) or as (forward,
+B, W) triples in ``stage_times``; a plan that does not split runs B + W as one step, so one set of costs
+times both plans. A whole-backward cost alone is split in half (B = W: one matmul each for a linear layer)
+on a stage with W steps. ``peak_inflight`` counts a microbatch-chunk from its forward until its W (until its
+backward where it has none).
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from dataclasses import asdict, dataclass
 
 from l3plugin.checks import check_number
 
-from .plan import FORWARD, Schedule, execution_order
+from .plan import BACKWARD, FORWARD, WEIGHT, Schedule, execution_order
+
+COST_INDEX = {FORWARD: 0, BACKWARD: 1, WEIGHT: 2}  # an action's cost in a stage's (forward, B, W) times
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class SimulationResult:
     peak_inflight: tuple[int, ...]  # per rank, in units of one chunk's activations
     actions: tuple[TimedAction, ...]  # sorted by (rank, start)
     busy: tuple[float, ...] = ()  # per rank: its compute time
+    weight_time: float = 0.0  # the shortest W step (0: the plan does not split its backward)
 
     def to_dict(self) -> dict:
         return {
@@ -60,6 +70,7 @@ class SimulationResult:
             "group_size": self.group_size,
             "forward_time": self.forward_time,
             "backward_time": self.backward_time,
+            "weight_time": self.weight_time,
             "p2p_latency": self.p2p_latency,
             "makespan": self.makespan,
             "bubble_ratio": self.bubble_ratio,
@@ -80,23 +91,29 @@ def simulate(
     backward_time: float | None = None,
     p2p_latency: float = 0.0,
     stage_times=None,
+    weight_time: float | None = None,
 ) -> SimulationResult:
     """Simulate ``schedule`` with uniform per-chunk costs; ``backward_time`` defaults to
-    ``2 * forward_time`` (backward computes both input and weight gradients). With
-    ``stage_times`` ([(forward, backward)] per virtual stage s = chunk * pp + rank) each stage
-    costs its own times and ``forward_time`` / ``backward_time`` are ignored."""
+    ``2 * forward_time`` (backward computes both input and weight gradients). With ``weight_time``
+    (the weight gradient W) ``backward_time`` is the input gradient B alone and defaults to
+    ``forward_time`` (module docstring). With ``stage_times`` ([(forward, backward)] or [(forward, B, W)]
+    per virtual stage s = chunk * pp + rank) each stage costs its own times and the uniform ones are
+    ignored."""
     p2p_latency = _check_time("p2p_latency", p2p_latency, allow_zero=True)
     if stage_times is None:
         forward_time = _check_time("forward_time", forward_time, allow_zero=False)
+        if weight_time is not None:
+            weight_time = _check_time("weight_time", weight_time, allow_zero=True)
         if backward_time is None:
-            backward_time = 2.0 * forward_time
+            backward_time = 2.0 * forward_time if weight_time is None else forward_time
         backward_time = _check_time("backward_time", backward_time, allow_zero=False)
-        stage_times = [(forward_time, backward_time)] * schedule.num_stages
-    else:
-        stage_times = check_stage_times(stage_times, schedule.num_stages)
-        # The drawing unit: the shortest non-zero forward and backward.
-        forward_time = min(f for f, _ in stage_times)
-        backward_time = min((b for _, b in stage_times if b > 0), default=forward_time)
+        stage_times = [(forward_time, backward_time) if weight_time is None
+                       else (forward_time, backward_time, weight_time)] * schedule.num_stages
+    stage_times = step_costs(schedule, check_stage_times(stage_times, schedule.num_stages))
+    # The drawing unit: the shortest non-zero forward, B and W.
+    forward_time = min(t[0] for t in stage_times)
+    backward_time = min((t[1] for t in stage_times if t[1] > 0), default=forward_time)
+    weight_time = min((t[2] for t in stage_times if t[2] > 0), default=0.0) if schedule.split_backward else 0.0
 
     replay = Replay(schedule)
     times, busy = replay.run(stage_times, p2p_latency)
@@ -118,7 +135,25 @@ def simulate(
         peak_inflight=tuple(plan.peak_inflight() for plan in schedule.ranks),
         actions=tuple(sorted(timed, key=lambda a: (a.rank, a.start))),
         busy=tuple(busy),
+        weight_time=weight_time,
     )
+
+
+def step_costs(schedule: Schedule, stage_times) -> list[tuple[float, float, float]]:
+    """(forward, B step, W step) per stage for ``schedule`` from checked pairs or triples: a plan without W
+    steps (or a stage without them) runs B + W as its backward; a whole backward (a pair) on a stage with W
+    steps is split in half; where the stage's input needs no gradient (the first trainable stage) its B has
+    nothing to compute and its W is the whole backward (what the generic executor does)."""
+    costs = []
+    for stage, times in enumerate(stage_times):
+        whole = times[1] if len(times) == 2 else times[1] + times[2]
+        if not schedule.has_weight_step(stage):
+            costs.append((times[0], whole, 0.0))
+        elif not schedule.input_needs_grad(stage):
+            costs.append((times[0], 0.0, whole))
+        else:
+            costs.append((times[0], whole / 2, whole / 2) if len(times) == 2 else times)
+    return costs
 
 
 class Replay:
@@ -129,7 +164,7 @@ class Replay:
     def __init__(self, schedule: Schedule):
         self.schedule = schedule
         slots: dict = {}  # message -> its index in the arrival list
-        self.steps = []  # (rank, action, stage, is_forward, received slot or -1, sent slot or -1, pays latency)
+        self.steps = []  # (rank, action, stage, cost index, received slot or -1, sent slot or -1, pays latency)
         # execution_order is a dependency-respecting order, so every producer is timed before
         # its consumer; it also raises if the plan deadlocks.
         for rank, index in execution_order(schedule):
@@ -137,21 +172,22 @@ class Replay:
             recv, send = schedule.messages[rank][index]
             # A rank handing a tensor to itself (pp=1) pays no network latency.
             remote = send is not None and schedule.owner_of(send.dst_stage)[0] != rank
-            self.steps.append((rank, action, schedule.stage_of(rank, action.chunk), action.op == FORWARD,
+            self.steps.append((rank, action, schedule.stage_of(rank, action.chunk), COST_INDEX[action.op],
                                -1 if recv is None else slots.setdefault(recv, len(slots)),
                                -1 if send is None else slots.setdefault(send, len(slots)), remote))
         self.num_messages = len(slots)
 
     def run(self, stage_times, p2p_latency: float = 0.0):
         """([(start, end)] per step, busy time per rank) with ``stage_times`` [(forward, backward)]
-        per virtual stage; an action starts when its rank is free and its input has arrived."""
+        per virtual stage (a split plan: [(forward, B, W)]); an action starts when its rank is free and its
+        input has arrived."""
         free_at = [0.0] * self.schedule.pp
         busy = [0.0] * self.schedule.pp
         arrival = [0.0] * self.num_messages
         times = []
-        for rank, _, stage, is_forward, received, sent, remote in self.steps:
+        for rank, _, stage, cost_index, received, sent, remote in self.steps:
             start = free_at[rank] if received < 0 else max(free_at[rank], arrival[received])
-            cost = stage_times[stage][0 if is_forward else 1]
+            cost = stage_times[stage][cost_index]
             free_at[rank] = end = start + cost
             busy[rank] += cost
             if sent >= 0:
@@ -163,14 +199,22 @@ class Replay:
         return max(end for _, end in self.run(stage_times, p2p_latency)[0])
 
 
-def check_stage_times(stage_times, num_stages: int) -> list[tuple[float, float]]:
-    """[(forward, backward)] per virtual stage, checked: forwards > 0, backwards >= 0."""
+def check_stage_times(stage_times, num_stages: int) -> list[tuple[float, ...]]:
+    """[(forward, backward)] or [(forward, B, W)] per virtual stage, checked: forwards > 0, the rest >= 0."""
     stage_times = list(stage_times)
     if len(stage_times) != num_stages:
         raise ValueError(f"stage_times has {len(stage_times)} entries; it needs one (forward, backward) pair "
                          f"per virtual stage (pp x vpp = {num_stages})")
-    return [(_check_time(f"stage_times[{s}] forward", f, allow_zero=False),
-             _check_time(f"stage_times[{s}] backward", b, allow_zero=True)) for s, (f, b) in enumerate(stage_times)]
+    names = {2: ("forward", "backward"), 3: ("forward", "input gradient", "weight gradient")}
+    checked = []
+    for s, times in enumerate(stage_times):
+        times = tuple(times)
+        if len(times) not in names:
+            raise ValueError(f"stage_times[{s}]={times!r} is invalid: must be (forward, backward) or "
+                             f"(forward, input gradient, weight gradient)")
+        checked.append(tuple(_check_time(f"stage_times[{s}] {name}", t, allow_zero=i > 0)
+                             for i, (name, t) in enumerate(zip(names[len(times)], times))))
+    return checked
 
 
 def simulate_posted(schedule: Schedule, posts, forward_time: float = 1.0, backward_time: float | None = None,
@@ -180,6 +224,8 @@ def simulate_posted(schedule: Schedule, posts, forward_time: float = 1.0, backwa
     takes ``message_time`` on the wire, starting when it is sent and its receive is posted, after the
     previous message in the same direction (first in, first out; each direction its own link, full duplex).
     A receive posted at point i is posted when action i - 1 ends; ``after_receive``: when action i starts."""
+    if schedule.split_backward:
+        raise ValueError("simulate_posted times plans whose backward is one step; this one splits it into B and W")
     message_time = _check_time("message_time", message_time, allow_zero=True)
     forward_time = _check_time("forward_time", forward_time, allow_zero=False)
     backward_time = _check_time("backward_time", 2.0 * forward_time if backward_time is None else backward_time,
