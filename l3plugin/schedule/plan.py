@@ -250,6 +250,13 @@ def build_schedule(pp_size: int, vpp_size: int, num_microbatches: int, group_siz
     ``group_size`` (k) defaults to ``min(pp_size, num_microbatches)``: Megatron's default k=p,
     clipped so that m < p still works (k must be in 1..m).
     """
+    schedule = flexible_plan(pp_size, vpp_size, num_microbatches, group_size)
+    validate(schedule)
+    return schedule
+
+
+def flexible_plan(pp_size: int, vpp_size: int, num_microbatches: int, group_size=None) -> Schedule:
+    """:func:`build_schedule` without the validation (for plans built on it and validated themselves)."""
     check_int("pp_size", pp_size)
     check_int("vpp_size", vpp_size)
     check_int("num_microbatches", num_microbatches)
@@ -261,9 +268,7 @@ def build_schedule(pp_size: int, vpp_size: int, num_microbatches: int, group_siz
         warmup_count(pp_size, vpp_size, num_microbatches, group_size, rank)
         for rank in range(pp_size)
     ]
-    schedule = schedule_from_warmups(pp_size, vpp_size, num_microbatches, group_size, warmups)
-    validate(schedule)
-    return schedule
+    return schedule_from_warmups(pp_size, vpp_size, num_microbatches, group_size, warmups)
 
 
 def first_grad_stage(trainable) -> int:
@@ -275,6 +280,13 @@ def first_grad_stage(trainable) -> int:
 def with_trainable_stages(schedule: Schedule, trainable) -> Schedule:
     """``schedule`` with the gradient path of a model whose virtual stage s has a trainable parameter iff
     ``trainable[s]`` (stage s = chunk s // pp on rank s % pp). Same actions; fewer messages."""
+    frozen = trainable_stages_plan(schedule, trainable)
+    validate(frozen)
+    return frozen
+
+
+def trainable_stages_plan(schedule: Schedule, trainable) -> Schedule:
+    """:func:`with_trainable_stages` without the validation."""
     trainable = list(trainable)
     if schedule.split_backward:
         raise ValueError("with_trainable_stages cannot change a split-backward plan (its W steps depend on which "
@@ -282,9 +294,7 @@ def with_trainable_stages(schedule: Schedule, trainable) -> Schedule:
     if len(trainable) != schedule.num_stages:
         raise ValueError(f"trainable has {len(trainable)} entries; it needs one per virtual stage "
                          f"(pp x vpp = {schedule.num_stages})")
-    frozen = replace(schedule, first_grad_stage=first_grad_stage(trainable))
-    validate(frozen)
-    return frozen
+    return replace(schedule, first_grad_stage=first_grad_stage(trainable))
 
 
 def schedule_from_warmups(pp, vpp, num_microbatches, group_size, warmups) -> Schedule:

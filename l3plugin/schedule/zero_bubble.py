@@ -40,8 +40,8 @@ from dataclasses import replace
 from l3plugin.checks import check_int, check_number
 
 from .simulate import check_stage_times, step_costs
-from .plan import (BACKWARD, FORWARD, WEIGHT, Action, RankPlan, Schedule, ScheduleError, build_schedule,
-                   first_grad_stage, validate, with_trainable_stages)
+from .plan import (BACKWARD, FORWARD, WEIGHT, Action, RankPlan, Schedule, ScheduleError, first_grad_stage,
+                   flexible_plan, trainable_stages_plan, validate)
 
 
 def build_zero_bubble_schedule(pp_size: int, vpp_size: int, num_microbatches: int, group_size=None, *,
@@ -56,10 +56,11 @@ def build_zero_bubble_schedule(pp_size: int, vpp_size: int, num_microbatches: in
     weight gradient) per virtual stage (default 1, 1, 1; the plan depends on them only through where W
     goes). ``p2p_latency``: the same, for messages.
     """
-    flexible = build_schedule(pp_size, vpp_size, num_microbatches, group_size)
+    # The flexible plan is not validated on its own: the split plan, validated below, deadlocks if it does.
+    flexible = flexible_plan(pp_size, vpp_size, num_microbatches, group_size)
     num_stages = flexible.num_stages
     trainable = [True] * num_stages if trainable is None else [bool(flag) for flag in trainable]
-    flexible = with_trainable_stages(flexible, trainable)  # checks the length; the messages of a frozen prefix
+    flexible = trainable_stages_plan(flexible, trainable)  # checks the length; the messages of a frozen prefix
     least = max(plan.peak_inflight() for plan in flexible.ranks)
     limit = least if inflight_limit is None else check_int(
         "inflight_limit", inflight_limit, least, None)
