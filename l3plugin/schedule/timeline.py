@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from .plan import FORWARD, Schedule
+from .plan import FORWARD, WEIGHT, Schedule
 from .simulate import SimulationResult, TimedAction, simulate
 
 IDLE = "."
@@ -21,16 +21,22 @@ def _label(action: TimedAction, vpp: int) -> str:
     return f"{action.op}{action.microbatch}{chunk}"
 
 
+def unit_simulation(schedule: Schedule) -> SimulationResult:
+    """``schedule`` simulated with every step one slot long (F, B and, where the plan has them, W)."""
+    return simulate(schedule, forward_time=1.0, backward_time=1.0,
+                    weight_time=1.0 if schedule.split_backward else None)
+
+
 def render_text(schedule: Schedule, sim: SimulationResult | None = None) -> str:
     """Per-rank timeline as text.
 
-    Without ``sim`` every action takes one slot (forward time = backward time = 1), which shows
+    Without ``sim`` every action takes one slot (forward, backward and weight time 1), which shows
     the order compactly, like the paper's figures.  With ``sim`` the boxes are as long as the
     simulated durations; one slot is the shorter of the forward and backward time.
     """
     if sim is None:
-        sim = simulate(schedule, forward_time=1.0, backward_time=1.0)
-    unit = min(sim.forward_time, sim.backward_time)
+        sim = unit_simulation(schedule)
+    unit = min(t for t in (sim.forward_time, sim.backward_time, sim.weight_time) if t > 0)
     cell = max(len(_label(a, sim.vpp)) for a in sim.actions) + 1  # +1: a gap between boxes
     if any((t / unit) % 1 for a in sim.actions for t in (a.start, a.end)):
         cell += 1  # off-grid times (latency) round by up to a char: keep label + gap visible
@@ -43,11 +49,9 @@ def render_text(schedule: Schedule, sim: SimulationResult | None = None) -> str:
         f"pp={sim.pp} vpp={sim.vpp} microbatches={sim.microbatches} "
         f"group_size={sim.group_size} makespan={sim.makespan:g}"
     )
-    legend = (
-        "F<mb>.<chunk> = forward, B<mb>.<chunk> = backward, '.' = idle"
-        if sim.vpp > 1
-        else "F<mb> = forward, B<mb> = backward, '.' = idle"
-    )
+    tag = "<mb>.<chunk>" if sim.vpp > 1 else "<mb>"
+    legend = (f"F{tag} = forward, B{tag} = input gradient, W{tag} = weight gradient, '.' = idle"
+              if schedule.split_backward else f"F{tag} = forward, B{tag} = backward, '.' = idle")
     lines = [header, legend]
     for plan in schedule.ranks:
         row = [IDLE] * width
@@ -62,6 +66,7 @@ def render_text(schedule: Schedule, sim: SimulationResult | None = None) -> str:
 # ---- PNG ----------------------------------------------------------------------------------
 FORWARD_RGB = (0.30, 0.45, 0.69)  # blue
 BACKWARD_RGB = (0.87, 0.52, 0.32)  # orange
+WEIGHT_RGB = (0.33, 0.66, 0.41)  # green
 
 
 def _shade(rgb: tuple[float, float, float], chunk: int, vpp: int) -> tuple[float, float, float]:
@@ -71,8 +76,9 @@ def _shade(rgb: tuple[float, float, float], chunk: int, vpp: int) -> tuple[float
 
 
 def render_png(sim: SimulationResult, path: str) -> None:
-    """Write the simulated timeline as a PNG: blue forwards, orange backwards, lighter shades
-    for higher chunks, the microbatch number in each box; rank 0 on top."""
+    """Write the simulated timeline as a PNG: blue forwards, orange backwards (input gradients where the plan
+    splits them), green weight gradients, lighter shades for higher chunks, the microbatch number in each box;
+    rank 0 on top."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -84,13 +90,13 @@ def render_png(sim: SimulationResult, path: str) -> None:
         ) from exc
 
     # Figure/FigureCanvasAgg instead of pyplot: always the Agg backend, no global state.
-    slots = sim.makespan / min(sim.forward_time, sim.backward_time)
+    slots = sim.makespan / min(t for t in (sim.forward_time, sim.backward_time, sim.weight_time) if t > 0)
     fig = Figure(figsize=(min(max(6.0, 0.35 * slots), 60.0), 1.0 + 0.5 * sim.pp))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     fontsize = 7 if slots < 150 else 5
     for action in sim.actions:
-        base = FORWARD_RGB if action.op == FORWARD else BACKWARD_RGB
+        base = FORWARD_RGB if action.op == FORWARD else WEIGHT_RGB if action.op == WEIGHT else BACKWARD_RGB
         duration = action.end - action.start
         ax.barh(
             action.rank, duration, left=action.start, height=0.8,
@@ -109,9 +115,12 @@ def render_png(sim: SimulationResult, path: str) -> None:
         f"pp={sim.pp} vpp={sim.vpp} m={sim.microbatches} k={sim.group_size}: "
         f"makespan {sim.makespan:g}, bubble ratio {sim.bubble_ratio:.3f}"
     )
+    kinds = [("forward", FORWARD_RGB), ("backward", BACKWARD_RGB)]
+    if sim.weight_time:
+        kinds = [("forward", FORWARD_RGB), ("input gradient", BACKWARD_RGB), ("weight gradient", WEIGHT_RGB)]
     handles = [
         Patch(facecolor=_shade(rgb, chunk, sim.vpp), edgecolor="black", label=f"{name} chunk {chunk}")
-        for name, rgb in (("forward", FORWARD_RGB), ("backward", BACKWARD_RGB))
+        for name, rgb in kinds
         for chunk in range(sim.vpp)
     ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)

@@ -2,7 +2,9 @@
 F/B order and weight-gradient order, within the memory bound, no W on frozen stages; and what it buys in
 simulation (a third of the flexible schedule's idle time at uniform costs, the least any plan can have)."""
 
+import json
 import random
+import re
 
 import pytest
 
@@ -182,3 +184,29 @@ def test_validate_catches_a_weight_step_before_its_backward_or_one_too_many():
     frozen = dataclasses.replace(split, weight_stages=(True, False))
     with pytest.raises(ScheduleError, match=r"rank 1 does not run every F, B and W exactly once .* unexpected"):
         validate(frozen)
+
+
+def test_cli_prints_and_draws_the_split_plan(capsys, tmp_path):
+    from test_schedule_cli_timeline import run_cli
+
+    code, out, _ = run_cli(["schedule", "--pp", "2", "--vpp", "2", "--microbatches", "4", "--schedule",
+                            "flexible-zb", "--json"], capsys)
+    assert code == 0 and json.loads(out) == build_zero_bubble_schedule(2, 2, 4).to_dict()
+    png = tmp_path / "zb.png"
+    code, out, _ = run_cli(["schedule", "--pp", "2", "--microbatches", "3", "--schedule", "flexible-zb",
+                            "--png", str(png)], capsys)
+    header, legend, *rows = out.splitlines()[:4]
+    assert code == 0 and "W<mb> = weight gradient" in legend and png.exists()
+    assert re.findall(r"[FBW]\d+", rows[1]) == [f"{a.op}{a.microbatch}" for a in
+                                                build_zero_bubble_schedule(2, 1, 3).ranks[1].actions]
+    argv = ["simulate", "--pp", "4", "--vpp", "2", "--microbatches", "8", "--backward-time", "1", "--weight-time", "1"]
+    code, flexible, _ = run_cli(argv, capsys)
+    code_zb, split, _ = run_cli(argv + ["--schedule", "flexible-zb", "--inflight-limit", "12"], capsys)
+    assert code == code_zb == 0
+    assert "bubble ratio (idle / compute, worst rank): 0.0625" in split  # (p-1)/(3vm)
+    assert "bubble ratio (idle / compute, worst rank): 0.1875" in flexible
+    code, _, err = run_cli(["simulate", "--pp", "4", "--microbatches", "3", "--inflight-limit", "3"], capsys)
+    assert code == 2 and "--inflight-limit applies to --schedule flexible-zb only" in err
+    code, _, err = run_cli(["schedule", "--pp", "4", "--microbatches", "3", "--schedule", "flexible-zb",
+                            "--inflight-limit", "2"], capsys)
+    assert code == 2 and "inflight_limit=2 is out of range: must be an integer >= 3" in err
