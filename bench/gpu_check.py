@@ -19,10 +19,11 @@ recorded even when another fails (the JSON is rewritten after each, so a run cut
    (forward 4*d per pair and query head, backward 2.5x that), against dense causal SDPA (torch's flash backend) on
    the same tokens as one sequence: what document masking saves.
 3. ``zero``: the FP32-reducing ZeRO-2 optimizer on this device (world size 1; NCCL on CUDA), 3 steps of 4
-   micro-batches of a 4-chunk bf16 MLP: the defaults (reduce-scatters overlapped, parameter all-gathers deferred to
-   first use under the guard) against the blocking path (overlap=False), parameters bit for bit; a read of a
-   parameter between the step and the next forward (the guard completes its bucket first); and the same two with
-   every chunk ``torch.compile``d.
+   micro-batches of a 4-chunk bf16 MLP with ``wait_params_in_forward`` on each chunk (as the adapters do): the
+   defaults (reduce-scatters overlapped, parameter all-gathers deferred to first use) against the blocking path
+   (overlap=False), parameters bit for bit; a read of a parameter between the step and the next forward (the guard
+   completes its bucket first); and the same two with every chunk ``torch.compile``d (inductor), with dynamo's
+   graph breaks counted, with the hooks and without them (the guard alone).
 """
 
 from __future__ import annotations
@@ -198,13 +199,19 @@ def make_chunks(device, hidden, compiled):
     return chunks, calls
 
 
-def train(device, hidden, *, overlap, compiled, steps=3, micro_batches=4) -> dict:
+def train(device, hidden, *, overlap, compiled, hooks=True, steps=3, micro_batches=4) -> dict:
     from l3plugin.zero import FP32ReduceZero
 
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     chunks, calls = make_chunks(device, hidden, compiled)
     params = [p for c in chunks for p in c.parameters()]
     zero = FP32ReduceZero(torch.optim.AdamW(params, lr=1e-3), stage=2, overlap=overlap,
                           bucket_numel=hidden * hidden + hidden, chunks=[list(c.parameters()) for c in chunks])
+    for call in calls if hooks else ():  # as the DeepSpeed and Megatron adapters do on their model chunks
+        zero.wait_params_in_forward(call)
     gen = torch.Generator(device="cpu").manual_seed(1)
     losses, deferred = [], []
     for step in range(steps):
@@ -223,7 +230,8 @@ def train(device, hidden, *, overlap, compiled, steps=3, micro_batches=4) -> dic
     read = chunks[2][0].weight.float().norm().item()  # a read before the next forward: the guard completes it
     zero.wait_param_gather()
     return {"losses": losses, "deferred_after_step": deferred, "read_norm": read,
-            "params": [p.detach().clone() for p in params]}
+            "params": [p.detach().clone() for p in params], "graph_breaks": sum(counters["graph_break"].values()),
+            "guard_breaks": sum(n for why, n in counters["graph_break"].items() if "StaleReadGuard" in why)}
 
 
 def zero_check(device, hidden) -> dict:
@@ -234,16 +242,17 @@ def zero_check(device, hidden) -> dict:
         os.environ.setdefault("MASTER_PORT", "29531")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     out = {"hidden": hidden, "backend": dist.get_backend()}
-    for compiled in (False, True):
-        key = "compiled" if compiled else "eager"
+    for key, compiled, hooks in (("eager", False, True), ("compiled", True, True), ("compiled_guard_only", True, False)):
         try:
-            blocking = train(device, hidden, overlap=False, compiled=compiled)
-            overlapped = train(device, hidden, overlap=True, compiled=compiled)
+            blocking = train(device, hidden, overlap=False, compiled=compiled, hooks=hooks)
+            overlapped = train(device, hidden, overlap=True, compiled=compiled, hooks=hooks)
             out[key] = {
                 "params_bit_identical": all(torch.equal(a, b) for a, b in zip(blocking["params"], overlapped["params"])),
                 "losses_identical": blocking["losses"] == overlapped["losses"],
                 "read_between_step_and_forward_identical": blocking["read_norm"] == overlapped["read_norm"],
                 "deferred_gathers_after_step": overlapped["deferred_after_step"],
+                "graph_breaks": {"blocking": blocking["graph_breaks"], "deferred": overlapped["graph_breaks"],
+                                 "deferred_at_the_guard": overlapped["guard_breaks"]},
                 "final_loss": overlapped["losses"][-1]}
         except Exception as exc:  # noqa: BLE001 - recorded; the other variant goes on
             out[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}

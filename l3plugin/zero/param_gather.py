@@ -16,8 +16,11 @@ all-gather):
 Not seen by the guard (the caller must call ``wait_param_gather()`` first): a tensor aliasing a parameter's
 storage that was made before the step and is not a view of it (``p.data`` kept from earlier), reads from another
 Python thread (the mode stack is per thread), and code that reaches the storage without a torch function (C
-extensions). Under torch.compile the guard runs eagerly (a graph break at each torch function of the first
-forward after a step; values bit-identical, tested). When the mode stack already holds a mode that is not the
+extensions). Under torch.compile the guard runs eagerly: a graph break at each torch function of the first forward
+after a step, and with inductor those breaks change the kernels' fusion, so the values are NOT bit-identical to
+the blocking path (measured on an H200, bench/gpu_check.py). ``wait_params_in_forward`` avoids that: when its
+module's forward is being compiled, its first pre-hook completes every pending gather (one graph break before
+any of the model's work, the same with or without deferral) and the rest compiles without the guard. When the mode stack already holds a mode that is not the
 guard (``torch.set_default_device``, a ``with torch.device(...)`` around the step), the guard could not leave the
 stack in order, so the step completes its all-gathers before returning, as without overlap: same values, no
 overlap.
@@ -138,6 +141,12 @@ class StaleReadGuard(TorchFunctionMode):
 GUARD = StaleReadGuard()
 
 
+@torch.compiler.disable
+def _complete_all(owner) -> None:
+    """Every pending gather of ``owner``, then the guard off the stack (it pends nothing more)."""
+    owner.wait_param_gather()
+
+
 class ParamGather:
     # ``self._gathers``: bucket index -> its started all-gather (comm.InFlight), set by the optimizer.
 
@@ -180,12 +189,21 @@ class ParamGather:
                     self._finish_gather(bucket.spec.index)
         GUARD.leave_if_done()
 
+    def _complete_if_compiled(self, module) -> None:
+        # Traced by dynamo (a compiled caller, or module.compile()): a graph break into _complete_all, run eagerly.
+        # A torch.compile(module) wrapper (it holds _orig_mod) runs its own hooks eagerly, before its compiled call.
+        if torch.compiler.is_compiling() or getattr(module, "_orig_mod", None) is not None:
+            _complete_all(self)
+
     def wait_params_in_forward(self, module: torch.nn.Module) -> list:
         """Forward pre-hooks on every submodule of ``module`` that owns parameters of this optimizer: each
         completes its parameters' all-gather just before its forward (the guard would at their first use; the
         hooks also work from other threads and take the guard off the stack as soon as nothing is pending).
+        Under torch.compile (``module`` compiled, or inside a compiled caller) a first pre-hook completes every
+        pending gather instead, before the forward's first torch function: the compiled graph is then the one of
+        the blocking path (no guard on the stack), bit for bit, at the cost of this overlap.
         Returns the hook handles."""
-        handles = []
+        handles = [module.register_forward_pre_hook(lambda module, _args: self._complete_if_compiled(module))]
         for sub in module.modules():
             owned = [p for p in sub.parameters(recurse=False) if p in self.slots]
             if owned:
