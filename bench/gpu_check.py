@@ -12,7 +12,7 @@ recorded even when another fails (the JSON is rewritten after each, so a run cut
 2. ``cp_kernels``: all-gather CP attention kernels on packed documents (seeded lengths, documents crossing chunk
    borders) at each size (default 8K, 32K, 128K tokens), bf16, 8 query heads sharing 1 K/V head (GQA; Llama 3 70B's
    64/8 heads at TP 8), head dim 128. Every chunk of a cp=4 "2cp" layout is computed against its gathered K/V
-   prefix, exactly as the CP ranks call the kernel. Forward and backward against an fp32 reference (the
+   prefix, exactly as the CP ranks call the kernel (the chunks' outputs concatenated, one backward over them). Forward and backward against an fp32 reference (the
    per-document ``varlen-reference`` kernel, in fp32, on the same bf16 inputs): max |error| / max |reference|
    of the output and of dq, dk, dv; the bf16 ``reference`` kernel's own error beside it (up to 32K) as the scale of
    bf16 rounding. Then time (CUDA events, median of 5 after a warm-up) and TFLOP/s counted on the unmasked pairs
@@ -101,14 +101,13 @@ def run_chunks(kernel_name, inp: Inputs, dtype, backward: bool):
     """Every chunk of every CP rank through one kernel: (output, dq, dk, dv) over the whole sequence."""
     fn = kernels.KERNELS[kernel_name]
     q, k, v = (t.detach().to(dtype).requires_grad_(backward) for t in (inp.q, inp.k, inp.v))
-    out = torch.empty(q.shape, dtype=dtype, device=q.device)
-    for meta in inp.metas:
-        rows = slice(meta.start, meta.end)
-        piece = fn(q[rows], k[:meta.kv_len], v[:meta.kv_len], meta, causal=True, softmax_scale=None)
-        if backward:
-            piece.backward(inp.grad[rows].to(dtype))
-        out[rows] = piece.detach()
-    return (out, q.grad, k.grad, v.grad) if backward else (out,)
+    # The chunks in sequence order (the metas of the 2cp layout are not), one backward for all, as one layer's.
+    metas = sorted(inp.metas, key=lambda m: m.start)
+    out = torch.cat([fn(q[m.start:m.end], k[:m.kv_len], v[:m.kv_len], m, causal=True, softmax_scale=None)
+                     for m in metas])
+    if backward:
+        out.backward(inp.grad.to(dtype))
+    return (out.detach(), q.grad, k.grad, v.grad) if backward else (out,)
 
 
 def relative_errors(got, ref) -> dict:
