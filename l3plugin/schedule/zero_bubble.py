@@ -39,9 +39,9 @@ from dataclasses import replace
 
 from l3plugin.checks import check_int, check_number
 
+from .plan import (BACKWARD, FORWARD, WEIGHT, Action, RankPlan, Schedule, ScheduleError, flexible_plan,
+                   trainable_stages_plan, validate)
 from .simulate import check_stage_times, step_costs
-from .plan import (BACKWARD, FORWARD, WEIGHT, Action, RankPlan, Schedule, ScheduleError, first_grad_stage,
-                   flexible_plan, trainable_stages_plan, validate)
 
 
 def build_zero_bubble_schedule(pp_size: int, vpp_size: int, num_microbatches: int, group_size=None, *,
@@ -62,13 +62,11 @@ def build_zero_bubble_schedule(pp_size: int, vpp_size: int, num_microbatches: in
     trainable = [True] * num_stages if trainable is None else [bool(flag) for flag in trainable]
     flexible = trainable_stages_plan(flexible, trainable)  # checks the length; the messages of a frozen prefix
     least = max(plan.peak_inflight() for plan in flexible.ranks)
-    limit = least if inflight_limit is None else check_int(
-        "inflight_limit", inflight_limit, least, None)
+    limit = least if inflight_limit is None else check_int("inflight_limit", inflight_limit, least)
     times = _nominal_times(flexible, trainable, stage_times)
     p2p_latency = check_number("p2p_latency", p2p_latency, 0)
     ranks = _place_weight_steps(flexible, trainable, limit, times, p2p_latency)
-    schedule = replace(flexible, ranks=ranks, weight_stages=tuple(trainable),
-                       first_grad_stage=first_grad_stage(trainable))
+    schedule = replace(flexible, ranks=ranks, weight_stages=tuple(trainable))
     validate(schedule)
     return schedule
 
