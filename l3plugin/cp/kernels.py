@@ -21,8 +21,9 @@ of queries attends only the keys of the documents it touches, up to its last que
 - ``flash``: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16), when importable.
 - ``torch-varlen``: torch's own flash varlen attention, ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10,
   CUDA sm80+, fp16/bf16): the fast kernel of a CUDA machine with nothing but torch installed. Its keywords changed
-  between releases (2.10: ``is_causal``; later: ``window_size``, ``scale``, ``enable_gqa``): the kernel reads the
-  installed signature and passes what it takes (GQA K/V heads repeated, the scale folded into q, where it cannot).
+  between releases (2.10: ``is_causal``; 2.11: ``window_size``, ``scale``; 2.13: also ``enable_gqa``): the kernel
+  reads the installed signature and passes what it takes (on 2.10 the GQA K/V heads repeated and the scale folded
+  into q).
 - ``te``: Transformer Engine's fused attention (``DotProductAttention`` with qkv_format "thd" and a
   bottom-right-aligned padding-causal mask), when importable.
 The GPU kernels consume exactly the metadata ``varlen-reference`` proves on CPU; CPU CI checks what they are
@@ -433,9 +434,11 @@ def torch_varlen_kernel(q, k, v, meta: ChunkDocuments, *, causal=True, softmax_s
     if k.size(1) != q.size(1):
         if "enable_gqa" in takes:
             options["enable_gqa"] = True
-        else:  # query head h reads K/V head h // rep (torch's GQA convention)
+        elif "window_size" not in takes:  # torch 2.10 (not run here): query head h reads K/V head h // rep
             rep = q.size(1) // k.size(1)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        # torch 2.11 (window_size, no enable_gqa): its flash op takes fewer K/V heads as they are (measured on an
+        # H200: outputs equal to repeated heads, 9% faster at 128K)
     dev = q.device
     return fn(q.contiguous(), k.contiguous(), v.contiguous(), meta.cu_seqlens_q.to(dev, torch.int32),
               meta.cu_seqlens_kv.to(dev, torch.int32), meta.max_seqlen_q, meta.max_seqlen_kv, **options)

@@ -198,12 +198,18 @@ def varlen_of_torch_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
                            scale=scale, gqa=enable_gqa)
 
 
+def varlen_of_torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1)):
+    return flash_semantics(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=window_size == (-1, 0),
+                           scale=scale, gqa=True)  # its flash op takes fewer K/V heads without a flag
+
+
 def varlen_of_torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
     return flash_semantics(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=is_causal, scale=None,
                            gqa=False)
 
 
-@pytest.mark.parametrize("varlen", [varlen_of_torch_2_13, varlen_of_torch_2_10])
+@pytest.mark.parametrize("varlen", [varlen_of_torch_2_13, varlen_of_torch_2_11, varlen_of_torch_2_10])
 @pytest.mark.parametrize("causal", [True, False])
 def test_torch_varlen_kernel_hands_over_the_metadata_of_each_chunk(monkeypatch, varlen, causal):
     """kernel 'torch-varlen' with torch's varlen_attn replaced by its contract (CPU has no flash kernel): the
