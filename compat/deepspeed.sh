@@ -7,7 +7,9 @@
 #   COMPAT_TESTS="tests/hf/test_hf_deepspeed_cp.py" compat/deepspeed.sh NAME   other test files
 # The venvs reuse pip's cache; torch==2.13.0 is the CPU wheel on these machines (users pick their own torch).
 # l3plugin is not installed into the venv: the checkout goes first on PYTHONPATH and the autoload .pth is copied
-# into site-packages, as the wheel would put it.
+# into site-packages, as the wheel would put it, after a path file naming the checkout (_l3plugin_checkout.pth:
+# .pth files run in name order), so that the venv's interpreter started without PYTHONPATH (pip, for one) finds
+# the module the hook imports instead of printing "Error processing line 1 of ...l3plugin-autoload.pth".
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 venvs="${COMPAT_VENVS:-$here/.compat/venvs}"
@@ -41,12 +43,19 @@ make_venv() {  # name ds tf acc
   "$dir/bin/python" -m pip install --quiet --upgrade pip
   "$dir/bin/python" -m pip install --quiet "$torch_spec" "deepspeed==$2" "transformers==$3" "accelerate==$4" \
     "megatron-core==0.16.1" numpy "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
-  cp "$here/l3plugin-autoload.pth" "$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
   touch "$dir/.installed"
+}
+
+link_checkout() {  # name: the checkout's path, then the hook (refreshed on every run: venvs built before have no path file)
+  local site
+  site="$("$venvs/$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$here" >"$site/_l3plugin_checkout.pth"
+  cp "$here/l3plugin-autoload.pth" "$site/"
 }
 
 run_set() {  # name ds tf acc
   make_venv "$@"
+  link_checkout "$1"
   [[ -n "${COMPAT_ONLY_VENV:-}" ]] && return 0
   local dir="$venvs/$1" log="$results/$1.log"
   echo "== $1: deepspeed $2, transformers $3, accelerate $4 (log: $log)"

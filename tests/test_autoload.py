@@ -220,8 +220,11 @@ def test_wheel_in_a_fresh_virtualenv_installs_the_hook(wheel, tmp_path):
                             timeout=60, check=True).stdout.strip())
     # This venv's packages after the new venv's own (a plain path entry: its .pth files are not run).
     (site / "zz-packages-of-the-test-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # Without PYTHONPATH: a checkout on it (the compat runs put it there) holds l3plugin.egg-info of the same
+    # version, and pip would take that for an installed l3plugin and skip the wheel ("already installed").
+    no_path = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run_command([*PIP, "--python", python, "install", "--no-deps", "--no-index", str(wheel)], timeout=300,
-                check=True)
+                check=True, env=no_path)
     assert (site / "l3plugin-autoload.pth").read_text().strip() == "import l3plugin_autoload"
 
     where = "import json, l3plugin, l3plugin_autoload; print(json.dumps([l3plugin.__file__, l3plugin_autoload.__file__]))"
