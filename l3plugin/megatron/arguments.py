@@ -18,7 +18,7 @@ from l3plugin.cp.layout import LAYOUT_NAMES
 from l3plugin.megatron.attention import CP_COMM_TYPE
 from l3plugin.patchset import PrivateState
 
-SCHEDULES = ("default", "flexible")
+SCHEDULES = ("default", "flexible", "flexible-zb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +122,9 @@ def add_arguments(parser):
         "--pipeline-schedule", choices=SCHEDULES, default="default",
         help="'flexible': l3plugin's interleaved 1F1B for any number of microbatches and any "
              "--microbatch-group-size-per-virtual-pipeline-stage in 1..M (k < PP runs "
-             "all-forward-all-backward). 'default': Megatron's stock schedules.")
+             "all-forward-all-backward). 'flexible-zb': the same with each backward split into the input "
+             "gradient and the weight gradients, the latter run where a rank would idle (zero bubble; the same "
+             "gradients bit for bit). 'default': Megatron's stock schedules.")
     add_cp_arguments(group)
     return parser
 

@@ -1,10 +1,11 @@
 """Switching Megatron training scripts to the flexible schedule: the flag and the patch of
 ``get_forward_backward_func``.
 
-The flag, ``--pipeline-schedule {default,flexible}``, and the reading of Megatron-LM's parsed arguments are in
-arguments.py (``add_arguments`` / ``chain_extra_args`` / ``parsed_options``).
+The flag, ``--pipeline-schedule {default,flexible,flexible-zb}``, and the reading of Megatron-LM's parsed
+arguments are in arguments.py (``add_arguments`` / ``chain_extra_args`` / ``parsed_options``).
 ``install()`` (idempotent) makes every ``get_forward_backward_func`` name Megatron's training loop reads
-return ``forward_backward_pipelining_flexible`` when the flexible schedule is selected and pp > 1:
+return ``forward_backward_pipelining_flexible`` when the flexible schedule is selected and pp > 1 (its
+zero-bubble variant, ``forward_backward_pipelining_flexible_zb``, for ``flexible-zb``):
 ``megatron.core.pipeline_parallel.get_forward_backward_func``, ``...schedules.get_forward_backward_func``
 and ``megatron.training.training.get_forward_backward_func`` (imported there as a module global). These
 patches are declared at the bottom (sets MEGATRON and MEGATRON_LM_ARGS).
@@ -50,16 +51,14 @@ def guarded_schedule(stock_fn, name: str):
 
     @functools.wraps(stock_fn)
     def guarded(*args, **kwargs):
-        if selected_schedule() != "flexible":
+        if selected_schedule() == "default":
             return stock_step(*args, **kwargs)
         if not _state["warned"]:
             _state["warned"] = True
             warnings.warn(f"Megatron's stock {name} was reached through a get_forward_backward_func bound before "
                           "l3plugin.megatron.install(); the flexible schedule runs instead (it was selected). "
                           f"To silence this, {FIX}.", EarlyBoundSelectorWarning, stacklevel=2)
-        from l3plugin.megatron.pipeline import forward_backward_pipelining_flexible
-
-        return forward_backward_pipelining_flexible(*args, **kwargs)
+        return selected_function()(*args, **kwargs)
     guarded.l3plugin_guard = True
     return guarded
 
@@ -85,25 +84,32 @@ def selected_schedule() -> str:
     return _state["schedule"] or parsed_options().pipeline_schedule
 
 
+def selected_function():
+    """The forward_backward_func of the selected l3plugin schedule ('flexible' or 'flexible-zb')."""
+    from l3plugin.megatron.pipeline import forward_backward_pipelining_flexible, forward_backward_pipelining_flexible_zb
+
+    if selected_schedule() == "flexible-zb":
+        return forward_backward_pipelining_flexible_zb
+    return forward_backward_pipelining_flexible
+
+
 def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection=None, **kwargs):
     """Megatron's selector, answering the flexible schedule when it is selected and pp > 1.
 
     Takes what every supported version's selector takes: (pp_size, vp_size) up to 0.18, plus
     ``schedule_pg_collection`` from 0.19 (Megatron-LM 0.19's loop passes its ProcessGroupCollection). Only the
     arguments given are passed on to Megatron's own selector."""
-    if selected_schedule() == "flexible":
+    if selected_schedule() != "default":
         if type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection":
             raise NotImplementedError(
-                "--pipeline-schedule flexible runs one model's pipeline; Megatron-Core's multi-module (cross-grid) "
-                "pipelines (a MultiModuleProcessGroupCollection) need --pipeline-schedule default")
+                f"--pipeline-schedule {selected_schedule()} runs one model's pipeline; Megatron-Core's multi-module "
+                "(cross-grid) pipelines (a MultiModuleProcessGroupCollection) need --pipeline-schedule default")
         if pp_size is None:
             from megatron.core import parallel_state
 
             pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         if pp_size > 1:
-            from l3plugin.megatron.pipeline import forward_backward_pipelining_flexible
-
-            return forward_backward_pipelining_flexible
+            return selected_function()
     if schedule_pg_collection is not None:
         kwargs["schedule_pg_collection"] = schedule_pg_collection
     return MEGATRON.stock(_STOCK_SELECTOR)(pp_size, vp_size, **kwargs)

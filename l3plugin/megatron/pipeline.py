@@ -19,13 +19,24 @@ Differences from the stock interleaved schedule, all deliberate:
   P2PCommunicator, whose receive buffers hard-code CUDA and whose batched pp=2 path can silently swap
   activations and gradients; ``receive_posting="early"`` / ``"agreed"`` overrides that choice ("auto"); a dict
   passed as ``waits`` is filled with this rank's blocking in the step (seconds and count of receive and send
-  waits) and its most receive buffers posted at once;
+  waits), its most receive buffers posted at once and its compute (``busy_s``, and ``actions``: (op,
+  micro-batch, chunk, start, end) per step run, ``time.perf_counter`` seconds, receives excluded);
 - grad-sync hooks run right after the chunk's last backward (stock delays them by the pipeline rank),
   and two new per-round hooks run around the last backward of every (chunk, round of k microbatches):
   ``config.round_grad_sync_start_func`` before it and ``config.round_grad_sync_func`` after it, both
   ``(chunk_id, params, round_id, is_last_round)``: ZeRO-2 starts its reduce-scatters from the gradient
   hooks of that backward and finishes the round after it.
 Chunks are opaque: uneven layers per stage need nothing here.
+
+Zero bubble (``pipeline_schedule="flexible-zb"``, ``forward_backward_pipelining_flexible_zb``): the plan of
+``l3plugin.schedule.zero_bubble`` (the flexible plan's forwards and backwards in the same order, each backward
+of a trainable stage split into B and W, the W steps placed where the rank would idle). B computes the input
+gradient and keeps what the weight gradients need; W accumulates them later, a chunk's W steps in its B order
+(``l3plugin.schedule.split_backward``: generic autograd, nothing on the input side computed twice), so every
+gradient is bit-identical to the flexible schedule's. Messages and receive posting are the flexible plan's;
+the grad-sync and round hooks run around a chunk's (round's) last W. Transformer Engine's own deferral
+(``delay_wgrad_compute``, ``backward_dw()``) is refused (NotImplementedError), as is
+``gradient_accumulation_fusion`` (its weight gradient is added inside B).
 
 Frozen layers: every call agrees over the PP group (one all-reduce of p x v flags) which virtual stages
 hold a trainable parameter (``requires_grad``). Stages before the first such stage skip their backward,
@@ -38,24 +49,33 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import time
 
 import torch
 
 from l3plugin.checks import check_int
 from l3plugin.megatron.cp_documents import schedule_step
 from l3plugin.schedule.p2p import PipelineChannels, header_shape, pair_orders, posts_receives_early, shape_header
-from l3plugin.schedule.plan import FORWARD, RankPlan, Schedule, build_schedule, with_trainable_stages
+from l3plugin.schedule.plan import (FORWARD, WEIGHT, RankPlan, Schedule, build_schedule,
+                                    with_trainable_stages)
 from l3plugin.schedule.receives import receive_posts
+from l3plugin.schedule.split_backward import backward_input
+from l3plugin.schedule.zero_bubble import build_zero_bubble_schedule
+
+PIPELINE_SCHEDULES = ("flexible", "flexible-zb")  # l3plugin's own: the flexible plan, and it with B / W split
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_plan(pp, vpp, m, k, forward_only, rank, trainable, early):
+def _cached_plan(pp, vpp, m, k, forward_only, rank, trainable, early, split=False):
     """Everything a step derives from the configuration alone, built once rather than every step:
-    the schedule (forward-only if asked; ``trainable``: one flag per virtual stage), this rank's P2P plan
-    (``early``: when it posts each receive, ``receives.py``; else the pair order, a replay of the whole
-    plan), and the indices of its actions after which grad sync (chunk done) and round sync (round done)
-    happen."""
-    schedule = with_trainable_stages(build_schedule(pp, vpp, m, k), trainable)
+    the schedule (forward-only if asked; ``trainable``: one flag per virtual stage; ``split``: the zero-bubble
+    plan, each backward split into B and W), this rank's P2P plan (``early``: when it posts each receive,
+    ``receives.py``; else the pair order, a replay of the whole plan), and the indices of its actions after
+    which grad sync (chunk done) and round sync (round done) happen."""
+    if split and not forward_only:
+        schedule = build_zero_bubble_schedule(pp, vpp, m, k, trainable=trainable)
+    else:
+        schedule = with_trainable_stages(build_schedule(pp, vpp, m, k), trainable)
     if forward_only:
         schedule = forward_only_schedule(schedule)
     if early:
@@ -198,7 +218,7 @@ def _first_stage_inputs_checked(model, pp_rank, tp_group, config, variable):
         handle.remove()
 
 
-def _step_plan(config, model, pp_group, num_microbatches, forward_only, device, receive_posting):
+def _step_plan(config, model, pp_group, num_microbatches, forward_only, device, receive_posting, split=False):
     """``_cached_plan`` for this step: k from the config, the trainable stages agreed over the PP group."""
     p, r, v = pp_group.size(), pp_group.rank(), len(model)
     k = config.microbatch_group_size_per_vp_stage
@@ -209,7 +229,7 @@ def _step_plan(config, model, pp_group, num_microbatches, forward_only, device, 
     trainable = (False,) * (p * v) if forward_only else trainable_stages(model, pp_group, device)
     try:
         return _cached_plan(p, v, num_microbatches, k, bool(forward_only), r, trainable,
-                            posts_receives_early(pp_group, device, receive_posting))
+                            posts_receives_early(pp_group, device, receive_posting), split)
     except ValueError as exc:
         raise ValueError(f"{exc} (group_size is config.microbatch_group_size_per_vp_stage, set by "
                          f"--microbatch-group-size-per-virtual-pipeline-stage)") from None
@@ -317,8 +337,11 @@ class _Executor:
         self.forward_data_store = []
         self.total_num_tokens = None
         self.saved = {}  # (microbatch, chunk) -> (input tensor, output tensor, its send) kept for the backward
+        self.weight_steps = {}  # (microbatch, chunk) -> what its B kept for its W (split plans)
         self.first_forward_seen = set()
         self.forward_index = 0
+        self.spans = []  # (op, microbatch, chunk, start, end): this rank's compute, receives excluded
+        self._started = 0.0
 
     def _receive(self, msg):
         return None if msg is None else self.channels.recv(msg, self.schedule.owner_of(msg.src_stage)[0])
@@ -333,6 +356,7 @@ class _Executor:
         self.forward_index += 1
         stage = self.schedule.stage_of(self.rank, c)
         input_tensor = self._receive(recv_msg)
+        started = time.perf_counter()
         output_tensor, num_tokens = self.forward_step(
             self.forward_step_func, self.data_iterator[c], self.model[c], self.num_microbatches, input_tensor,
             self.forward_data_store, self.config, cp_group_size=self.cp_size,
@@ -344,6 +368,7 @@ class _Executor:
         self.first_forward_seen.add(c)
         self.total_num_tokens = (num_tokens.clone() if self.total_num_tokens is None
                                  else self.total_num_tokens + num_tokens.to(self.total_num_tokens.device))
+        self._account(action, started)
         if send_msg is not None:
             self._send(send_msg, output_tensor, on_complete=self.free_output if not self.forward_only else None)
         if not self.forward_only and self.schedule.has_grad_path(stage):
@@ -354,20 +379,83 @@ class _Executor:
         recv_msg, send_msg = self.schedule.action_messages(self.rank, action)
         self.syncs.before_backward(index, action)
         input_grad = None
-        if self.schedule.has_grad_path(self.schedule.stage_of(self.rank, action.chunk)):
-            input_grad = self._backward_step(action, recv_msg)
+        stage = self.schedule.stage_of(self.rank, action.chunk)
+        if self.schedule.has_weight_step(stage):
+            input_grad = self._backward_input(action, recv_msg)
+        elif self.schedule.has_grad_path(stage):
+            input_grad = self.backward_step(*self._backward_operands(action, recv_msg), *self.model_type,
+                                            self.config)
+        if self.schedule.has_grad_path(stage):
+            self._account(action, self._started)  # from its gradient's arrival
         self.syncs.after_backward(index, action)
         if send_msg is not None:
             self._send(send_msg, input_grad)
 
-    def _backward_step(self, action, recv_msg):
+    def weight(self, index, action):
+        """The W step of a split backward: the weight gradients its B kept (the chunk's grad-sync hooks are due
+        around its last W)."""
+        self.syncs.before_backward(index, action)
+        step = self.weight_steps.pop((action.microbatch, action.chunk))
+        if step is not None:
+            started = time.perf_counter()
+            with _backward_timer(self.config):
+                step.run()
+            self._account(action, started)
+        self.syncs.after_backward(index, action)
+
+    def _account(self, action, started):
+        self.spans.append((action.op, action.microbatch, action.chunk, started, time.perf_counter()))
+
+    def _backward_operands(self, action, recv_msg):
+        """(input tensor, output tensor, output gradient) of ``action``'s backward, once its output is sent."""
         input_tensor, output_tensor, sent = self.saved.pop((action.microbatch, action.chunk))
         if sent is not None:
             self.channels.wait_sent(sent)  # the output must be sent (and freed) before its backward
         output_grad = self._receive(recv_msg)
+        self._started = time.perf_counter()
         if input_tensor is not None and not input_tensor.requires_grad:
             input_tensor = None  # the first trainable stage: no input gradient wanted
-        return self.backward_step(input_tensor, output_tensor, output_grad, *self.model_type, self.config)
+        return input_tensor, output_tensor, output_grad
+
+    def _backward_input(self, action, recv_msg):
+        """B of a split backward (``l3plugin.schedule.split_backward``): the input gradient now, as Megatron's
+        backward_step computes it (the last stage's loss scaled by ``config.grad_scale_func``); the weight
+        gradients are kept for the W step."""
+        input_tensor, output_tensor, output_grad = self._backward_operands(action, recv_msg)
+        output_tensor = output_tensor[0] if isinstance(output_tensor, list) else output_tensor
+        if output_grad is None and self.config.grad_scale_func is not None:
+            output_tensor = self.config.grad_scale_func(output_tensor)
+        with _backward_timer(self.config):
+            input_grad, self.weight_steps[(action.microbatch, action.chunk)] = backward_input(
+                output_tensor, output_grad, input_tensor, self.model[action.chunk].parameters())
+        return input_grad
+
+
+@contextlib.contextmanager
+def _backward_timer(config):
+    """Megatron's 'backward-compute' timer around a B or W step (its backward_step times the fused one)."""
+    if config.timers is None:
+        yield
+        return
+    config.timers("backward-compute", log_level=2).start()
+    try:
+        yield
+    finally:
+        config.timers("backward-compute").stop()
+
+
+def check_split_config(config) -> None:
+    """Refuse what a split backward cannot run (``pipeline_schedule="flexible-zb"``), naming the setting."""
+    if getattr(config, "delay_wgrad_compute", False):
+        raise NotImplementedError(
+            "--pipeline-schedule flexible-zb with delay_wgrad_compute (Transformer Engine layers' own weight-"
+            "gradient deferral, backward_dw()) is not implemented: the schedule splits the backward with autograd "
+            "itself (l3plugin.schedule.split_backward); turn delay_wgrad_compute off")
+    if getattr(config, "gradient_accumulation_fusion", False):
+        raise ValueError(
+            "--pipeline-schedule flexible-zb with gradient_accumulation_fusion=True: the fused linear layers add "
+            "their weight gradient into main_grad inside the input-gradient backward (B), which a W step cannot "
+            "take over; use --no-gradient-accumulation-fusion (or --pipeline-schedule flexible)")
 
 
 def _start_step(config, model, is_last_rank, forward_only):
@@ -399,26 +487,33 @@ def forward_backward_pipelining_flexible(
     *, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
     decoder_seq_length=None, forward_only=False, collect_non_loss_data=False, first_val_step=None,
     adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None, force_all_reduce=False,
-    receive_posting="auto", waits=None, **_future_kwargs,
+    receive_posting="auto", waits=None, pipeline_schedule="flexible", **_future_kwargs,
 ):
     """Run one training (or evaluation) step with the flexible interleaved 1F1B schedule.
 
     Returns the forward data store (losses on the last stage, empty elsewhere), like Megatron.
     l3plugin's own keywords: ``receive_posting`` "auto" (early receives on gloo, the agreed pair order
     elsewhere), "early" or "agreed" (``l3plugin.schedule.p2p.posts_receives_early``); ``waits``: a dict this
-    rank's blocking account of the step is written into (``PipelineChannels.waits``).
+    rank's account of the step is written into (``PipelineChannels.waits``, ``busy_s``, ``actions``);
+    ``pipeline_schedule`` "flexible" or "flexible-zb" (each backward split into B and W,
+    ``l3plugin.schedule.zero_bubble``; the same gradients bit for bit).
     """
     import torch.distributed as dist
 
+    if pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline_schedule={pipeline_schedule!r} is invalid: choose one of {PIPELINE_SCHEDULES}")
+    split = pipeline_schedule == "flexible-zb"
     model = model if isinstance(model, list) else [model]
     data_iterator = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(model)
     config = _checked_config(model, data_iterator)
+    if split and not forward_only:
+        check_split_config(config)
     pp_group, tp_group, cp_group, pg_collection = _process_groups(p2p_communicator, pg_collection)
     r, is_last_rank = pp_group.rank(), pp_group.rank() == pp_group.size() - 1
     check_int("num_microbatches", num_microbatches)
     device = _model_device(model)
     schedule, orders, posts, grad_sync_points, round_ends = _step_plan(
-        config, model, pp_group, num_microbatches, forward_only, device, receive_posting)
+        config, model, pp_group, num_microbatches, forward_only, device, receive_posting, split)
 
     seq = (decoder_seq_length or seq_length) // cp_group.size()
     if config.sequence_parallel:
@@ -443,10 +538,12 @@ def forward_backward_pipelining_flexible(
                 channels.before_action(index)
                 if action.op == FORWARD:
                     executor.forward(action)
+                elif action.op == WEIGHT:
+                    executor.weight(index, action)
                 else:
                     executor.backward(index, action)
             except Exception as exc:  # the traceback says where; this says which micro-batch of which step
-                kind = "forward" if action.op == FORWARD else "backward"
+                kind = {FORWARD: "forward", WEIGHT: "weight gradients"}.get(action.op, "backward")
                 exc.add_note(f"l3plugin: in the {kind} of micro-batch {action.microbatch} of {num_microbatches} "
                              f"(model chunk {action.chunk}, virtual stage {schedule.stage_of(r, action.chunk)}) on "
                              f"pipeline rank {r}; the other pipeline ranks fail when their waits for this rank end "
@@ -457,5 +554,13 @@ def forward_backward_pipelining_flexible(
     _finish_step(config, model, embedding_module, is_last_rank, tp_group, executor.total_num_tokens,
                  pg_collection, force_all_reduce, forward_only)
     if waits is not None:
-        waits.update(channels.waits)
+        waits.update(channels.waits, busy_s=sum(end - start for *_, start, end in executor.spans),
+                     actions=executor.spans)
     return executor.forward_data_store
+
+
+def forward_backward_pipelining_flexible_zb(**kwargs):
+    """``forward_backward_pipelining_flexible`` with ``pipeline_schedule="flexible-zb"`` (what
+    ``--pipeline-schedule flexible-zb`` selects): each backward split into B, the input gradient, and W, the
+    weight gradients, run where the rank would idle (``l3plugin.schedule.zero_bubble``)."""
+    return forward_backward_pipelining_flexible(**kwargs, pipeline_schedule="flexible-zb")

@@ -123,7 +123,7 @@ def test_bad_input_names_parameter_value_and_range(ranks, m, k, message):
         assert text is not None and message in text, text
 
 
-def run_with_sync_hooks(p, v, m, k):
+def run_with_sync_hooks(p, v, m, k, pipeline_schedule="flexible"):
     """Records when the schedule calls grad_sync_func / round_grad_sync_start_func / round_grad_sync_func and
     enables DDP sync."""
     import contextlib
@@ -167,7 +167,8 @@ def run_with_sync_hooks(p, v, m, k):
     config.round_grad_sync_start_func = round_start
     batches = toy.make_microbatches(m, SEQ, MBS, HIDDEN)
     kwargs = dict(forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks],
-                  model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+                  model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS,
+                  pipeline_schedule=pipeline_schedule)
     forward_backward_pipelining_flexible(**kwargs)  # DDP-style: no grad_sync_func
     ddp_accumulations = {c: list(flags) for c, flags in record["accumulations"].items()}
     config.round_grad_sync_start_func = None
@@ -184,7 +185,11 @@ def run_with_sync_hooks(p, v, m, k):
 
 @pytest.mark.parametrize("p,v,m,k", [(2, 2, 7, 3), (4, 2, 6, 2), (2, 2, 3, 1)], ids=["k>p", "k<p", "k=1"])
 def test_grad_sync_hooks_fire_at_chunk_and_round_ends(ranks, p, v, m, k):
-    results = ranks.run(p, run_with_sync_hooks, p, v, m, k, timeout=120)
+    check_sync_record(ranks.run(p, run_with_sync_hooks, p, v, m, k, timeout=120), p, v, m, k)
+
+
+def check_sync_record(results, p, v, m, k):
+    """``run_with_sync_hooks``' records: each hook once where a chunk's (round's) gradients are final."""
     batches = toy.make_microbatches(m, SEQ, MBS, HIDDEN)
     num_rounds = -(-m // k)
     for rec in results:

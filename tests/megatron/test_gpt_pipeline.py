@@ -8,7 +8,7 @@ from l3plugin.debug.numerics import assert_bitwise_equal
 SEQ, MBS = 16, 2
 
 
-def gpt_flexible_step(pp, vpp, m, k, num_layers, layout=None):
+def gpt_flexible_step(pp, vpp, m, k, num_layers, layout=None, pipeline_schedule="flexible"):
     from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.mesh import init_mesh
 
@@ -21,7 +21,7 @@ def gpt_flexible_step(pp, vpp, m, k, num_layers, layout=None):
     batches = gpt.microbatches(m, MBS, SEQ)
     out = forward_backward_pipelining_flexible(
         forward_step_func=gpt.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-        num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+        num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, pipeline_schedule=pipeline_schedule)
     return {"grads": gpt.named_grads(chunks), "losses": [d["lm loss"] for d in out]}
 
 

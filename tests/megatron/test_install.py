@@ -26,6 +26,7 @@ def test_flag_and_chained_provider():
     args = parser.parse_args(["--pipeline-schedule", "flexible", "--modelopt-thing", "5"])
     assert args.pipeline_schedule == "flexible" and args.modelopt_thing == 5
     assert parser.parse_args([]).pipeline_schedule == "default"
+    assert parser.parse_args(["--pipeline-schedule", "flexible-zb"]).pipeline_schedule == "flexible-zb"
     with pytest.raises(SystemExit):
         parser.parse_args(["--pipeline-schedule", "fast"])
 
@@ -39,6 +40,8 @@ def test_install_is_idempotent_and_reversible():
             assert selector(pp_size=2, vp_size=2) is l3m.forward_backward_pipelining_flexible
             assert selector(pp_size=4, vp_size=None) is l3m.forward_backward_pipelining_flexible
             assert selector(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
+        l3m.install("flexible-zb")
+        assert schedules.get_forward_backward_func(pp_size=2, vp_size=2) is l3m.forward_backward_pipelining_flexible_zb
         l3m.install("default")
         assert schedules.get_forward_backward_func(pp_size=2, vp_size=2) is \
             schedules.forward_backward_pipelining_with_interleaving
