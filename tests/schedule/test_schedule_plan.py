@@ -225,3 +225,21 @@ def test_to_dict_layout_is_exact():
 def test_bad_input_names_parameter_value_and_range(args, message):
     with pytest.raises(ValueError, match=message):
         build_schedule(*args)
+
+
+@pytest.mark.parametrize("pp, vpp, m, k", [(4, 3, 5, 4), (8, 2, 18, 8), (16, 4, 36, 16), (5, 2, 13, 6)])
+def test_a_small_final_group_is_list_scheduled_faster_in_the_same_orders_and_memory(pp, vpp, m, k):
+    from l3plugin.schedule.plan import warmup_count
+    from l3plugin.schedule.simulate import simulate
+
+    assert 0 < m % k < pp
+    listed = build_schedule(pp, vpp, m, k)
+    laid_out = schedule_from_warmups(pp, vpp, m, k, [warmup_count(pp, vpp, m, k, r) for r in range(pp)])
+    validate(laid_out)  # deadlock-free too, only slower
+    for a, b in zip(listed.ranks, laid_out.ranks):
+        for op in "FB":  # each kind in the same order: every parameter accumulates its gradients in the same order
+            assert [x for x in a.actions if x.op == op] == [x for x in b.actions if x.op == op]
+        assert a.peak_inflight() <= b.peak_inflight() and a.warmup == b.warmup
+    assert simulate(listed).makespan < simulate(laid_out).makespan
+    if (pp, vpp, m) == (16, 4, 36):
+        assert simulate(listed).bubble_ratio < 0.3 < 2.5 < simulate(laid_out).bubble_ratio
