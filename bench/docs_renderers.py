@@ -202,6 +202,34 @@ def cp_work(figures: dict) -> str:
                      "balanced speedup"], rows)
 
 
+def torch_cp_work(figures: dict) -> str:
+    """docs/cp.md's load balance of l3plugin's layouts and torch's balancers on the same documents (analytic)."""
+    by_seq = {}
+    for row in figures["torch_work"]:
+        by_seq.setdefault(row["seq"], []).append(row)
+    names = ["l3plugin balanced", "torch head-tail", "torch ptrr", "torch per-document head-tail",
+             "torch per-document head-tail, as its docstring draws it"]
+    rows = []
+    for seq, per_cp in by_seq.items():
+        rows.append([seq_text(seq), " / ".join(str(row["cp"]) for row in per_cp),
+                     *(" / ".join(f"{row[n]['max_over_min_mean']:.2f}, {row[n]['max_over_min_worst']:.2f}"
+                                  for row in per_cp) for n in names)])
+    return markdown(["S", "cp", "l3plugin balanced", "torch head-tail (= l3plugin 2cp)", "torch PTRR",
+                     "torch per-document head-tail, as sharded", "the same, as its docstring draws it"], rows)
+
+
+def torch_cp_flex(figures: dict) -> str:
+    """docs/cp.md's forward beside torch's FlexAttention CP (cp_attention.py --torch-flex)."""
+    rows = []
+    for entry in figures["torch_flex"]:
+        for name, c in entry["contenders"].items():
+            rows.append([f"{seq_text(entry['seq'])} ({entry['documents']} documents)", name, f"{c['wall_s']:.3f}",
+                         f"{c['over_l3plugin_balanced']:.2f}", f"{c['work_max_over_min']:.3f}",
+                         sci(c["max_abs_error"])])
+    return markdown(["S", "contender", "forward s", "/ l3plugin balanced", "work max/min", "max abs error vs fp64"],
+                    rows)
+
+
 def _wire_entries(figures: dict, name: str) -> list:
     if figures.get("wire_mode", "off") == "off":
         raise ValueError(f"table {name!r} renders a run on a wire (--wire); this run was on loopback")
@@ -340,7 +368,7 @@ def zero_megatron(figures: dict) -> str:
     rows = [[gas, row["contender"], f"{row['step_ms']:.0f}", f"{row['exposed_ms']:.0f}",
              ratio_range(row["exposed_over_collectives"], 2) if row["exposed_over_collectives"] else "",
              f"{row['grad_bytes_per_param']:.2f}", f"{row['reductions_in_backward']}/{row['reductions']}",
-             "yes" if row["identical_to_blocking"] else "NO"]
+             {True: "yes", False: "NO", None: "n/a (other buckets)"}[row["identical_to_blocking"]]]
             for gas, table in figures["gas"].items() for row in table["rows"]]
     return (f"Forward+backward of one micro-batch: {figures['forward_backward_ms']:.0f} ms; one round's fp32 "
             f"reduce-scatters alone on this wire: {1000 * figures['round_reduce_scatter_alone_s']:.0f} ms.\n\n"

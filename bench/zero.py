@@ -74,8 +74,11 @@ VARIANTS = {
     "ours ZeRO-1 no overlap": (1, {}, False, {}),
     "ours ZeRO-1 overlap_param_gather off (before)": (1, {"overlap_param_gather": False}, True, {}),
     "stock ZeRO-2": (2, None, True, {}),
-    "ours ZeRO-2": (2, {}, True, {}),  # the defaults (carry_buckets DEFAULT_CARRY_BUCKETS, overlap_param_gather)
-    "ours ZeRO-2 carry_buckets 0 (before)": (2, {"carry_buckets": 0}, True, {}),
+    "ours ZeRO-2": (2, {}, True, {}),  # the defaults (carry_bytes: 1/32 of the shard; buckets <= 1/16 of the model)
+    # The defaults before: the 3 buckets started last carried whatever their size, buckets as the config gives them.
+    "ours ZeRO-2 carry_buckets 3, buckets as given (before)": (2, {"carry_buckets": 3, "bucket_numel": "given"}, True,
+                                                               {}),
+    "ours ZeRO-2 carry_buckets 0": (2, {"carry_buckets": 0}, True, {}),
     **{f"ours ZeRO-2 carry_buckets {n}": (2, {"carry_buckets": n}, True, {}) for n in (3, 5)},
     "ours ZeRO-2 no overlap": (2, {}, False, {}),
     "ours ZeRO-2 overlap_param_gather off (before)": (2, {"overlap_param_gather": False}, True, {}),
@@ -84,6 +87,7 @@ VARIANTS = {
     "ours ZeRO-2 reduce_every=gas/2": (2, {"reduce_every": "half"}, True, {}),
 }
 STOCK_OF_STAGE = {1: "stock ZeRO-1", 2: "stock ZeRO-2"}
+DEEPSPEED_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size's default
 # The blocking twin of each overlapped "ours" (its exposed time is its communication time: exp/coll's denominator).
 NO_OVERLAP_TWIN = {name: f"ours ZeRO-{stage} no overlap" for name, (stage, plugin, overlap, _) in VARIANTS.items()
                    if plugin is not None and overlap and plugin.get("reduce_every") != "half"}
@@ -136,10 +140,14 @@ def build_engine(name, gas, micro_batch, width, layers, bucket):
            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                                  "overlap_comm": overlap, "contiguous_gradients": True},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, **extra}
+    if bucket is None:  # DeepSpeed's defaults (reduce_bucket_size 5e8)
+        del cfg["zero_optimization"]["reduce_bucket_size"], cfg["zero_optimization"]["allgather_bucket_size"]
     if plugin is not None:
         cfg["l3plugin"] = {"fp32_reduce_zero": True, **plugin}
         if plugin.get("reduce_every") == "half":
             cfg["l3plugin"]["reduce_every"] = max(1, gas // 2)
+        if plugin.get("bucket_numel") == "given":
+            cfg["l3plugin"]["bucket_numel"] = bucket or DEEPSPEED_BUCKET
     model = make_model(width, layers)
     engine, *_ = quiet_deepspeed().initialize(model=model, config=cfg, model_parameters=model.parameters())
     return engine
@@ -178,9 +186,9 @@ def live_tensors(modules=()):
     for t in tensors + [p.grad for m in modules for p in m.parameters() if p.grad is not None]:
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse, meta, ...
+            ptr = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # sparse, meta, fake tensors left by torch.compile, ...
             continue
-        ptr = storage.data_ptr()
         if ptr and (ptr not in found or t.numel() > found[ptr][1].numel()):
             found[ptr] = (storage.nbytes(), t)
     return found
@@ -374,7 +382,9 @@ def main(argv=None):
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--micro-batch", type=int, default=64, help="samples per micro-batch per rank")
-    parser.add_argument("--bucket", type=float, default=1e6, help="reduce/allgather bucket size (elements)")
+    parser.add_argument("--bucket", nargs="+", help="reduce/allgather bucket sizes, each timed and "
+                        "counted: elements, 1/N (of the model's parameters) or default (DeepSpeed's, 5e8: the keys "
+                        "left out); default 1e6 (--quick: 2e4)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds: a smoke run")
     parser.add_argument("--census-detail", action="store_true", help="print what the gradient census counted")
     parser.add_argument("--variants", nargs="+", metavar="NAME", help="run only these variants (names as printed; "
@@ -392,55 +402,90 @@ def main(argv=None):
         for name in [n for n in VARIANTS if n not in wanted]:
             del VARIANTS[name]
     if args.quick:
-        args.width, args.layers, args.micro_batch, args.rounds, args.bucket = 256, 2, 16, 2, 2e4
+        args.width, args.layers, args.micro_batch, args.rounds = 256, 2, 16, 2
+    args.bucket = args.bucket or (["2e4"] if args.quick else ["1e6"])
+    for spec in args.bucket:
+        try:
+            bucket_elements(spec, 1)
+        except ValueError:
+            parser.error(f"--bucket {spec!r}: give elements (1e6), a share of the model (1/16) or default")
     with harness.json_output(args.json, "zero", argv) as figures:
         run(args, link, figures)
 
 
+def bucket_elements(spec: str, params: int) -> int | None:
+    """--bucket's value in elements: None for DeepSpeed's default (the keys left out)."""
+    if spec == "default":
+        return None
+    if spec.startswith("1/"):  # rounded up to a multiple of 16 (stock wants a multiple of its alignment)
+        return -(-params // (16 * int(spec[2:]))) * 16
+    return int(float(spec))
+
+
 def run(args, link, figures):
-    """Every table, for every gas; figures: what they print (bytes, seconds)."""
-    bucket = int(args.bucket)
-    figures.update(width=args.width, layers=args.layers, micro_batch=args.micro_batch, bucket=bucket,
+    """Every table, for every bucket size and gas; figures: what they print (bytes, seconds). With several bucket
+    sizes the tables are keyed "gas, buckets SIZE"."""
+    figures.update(width=args.width, layers=args.layers, micro_batch=args.micro_batch, buckets=args.bucket,
                    rounds=args.rounds, rate_bits=link.rate, wire_mode=link.mode, gas={})
     began = time.perf_counter()
     with RankPool(2, **link.pool_options(2)) as pool:
         compute = pool.run(measure_compute, args.width, args.layers, args.micro_batch, timeout=300)
         params = figures["params"] = compute[0][1]
         figures["forward_backward_ms"] = max(ms for ms, _ in compute)
+        sizes = {spec: bucket_elements(spec, params) for spec in args.bucket}
+        figures["bucket"] = sizes[args.bucket[0]] or DEEPSPEED_BUCKET
         print(f"model: {args.layers} x (Linear({args.width}, {args.width}) + Tanh) + Linear({args.width}, 1) = "
-              f"{params / 1e6:.1f}M bf16 params; AdamW (torch); 2 gloo ranks, 1 thread each; buckets {bucket:,} "
-              f"elements; {args.rounds} rounds\nmicro-batch {args.micro_batch} samples per rank: forward+backward "
+              f"{params / 1e6:.1f}M bf16 params; AdamW (torch); 2 gloo ranks, 1 thread each; buckets "
+              + ", ".join(f"{spec} ({n or DEEPSPEED_BUCKET:,} elements)" for spec, n in sizes.items())
+              + f"; {args.rounds} rounds\nmicro-batch {args.micro_batch} samples per rank: forward+backward "
               f"{max(ms for ms, _ in compute):.0f} ms (plain bf16 model, both ranks at once, slower rank); "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
         print(link.describe())
-        results = pool.run(collectives_alone, params, bucket, timeout=600)
+        results = pool.run(collectives_alone, params, min(sizes[args.bucket[0]] or params, params), timeout=600)
         figures["collectives_alone_s"] = {}
         for name in results[0]:
             wall, cpu = max(r[name][0] for r in results), max(r[name][1] for r in results)
             figures["collectives_alone_s"][name] = {"wall": wall, "cpu": cpu}
             print(f"  alone on this wire, no compute: {name}: {1000 * wall:.0f} ms wall, {1000 * cpu:.0f} ms CPU "
-                  "(slower rank, median)", flush=True)
-        for gas in args.gas:
-            info = {name: pool.run(prepare_variant, name, gas, args.micro_batch, args.width, args.layers, bucket,
-                                   timeout=1800) for name in VARIANTS}
-            rounds = harness.interleaved_rounds(VARIANTS, lambda name: pool.run(timed_round, name, timeout=1800),
-                                                args.rounds, warmup=0)  # prepare_variant's steps warmed up
-            step, exposed, busy, waits = {}, {}, {}, {}  # waits: per round, per rank {method: seconds}
-            for name, results in rounds.items():
-                step[name] = [max(r[0] for r in per_rank) for per_rank in results]
-                exposed[name] = [t - max(r[1] for r in per_rank) for t, per_rank in zip(step[name], results)]
-                # Both ranks' CPU seconds over what the machine's cores offer in the step's wall time.
-                busy[name] = [sum(r[2] for r in per_rank) / (os.cpu_count() * t)
-                              for t, per_rank in zip(step[name], results)]
-                waits[name] = [[r[3] for r in per_rank] for per_rank in results]
-            pool.run(free_engines, timeout=300)
-            figures["gas"][str(gas)] = {"rows": print_table(gas, args, params, info, step, exposed, busy),
-                                        "waits_ms": print_waits(gas, waits),
-                                        "load_average": os.getloadavg()[0]}
-            print(f"(load average {os.getloadavg()[0]:.1f} at the end of gas {gas})", flush=True)
+                  f"(slower rank, median; buckets {args.bucket[0]})", flush=True)
+        for spec, bucket in sizes.items():
+            for gas in args.gas:
+                key = str(gas) if len(sizes) == 1 else f"{gas}, buckets {spec}"
+                info = {name: pool.run(prepare_variant, name, gas, args.micro_batch, args.width, args.layers,
+                                       bucket, timeout=1800) for name in VARIANTS}
+                rounds = harness.interleaved_rounds(VARIANTS, lambda name: pool.run(timed_round, name, timeout=1800),
+                                                    args.rounds, warmup=0)  # prepare_variant's steps warmed up
+                step, exposed, busy, waits = {}, {}, {}, {}  # waits: per round, per rank {method: seconds}
+                for name, results in rounds.items():
+                    step[name] = [max(r[0] for r in per_rank) for per_rank in results]
+                    exposed[name] = [t - max(r[1] for r in per_rank) for t, per_rank in zip(step[name], results)]
+                    # Both ranks' CPU seconds over what the machine's cores offer in the step's wall time.
+                    busy[name] = [sum(r[2] for r in per_rank) / (os.cpu_count() * t)
+                                  for t, per_rank in zip(step[name], results)]
+                    waits[name] = [[r[3] for r in per_rank] for per_rank in results]
+                pool.run(free_engines, timeout=300)
+                figures["gas"][key] = {"rows": print_table(key, args, params, info, step, exposed, busy),
+                                       "waits_ms": print_waits(key, waits), "bucket": bucket or DEEPSPEED_BUCKET,
+                                       "load_average": os.getloadavg()[0]}
+                print(f"(load average {os.getloadavg()[0]:.1f} at the end of gas {key})", flush=True)
+        print_memory(figures["gas"], params)
         harness.report_wire_traffic(link, figures)
     figures["run_time_s"] = time.perf_counter() - began
     print(f"\ntotal run time {figures['run_time_s']:.0f} s")
+
+
+def print_memory(tables, params):
+    """Gradient memory between micro-batches (the census) of every variant at every bucket size, in one table,
+    with the share of the communication left exposed beside it."""
+    keys = list(tables)
+    print("\ngradient B/param between micro-batches (census, larger rank) / exp/coll, per table: " + "; ".join(keys))
+    for row in tables[keys[0]]["rows"]:
+        cells = []
+        for key in keys:
+            other = next(r for r in tables[key]["rows"] if r["variant"] == row["variant"])
+            fraction = other["exposed_over_collectives"]
+            cells.append(f"{other['grad_bytes_per_param']:.2f} / " + (f"{fraction['median']:.2f}" if fraction else "-"))
+        print(f"  {row['variant']:<52} " + " | ".join(cells), flush=True)
 
 
 def print_waits(gas, waits):

@@ -61,6 +61,7 @@ import torch  # noqa: E402
 
 import harness  # noqa: E402
 import wire  # noqa: E402
+from zero import bucket_elements  # noqa: E402  (bench/zero.py: --bucket's forms)
 from l3plugin.ranks import RankPool  # noqa: E402
 
 # name: (stage, megatron_zero settings, reduce_in_backward)
@@ -70,11 +71,15 @@ CONTENDERS = {
     "ZeRO-2 carry_buckets 0": (2, {"carry_buckets": 0}, True),
     "ZeRO-2 overlap_param_gather off (before)": (2, {"overlap_param_gather": False}, True),
     "ZeRO-2 default": (2, {}, True),
+    # The default before: the 3 buckets started last carried whatever their size, buckets as given.
+    "ZeRO-2 carry_buckets 3, buckets as given (before)": (2, {"carry_buckets": 3, "bucket_numel": "given"}, True),
     "ZeRO-1 blocking": (1, {"overlap": False}, True),
     "ZeRO-1 round-end start": (1, {}, False),
     "ZeRO-1 default": (1, {}, True),
 }
 BLOCKING = {1: "ZeRO-1 blocking", 2: "ZeRO-2 blocking"}
+IDENTICAL = {True: "yes", False: "NO", None: "n/a"}  # None: other buckets than the blocking twin
+MEGATRON_BUCKET = 25_000_000  # megatron_zero's bucket size before its default was cut to 1/16 of the model
 
 # -- worker side: these run inside the RankPool processes --------------------------------------------------
 BUILT: dict = {}  # contender name -> (chunk, zero); for the current gas
@@ -184,8 +189,9 @@ def prepare(name, gas, args):
     before = live_tensors([c for c, _ in BUILT.values()])  # held until the census: no address reuse
     stage, settings, in_backward = CONTENDERS[name]
     chunk, config = build_model(args)
-    zero = megatron_zero([chunk], torch.optim.AdamW(chunk.parameters(), lr=1e-4), stage=stage,
-                         bucket_numel=args["bucket"], **settings)
+    if settings.get("bucket_numel") == "given" or args["bucket"] is not None:
+        settings = {**settings, "bucket_numel": args["bucket"] or MEGATRON_BUCKET}
+    zero = megatron_zero([chunk], torch.optim.AdamW(chunk.parameters(), lr=1e-4), stage=stage, **settings)
     attach_to_schedule(config, zero, reduce_in_backward=in_backward)
     BUILT[name] = (chunk, zero)
 
@@ -258,7 +264,9 @@ def main(argv=None):
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch per rank")
-    parser.add_argument("--bucket", type=float, default=5e5, help="bucket_numel (elements)")
+    parser.add_argument("--bucket", nargs="+", help="bucket sizes, each timed and counted: bucket_numel in "
+                        "elements, 1/N (of the model's parameters) or default (bucket_numel left out); default 5e5 "
+                        "(--quick: 1e4)")
     parser.add_argument("--comm-share", type=float, default=0.5, help="--wire auto: the share of one "
                         "micro-batch's forward+backward that one round's reduce-scatters alone should take")
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 round: a smoke run")
@@ -275,7 +283,13 @@ def main(argv=None):
         for name in [n for n in CONTENDERS if n not in wanted]:
             del CONTENDERS[name]
     if args.quick:
-        args.layers, args.hidden, args.ffn, args.vocab, args.seq, args.rounds, args.bucket = 2, 64, 176, 256, 32, 1, 1e4
+        args.layers, args.hidden, args.ffn, args.vocab, args.seq, args.rounds = 2, 64, 176, 256, 32, 1
+    args.bucket = args.bucket or (["1e4"] if args.quick else ["5e5"])
+    for spec in args.bucket:
+        try:
+            bucket_elements(spec, 1)
+        except ValueError:
+            parser.error(f"--bucket {spec!r}: give elements (5e5), a share of the model (1/16) or default")
     link = harness.enter_wire(args.wire, "bfloat16", args.wire_mode)
     with harness.json_output(args.json, "zero_megatron", argv) as figures:
         run(args, link, figures)
@@ -284,21 +298,27 @@ def main(argv=None):
 
 def run(args, link, figures):
     model = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
-             "vocab": args.vocab, "seq": args.seq, "micro_batch": args.micro_batch, "bucket": int(args.bucket)}
-    figures.update(model=model, rounds=args.rounds, gas={})
+             "vocab": args.vocab, "seq": args.seq, "micro_batch": args.micro_batch, "bucket": None}
+    figures.update(model=model, rounds=args.rounds, gas={}, buckets=args.bucket)
     began = time.perf_counter()
     with RankPool(2, preload=("megatron.core",), keep_state=True, **link.pool_options(2)) as pool:
         compute = pool.run(measure_compute, model, timeout=600)
         params, compute_ms = compute[0][1], max(ms for ms, _ in compute)
+        sizes = {spec: bucket_elements(spec, params) for spec in args.bucket}
+        model["bucket"] = sizes[args.bucket[0]]
         figures.update(params=params, forward_backward_ms=compute_ms)
         print(f"model: Megatron-Core GPTModel (demo's Llama-style), {args.layers} layers, hidden {args.hidden}, "
               f"ffn {args.ffn}, vocab {args.vocab} tied, {params / 1e6:.2f}M bf16 params; AdamW (torch); dp 2, pp 1, "
-              f"flexible schedule (a round per micro-batch); buckets {int(args.bucket):,} elements; micro-batch "
+              "flexible schedule (a round per micro-batch); buckets "
+              + ", ".join(f"{spec} ({n:,} elements)" if n else f"{spec} (bucket_numel left out)"
+                          for spec, n in sizes.items())
+              + f"; micro-batch "
               f"{args.micro_batch} x {args.seq} tokens per rank: forward+backward {compute_ms:.0f} ms (slower rank); "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
 
         def round_alone():
-            return max(wall for wall, _ in pool.run(reduce_scatter_alone, params, int(args.bucket), timeout=600))
+            bucket = min(model["bucket"] or -(-params // 16), params)  # the default: 1/16 of the model
+            return max(wall for wall, _ in pool.run(reduce_scatter_alone, params, bucket, timeout=600))
 
         if link.on and args.wire == "auto":
             figures["calibration"] = harness.calibrate_wire(link, round_alone, args.comm_share * compute_ms / 1000)
@@ -307,12 +327,15 @@ def run(args, link, figures):
         print(link.describe())
         print(f"  one round's fp32 reduce-scatters alone (every bucket, no compute): {1000 * alone:.0f} ms = "
               f"{1000 * alone / compute_ms:.0%} of one micro-batch's forward+backward", flush=True)
-        for gas in args.gas:
-            info = {name: pool.run(prepare, name, gas, model, timeout=1800) for name in CONTENDERS}
-            rounds = harness.interleaved_rounds(CONTENDERS, lambda name: pool.run(timed_round, name, timeout=1800),
-                                                args.rounds, warmup=0)  # prepare's steps warmed up
-            pool.run(free, timeout=300)
-            figures["gas"][str(gas)] = print_table(gas, params, info, rounds)
+        for spec, bucket in sizes.items():
+            model["bucket"] = bucket
+            for gas in args.gas:
+                key = str(gas) if len(sizes) == 1 else f"{gas}, buckets {spec}"
+                info = {name: pool.run(prepare, name, gas, model, timeout=1800) for name in CONTENDERS}
+                rounds = harness.interleaved_rounds(CONTENDERS, lambda name: pool.run(timed_round, name, timeout=1800),
+                                                    args.rounds, warmup=0)  # prepare's steps warmed up
+                pool.run(free, timeout=300)
+                figures["gas"][key] = {**print_table(key, params, info, rounds), "bucket": bucket}
         harness.report_wire_traffic(link, figures)
     figures["run_time_s"] = time.perf_counter() - began
     print(f"\ntotal run time {figures['run_time_s']:.0f} s")
@@ -338,13 +361,15 @@ def print_table(gas, params, info, rounds):
                "grad_bytes_per_param": max(r["grad_bytes"] for r in info[name]) / params,
                "reductions_in_backward": rank0["in_backward"], "reductions": rank0["reductions"],
                "buckets": rank0["buckets"], "waits_ms": waits, "finish_grad_sync_ms": final,
-               "identical_to_blocking": all(a["digest"] == b["digest"] for a, b in zip(info[name], info[twin]))}
+               # None: another bucket layout than the blocking twin's (other shards: digests not comparable)
+               "identical_to_blocking": (all(a["digest"] == b["digest"] for a, b in zip(info[name], info[twin]))
+                                         if rank0["buckets"] == info[twin][0]["buckets"] else None)}
         rows.append(row)
         fraction = harness.ratio_text(row["exposed_over_collectives"], 2) if name != twin else "-"
         print(f"{name:<40} {row['step_ms']:>7.0f} {row['exposed_ms']:>10.0f} {fraction:>17} "
               f"{row['grad_bytes_per_param']:>12.2f} {rank0['in_backward']:>5}/{rank0['reductions']:<4} "
               f"{waits[0]:>6.0f}/{waits[1]:<7.0f} {final[0]:>6.0f}/{final[1]:<7.0f} "
-              f"{'yes' if row['identical_to_blocking'] else 'NO':>9}", flush=True)
+              f"{IDENTICAL[row['identical_to_blocking']]:>9}", flush=True)
     return {"rows": rows}
 
 

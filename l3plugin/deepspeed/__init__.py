@@ -11,8 +11,9 @@ With the key, ``deepspeed.initialize`` builds ``l3plugin.zero.FP32ReduceZero`` o
 ``seq_data_parallel_group`` (DP x sequence-parallel): fp32 gradient accumulation, fp32 reduce-scatter,
 fp32 master shard, bf16 parameter all-gather. ZeRO-1 reduce-scatters once per step; ZeRO-2 every
 ``reduce_every`` micro-batches (default 1, like stock ZeRO-2) and keeps the fp32 gradient shard in between,
-plus the full buffers of the ``carry_buckets`` buckets (default 3) whose reduce-scatters run on under the next
-forward. Buckets are ``bucket_numel`` or ``zero_optimization.reduce_bucket_size`` elements; their
+plus the reductions it lets run on under the next forward, by default only what fits in ``carry_bytes`` (1/32 of
+the shard). Buckets are ``bucket_numel`` elements, else ``zero_optimization.reduce_bucket_size`` cut to at most
+1/16 of the model; their
 reduce-scatters start from gradient hooks during backward unless ``zero_optimization.overlap_comm`` is
 false. Without the key (or with ``"fp32_reduce_zero": false``)
 DeepSpeed behaves exactly as stock. Options under ``"l3plugin"`` are the JSON-settable fields of

@@ -183,17 +183,18 @@ def zero_settings(engine, options: PluginOptions):
     from l3plugin.zero.settings import ZeroSettings
 
     opts = dict(options.zero)
-    # DeepSpeed's overlap_comm defaults to off because its overlap costs extra buffers; ours costs at most
-    # carry_buckets full buckets between micro-batches (ZeRO-2), so it is on unless the config says false.
+    # DeepSpeed's overlap_comm defaults to off because its overlap costs extra buffers; ours holds between
+    # micro-batches at most carry_bytes (ZeRO-2; 1/32 of the fp32 gradient shard by default), so it is on unless
+    # the config says false.
     overlap = engine._config._param_dict.get("zero_optimization", {}).get("overlap_comm")
     # Under sequence parallelism (Ulysses, or l3plugin's context_parallel_size) DeepSpeed's engine and stock ZeRO
     # sum gradients over the SP ranks of a group and average over data parallelism: our ZeRO, reducing over
     # seq_data_parallel_group (DP x SP), does the same.
     sp = getattr(engine, "sequence_parallel_size", 1)
     scale = None if sp == 1 else sp / engine.seq_dp_world_size
-    return ZeroSettings(**{**opts, "bucket_numel": opts["bucket_numel"] or int(engine.zero_reduce_bucket_size())},
+    return ZeroSettings(**opts, bucket_limit=int(engine.zero_reduce_bucket_size()),
                         stage=engine.zero_optimization_stage(), clip_grad=engine.gradient_clipping(),
-                        overlap=overlap is not False, gradient_scale=scale)
+                        overlap=overlap is not False, gradient_scale=scale, source=KEY)
 
 
 def _unsupported(problems: list) -> None:
@@ -242,7 +243,8 @@ def check_supported(engine, options: PluginOptions) -> None:
             problems.append(str(exc))
     carry = options.zero["carry_buckets"]
     for name, value, given in (("carry_reductions", "true", options.zero["carry_reductions"]),
-                               ("carry_buckets", carry, carry is not None)):
+                               ("carry_buckets", carry, carry is not None),
+                               ("carry_bytes", options.zero["carry_bytes"], options.zero["carry_bytes"] is not None)):
         if given and stage == 1:
             problems.append(f'"{KEY}.{name}" is {value} with zero_optimization.stage 1; ZeRO-1 reduce-scatters only '
                             "in the last micro-batch, whose reductions the step needs: remove it or use stage 2")

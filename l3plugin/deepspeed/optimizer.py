@@ -11,12 +11,11 @@ optimizer or BF16_Optimizer. What the engines call, and what we do:
   the gradient hook that completes it, while backward goes on.
 - ``overlapping_partition_gradients_reduce_epilogue`` (end of every backward, ZeRO-2) and
   ``reduce_gradients`` (boundary, ZeRO-1): start what is left and wait for everything started except, before
-  the boundary, the reduce-scatters of the ``carry_buckets`` buckets started last (default 3): the backward
-  completes those last, so waiting for them here would expose their traffic once per micro-batch; they run on
-  under the next forward and are waited where their bucket is next written (the next backward's gradient
-  hook) or read (the step, ``safe_get_full_grad``). So between micro-batches ZeRO-2 holds the fp32 gradient
-  shard plus at most ``carry_buckets`` full-size buckets; ZeRO-1 keeps its fp32 full-size buffers across
-  micro-batches and reduces once per step.
+  the boundary, the reduce-scatters started last that fit in ``carry_bytes`` (default 1/32 of the fp32 shard;
+  opt-in: ``carry_buckets`` N, the N started last, or ``carry_reductions``, all): they run on under the next
+  forward and are waited where their bucket is next written (the next backward's gradient hook) or read (the
+  step, ``safe_get_full_grad``). So between micro-batches ZeRO-2 holds the fp32 gradient shard plus at most
+  ``carry_bytes``; ZeRO-1 keeps its fp32 full-size buffers across micro-batches and reduces once per step.
 - PipelineEngine runs no post-backward epilogue on its first stages: ``_exec_backward_pass`` (patched) calls
   ``after_backward`` instead. ``_exec_reduce_tied_grads`` (patched) sums tied weights' fp32 gradients over the tie group,
   then ``_exec_reduce_grads`` reduce-scatters whatever is left, for stage 1 and stage 2.
@@ -106,7 +105,8 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
         self.dp_process_group = engine.seq_data_parallel_group
         self.param_names = engine.param_names
         self.reduce_every = settings.reduce_every or 1
-        self.carry_buckets = settings.carried_buckets  # None: all (carry_reductions); 0 with overlap off
+        self.carry_buckets = settings.carried_buckets  # None: all (carry_reductions); 0 with overlap off; by default
+        # CARRY_BY_BUDGET: those that fit in carry_bytes (FP32ReduceZero.wait_uncarried)
         self._engine = weakref.ref(engine)
         self._micro_batch = 0  # backward passes since the last step
         self._reduce_this_backward = False
@@ -186,18 +186,16 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
 
     def after_backward(self):
         """End of a backward pass (or the boundary): if it ended with reductions, start what is left and
-        wait for them. Before the boundary the ``carry_buckets`` started last (all with ``carry_reductions``)
-        are not waited here but where their buffer is next written (the next backward's gradient hooks) or
-        read (the step, ``safe_get_full_grad``): they run on under the next forward, holding their full fp32
-        buckets across the micro-batch boundary. Every rank starts the same reductions in the same order;
-        only where each is waited differs, and the arithmetic is the same: bit-identical to blocking."""
+        wait for them. Before the boundary those started last that fit in ``carry_bytes`` (``carry_buckets``:
+        the N started last; ``carry_reductions``: all) are not waited here but where their buffer is next
+        written (the next backward's gradient hooks) or read (the step, ``safe_get_full_grad``): they run on
+        under the next forward, holding their full fp32 buckets across the micro-batch boundary. Every rank
+        starts the same reductions in the same order; only where each is waited differs, and the arithmetic is
+        the same: bit-identical to blocking."""
         carry = self.carry_buckets
         if self._reduce_this_backward and carry != 0 and not self._at_boundary():
             self.zero.launch_reductions()
-            if carry is None:
-                self.zero.complete_finished_reductions()
-            else:
-                self.zero.wait_reductions_but_latest(carry)
+            self.zero.wait_uncarried(carry)
         elif self._reduce_this_backward or self._boundary_flag():
             self.zero.finish_grad_sync()
 

@@ -185,9 +185,10 @@ def attach_to_schedule(config, zero: FP32ReduceZero, *, reduce_in_backward: bool
     ``reduce_in_backward`` (default): the round's bucket reduce-scatters start from the gradient hooks of its
     last backward, as each bucket is complete (with ``overlap``; ``zero.before_round_end``); False: all of
     them start after that backward (``zero.end_of_round``), so the step's last round is waited in full.
-    With ``reduce_in_backward`` and ``overlap``, the round end waits for all of the round's reductions but the
-    ``carry_buckets`` started last (default 3; the others are on the wire since the backward), so between rounds
-    ZeRO-2 holds the fp32 shards plus at most that many full buckets, not the round's whole buffers."""
+    With ``reduce_in_backward`` and ``overlap``, the round end waits for all of the round's reductions but those
+    started last that fit in ``carry_bytes`` (default 1/32 of the fp32 gradient shard; ``carry_buckets=N``: the N
+    started last, whatever their size), so between rounds ZeRO-2 holds the fp32 shards plus that, not the round's
+    whole buffers."""
     carry = zero.settings.carried_buckets if reduce_in_backward else None
     config.round_grad_sync_start_func = (
         (lambda chunk, params, round_id, is_last_round: zero.before_round_end(params, is_last_round))

@@ -35,8 +35,9 @@ The calls a framework adapter makes:
 Overlap (``ZeroSettings.overlap``, default on): collectives are started asynchronously and waited where
 their result or their buffer is needed: a bucket's reduce-scatter before the bucket is accumulated into
 again, at the next round end (Megatron path: started during a round's last backward, one round in flight
-after a round end), at the end of the backward pass that started it (DeepSpeed adapter: all but the few
-started last, ``wait_reductions_but_latest``; those run on under the next forward), and in ``finish_grad_sync``;
+after a round end), at the end of the backward pass that started it (DeepSpeed adapter: all but those started
+last that fit in ``carry_bytes``, ``wait_uncarried``; those run on under the next forward), and in
+``finish_grad_sync``;
 the bf16 parameter all-gathers where the next forward first uses each bucket (``overlap_param_gather``, on by
 default; ``param_gather.py``: forward pre-hooks and a guard against earlier reads). Every wait is bounded by
 ``wait_timeout`` and fails with an error naming the rank, the group and the bucket. Overlap on and off do
@@ -62,6 +63,7 @@ SGD, ...): it sees flat fp32 shards, not shaped tensors.
 
 from __future__ import annotations
 
+import logging
 import math
 import zlib
 
@@ -75,7 +77,9 @@ from l3plugin.zero.buffers import GradBucket, GradBufferMemory, plan_buckets
 from l3plugin.zero.full_tensors import FullTensors
 from l3plugin.zero.grad_sums import apply_grad_sum, make_grad_sum
 from l3plugin.zero.param_gather import GUARD, ParamGather
-from l3plugin.zero.settings import ZeroSettings
+from l3plugin.zero.settings import BUCKETS_PER_MODEL, CARRY_BY_BUDGET, CARRY_SHARE, ZeroSettings
+
+LOG = logging.getLogger(__name__)
 
 class FP32ReduceZero(FullTensors, ParamGather):
     """Wraps a torch optimizer built over the model's (bf16) parameters; takes ownership of its param groups.
@@ -140,7 +144,9 @@ class FP32ReduceZero(FullTensors, ParamGather):
         self.params = ordered
         self.param_names = {p: (param_names or {}).get(p, f"param{i}") for i, p in enumerate(ordered)}
         alone = {i for i, p in enumerate(ordered) if p in own_bucket}
-        slots, bucket_specs = plan_buckets(specs, self.world_size, settings.bucket_numel, alone)
+        self.bucket_numel = settings.bucket_numel or min(  # see settings.BUCKETS_PER_MODEL
+            settings.bucket_limit, max(1, -(-sum(p.numel() for p in ordered) // BUCKETS_PER_MODEL)))
+        slots, bucket_specs = plan_buckets(specs, self.world_size, self.bucket_numel, alone)
         self.slots: dict = dict(zip(ordered, slots))
         self.buckets: list[GradBucket] = []
         for spec in bucket_specs:
@@ -157,6 +163,22 @@ class FP32ReduceZero(FullTensors, ParamGather):
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in ordered]
         self.grad_sums: list = []  # grad_sums.GradSum, applied in finish_grad_sync
         self._sums_applied = False
+        shard_bytes = sum(b.spec.shard_numel for b in self.buckets) * settings.accumulate_dtype.itemsize
+        self.carry_budget = shard_bytes // CARRY_SHARE if settings.carry_bytes is None else settings.carry_bytes
+        if self.rank == 0 and settings.stage == 2 and settings.carried_buckets not in (0, CARRY_BY_BUDGET):
+            LOG.warning(self._carry_cost(shard_bytes))
+
+    def _carry_cost(self, shard_bytes) -> str:
+        """The memory an opt-in carry (carry_buckets, carry_reductions) may hold between micro-batches."""
+        n = self.settings.carried_buckets
+        held = sorted((self._flight_bytes(b) for b in self.buckets), reverse=True)[:n]
+        what = (f"carry_buckets={n} may hold the full fp32 buffers and received slices of the {len(held)} largest "
+                "buckets" if n is not None else "carry_reductions may hold the full fp32 buffers and received slices "
+                "of every bucket")
+        mib = 2 ** 20
+        return (f"l3plugin ZeRO-2: {what} between micro-batches: up to {sum(held) / mib:.1f} MiB per rank, "
+                f"{sum(held) / max(shard_bytes, 1):.2f} x the fp32 gradient shard ({shard_bytes / mib:.1f} MiB, what "
+                f"stock ZeRO-2 holds); the default (carry_bytes) holds at most {self.carry_budget / mib:.2f} MiB")
 
     # -- construction helpers -----------------------------------------------------------------------
     def _initial_master(self, spec, params) -> torch.nn.Parameter:
@@ -268,6 +290,37 @@ class FP32ReduceZero(FullTensors, ParamGather):
         for bucket in flying[:max(0, len(flying) - keep)]:
             self._complete(bucket)
 
+    def _flight_bytes(self, bucket: GradBucket) -> int:
+        """Bytes a started reduce-scatter of ``bucket`` holds until waited: its full buffer, the copy it sends
+        when the reduce dtype differs, and what it receives (gloo's exchange: the W - 1 slices from the peers;
+        NCCL: this rank's output slice)."""
+        n, w, reduce = bucket.spec.padded_numel, self.world_size, self.settings.reduce_dtype
+        held = n * self.settings.accumulate_dtype.itemsize
+        if reduce != self.settings.accumulate_dtype:
+            held += n * reduce.itemsize
+        if w > 1:
+            gloo = dist.get_backend(self.group) == "gloo"
+            held += (n * (w - 1) // w if gloo else n // w) * reduce.itemsize
+        return held
+
+    def wait_uncarried(self, carry) -> None:
+        """At the end of a ZeRO-2 backward that is not the step's last (a round end): complete the started
+        reduce-scatters that may not run on into the next micro-batch. ``carry`` is ``settings.carried_buckets``:
+        ``CARRY_BY_BUDGET`` keeps the ones started last while what they hold fits in ``carry_budget`` bytes;
+        a number N keeps the N started last; None keeps every one still running."""
+        if carry is None:
+            self.complete_finished_reductions()
+            return
+        if carry == CARRY_BY_BUDGET:
+            flying = sorted((b for b in self.buckets if b.in_flight is not None), key=lambda b: -b.started)
+            carry, held = 0, 0
+            for bucket in flying:
+                held += self._flight_bytes(bucket)
+                if held > self.carry_budget:
+                    break
+                carry += 1
+        self.wait_reductions_but_latest(carry)
+
     def complete_finished_reductions(self) -> None:
         """Complete (without waiting) the reduce-scatters that have already finished, freeing their full
         buffers early: called between micro-batches when reductions are carried into the next forward."""
@@ -292,7 +345,8 @@ class FP32ReduceZero(FullTensors, ParamGather):
         """After the last backward of a round of the chunk owning ``params`` (ZeRO-2 every round, ZeRO-1 the
         last): complete earlier rounds' reductions (other chunks' buckets), start those of ``params`` not
         started yet, which run under the next round. ``carry`` (they started in the backward: ``before_round_end``):
-        wait for all but the ``carry`` started last; the rest are waited where their bucket is next needed."""
+        ``settings.carried_buckets``, what ``wait_uncarried`` lets run on (the rest are waited where their bucket
+        is next needed); None: every one runs on."""
         GUARD.leave_if_done()  # a guard whose last gather completed in its own dispatch could not leave then
         if self.settings.stage == 2 or is_last_round:
             params = list(params)  # may be a generator (a module's parameters()): read twice
@@ -302,7 +356,7 @@ class FP32ReduceZero(FullTensors, ParamGather):
                     self._complete(bucket)
             self.launch_reductions(params)
             if carry is not None:
-                self.wait_reductions_but_latest(carry)
+                self.wait_uncarried(carry)
 
     def finish_grad_sync(self) -> None:
         """Reduce-scatter every bucket that still holds unreduced gradients or was never reduced this step,

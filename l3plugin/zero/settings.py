@@ -17,10 +17,17 @@ import torch
 from l3plugin.checks import check_int
 from l3plugin.collective.waits import resolve_timeout
 
-# ZeRO-2: buckets whose reduce-scatter may still run when the next micro-batch (Megatron: round) starts (the last
-# ones a backward completes: their traffic is what waiting at the end of the backward would expose). 3, not 2:
-# measured on the per-rank wire (docs/benchmarks.md), at the cost of one more full bucket between micro-batches.
-DEFAULT_CARRY_BUCKETS = 3
+# ZeRO-2: what may still be on the wire when the next micro-batch (Megatron: round) starts is bounded in bytes,
+# not in buckets: by default the started reductions held past a backward's end (their full fp32 buffers and
+# received slices) fit in 1/CARRY_SHARE of this rank's fp32 gradient shard, so between micro-batches the gradient
+# memory stays within ~3% of stock ZeRO-2's (the shard). A carried bucket's bytes are what the wire has not moved
+# yet: hiding more of a backward's tail under the next forward costs memory (carry_buckets, carry_reductions).
+CARRY_SHARE = 32
+# Without an explicit bucket_numel the buckets are cut to at most 1/BUCKETS_PER_MODEL of the trainable elements
+# (DeepSpeed's default reduce_bucket_size, 5e8, is one bucket for most models: its reduce-scatter could only start
+# at the end of backward), so reductions start as backward goes and the last one is a small part of the traffic.
+BUCKETS_PER_MODEL = 16
+CARRY_BY_BUDGET = "carry_bytes"  # ZeroSettings.carried_buckets: carry by the byte budget (the default)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -94,8 +101,13 @@ def option(default, help: str, *, check=None, json: tuple | None = None, json_de
 class ZeroSettings:
     stage: int = option(1, "1: reduce-scatter once per step; 2: also between micro-batches, full buffers freed "
                         "in between (DeepSpeed: zero_optimization.stage)", check=zero_stage)
-    bucket_numel: int = option(25_000_000, "elements per gradient bucket (default: zero_optimization."
-                               "reduce_bucket_size)", check=whole_number(1), json=(int,), json_default=None)
+    bucket_numel: int | None = option(
+        None, "elements per gradient bucket, taken as given; default: bucket_limit (DeepSpeed: zero_optimization."
+        f"reduce_bucket_size) lowered to 1/{BUCKETS_PER_MODEL} of the trainable elements",
+        check=whole_number(1), json=(int,))
+    bucket_limit: int = option(25_000_000, "the bucket size when bucket_numel is not given, before it is lowered to "
+                               f"1/{BUCKETS_PER_MODEL} of the trainable elements (DeepSpeed: zero_optimization."
+                               "reduce_bucket_size)", check=whole_number(1))
     accumulate_dtype: torch.dtype = option(torch.float32, "micro-batch gradient accumulation dtype: fp32 or bf16 "
                                            "(to compare)", check=dtype, json=(str,))
     reduce_dtype: torch.dtype = option(torch.float32, "reduce-scatter dtype: fp32 or bf16 (to compare)",
@@ -115,17 +127,21 @@ class ZeroSettings:
         None, "ZeRO-2 only: reduce-scatter every N micro-batches (1..gradient_accumulation_steps, default 1); "
         "larger N holds a full fp32 gradient buffer between reductions but sends 1/N as much",
         check=whole_number(1, " (micro-batches between ZeRO-2 reduce-scatters)"), json=(int,))
-    carry_buckets: int | None = option(
+    carry_bytes: int | None = option(
         None, "ZeRO-2: at the end of a micro-batch's backward (not the step's last; Megatron: of a round of the "
-        "flexible schedule), the reduce-scatters of the N buckets started last run on under the next forward "
-        "(waited where their bucket is next written, or at the step) instead of being waited there; holds at most "
-        f"N buckets' full fp32 buffers between micro-batches; 0 waits for every bucket at the end of each backward; "
-        f"default {DEFAULT_CARRY_BUCKETS}",
+        "flexible schedule), the reduce-scatters started last run on under the next forward as long as what they hold (full "
+        "fp32 buffers and received slices) fits in this many bytes; the others are waited there; default: 1/"
+        f"{CARRY_SHARE} of this rank's fp32 gradient shard",
+        check=whole_number(0, " (bytes the reductions carried into the next micro-batch may hold)"), json=(int,))
+    carry_buckets: int | None = option(
+        None, "ZeRO-2, opt-in, costs memory: carry the reduce-scatters of the N buckets started last whatever their "
+        "size (instead of carry_bytes); holds up to N buckets' full fp32 buffers and received slices between "
+        "micro-batches (printed at construction); 0 waits for every bucket at the end of each backward",
         check=whole_number(0, " (buckets whose reduce-scatter may run on into the next micro-batch)"), json=(int,))
     carry_reductions: bool = option(
-        False, "ZeRO-2: every reduce-scatter still running when a micro-batch's backward ends runs on under the next "
-        "forward (carry_buckets without a bound); holds those buckets' full fp32 buffers across the micro-batch "
-        "boundary: up to the full gradient", check=boolean, json=(bool,))
+        False, "ZeRO-2, opt-in, costs memory: every reduce-scatter still running when a micro-batch's backward ends "
+        "runs on under the next forward; holds those buckets' full fp32 buffers across the micro-batch boundary: up to "
+        "the full gradient (printed at construction)", check=boolean, json=(bool,))
     checkpoint_allow_nonfinite: bool = option(False, "resume from a checkpoint whose weights or optimizer states "
                                               "hold NaN/Inf (refused by default)", check=boolean, json=(bool,))
     checkpoint_fallback: bool = option(True, "load_checkpoint without a tag falls back to the newest complete tag "
@@ -138,16 +154,22 @@ class ZeroSettings:
             value, check = getattr(self, f.name), f.metadata["check"]
             if check is not None and not (value is None and f.default is None):
                 setattr(self, f.name, check(f.name, value, source))
+        for other, given in (("carry_buckets", self.carry_buckets is not None),
+                             ("carry_reductions", self.carry_reductions)):
+            if self.carry_bytes is not None and given:
+                raise ValueError(f"{_name('carry_bytes', source)} and {_name(other, source)} are both set; they are "
+                                 "two ways of choosing what runs on into the next micro-batch: set one of them")
 
     @property
-    def carried_buckets(self) -> int | None:
-        """How many started reduce-scatters may run on past a micro-batch (a round) end: None = all of them
-        (``carry_reductions``), 0 with blocking collectives, else ``carry_buckets`` or its default."""
+    def carried_buckets(self) -> int | str | None:
+        """Which started reduce-scatters may run on past a micro-batch (a round) end: None = all of them
+        (``carry_reductions``), 0 with blocking collectives, ``carry_buckets`` when given, else ``CARRY_BY_BUDGET``
+        (those that fit in ``carry_bytes``)."""
         if not self.overlap:
             return 0
         if self.carry_reductions:
             return None
-        return DEFAULT_CARRY_BUCKETS if self.carry_buckets is None else self.carry_buckets
+        return CARRY_BY_BUDGET if self.carry_buckets is None else self.carry_buckets
 
 
 # Options only the DeepSpeed engine acts on (micro-batch reductions, its checkpoint loading): the Megatron entry

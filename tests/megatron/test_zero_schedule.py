@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import toy_pipeline as toy
-from l3plugin.zero.settings import DEFAULT_CARRY_BUCKETS
 
 HIDDEN, SEQ, MBS = 8, 4, 2
 
@@ -41,6 +40,8 @@ def zero_step(stage, p, v, m, k, overlap=True, steps=1, reduce_in_backward=True,
         mine = {b.spec.index for b in zero.buckets_of(params)}
         seen["others"] += sum(b.in_flight is not None and b.spec.index not in mine for b in zero.buckets)
         seen["mine"] = max(seen["mine"], sum(b.in_flight is not None for b in zero.buckets_of(params)))
+        held = sum(zero._flight_bytes(b) for b in zero.buckets if b.in_flight is not None)
+        seen["bytes"] = max(seen.get("bytes", 0), held)
 
     config.round_grad_sync_func = checked_round_end
     in_backward = set()  # log indices of the collectives started while a backward ran
@@ -74,7 +75,8 @@ def zero_step(stage, p, v, m, k, overlap=True, steps=1, reduce_in_backward=True,
     weights = {lid: layer.weight.detach().clone() for c in chunks for lid, layer in zip(c.layer_ids, c.layers)}
     return {"ops": ops, "buckets": len(zero.buckets), "weights": weights, "in_flight": seen["in_flight"],
             "pending": pending, "others_in_flight_after_round_ends": seen["others"],
-            "most_in_flight_after_a_round_end": seen["mine"],
+            "most_in_flight_after_a_round_end": seen["mine"], "most_held_after_a_round_end": seen.get("bytes", 0),
+            "carry_budget": zero.carry_budget,
             "chunk_buckets": max(len(zero.buckets_of(list(c.parameters()))) for c in chunks)}
 
 
@@ -109,16 +111,17 @@ def dp_reductions(ops):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_overlapped_round_reductions_are_bit_identical(ranks, stage):
     """Overlap (the default): each bucket's reduce-scatter starts from the gradient hook of the round's last
-    backward that completes it, so every one starts while a backward runs; the last rounds' reductions are
-    still running when the last backward is done and are waited in the finalize function (finish_grad_sync).
+    backward that completes it, so every one starts while a backward runs; with carry_buckets=3 the last rounds'
+    reductions are still running when the last backward is done and are waited in the finalize function
+    (finish_grad_sync); the default lets run on only what fits in carry_bytes.
     reduce_in_backward=False starts them after the backward (none during one). Both give the blocking path's
     result bit for bit, with the same reductions in the same order."""
     p, v, m, k = 2, 2, 7, 3  # pp 2 with virtual stages: rounds end at different times on the two stages
     blocking = ranks.run(4, zero_step, stage, p, v, m, k, False, timeout=120)
     overlapped = ranks.run(4, zero_step, stage, p, v, m, k, True, timeout=120)
     round_end = ranks.run(4, zero_step, stage, p, v, m, k, True, 1, False, timeout=120)
-    no_carry = ranks.run(4, zero_step, stage, p, v, m, k, True, 1, True, carry_buckets=0, timeout=120)
-    for b, o, e, n in zip(blocking, overlapped, round_end, no_carry):
+    carry_3 = ranks.run(4, zero_step, stage, p, v, m, k, True, 1, True, carry_buckets=3, timeout=120)
+    for b, o, e, n in zip(blocking, overlapped, round_end, carry_3):
         assert sorted(op[:4] for op in b["ops"]) == sorted(op[:4] for op in o["ops"])
         assert [n for n, _ in dp_reductions(b["ops"])] == [n for n, _ in dp_reductions(o["ops"])]
         assert [n for n, _ in dp_reductions(b["ops"])] == [n for n, _ in dp_reductions(e["ops"])]
@@ -126,11 +129,12 @@ def test_overlapped_round_reductions_are_bit_identical(ranks, stage):
         assert not any(during for _, during in dp_reductions(b["ops"]) + dp_reductions(e["ops"]))
         for other in (o, e, n):
             assert all(torch.equal(b["weights"][lid], other["weights"][lid]) for lid in b["weights"])
-        assert b["in_flight"] == 0 and o["in_flight"] > 0 and e["in_flight"] > 0
+        assert b["in_flight"] == 0 and n["in_flight"] > 0 and e["in_flight"] > 0  # (the default: what fits)
         assert o["others_in_flight_after_round_ends"] == e["others_in_flight_after_round_ends"] == 0
-        # Between rounds at most carry_buckets (default 3) of the round's buckets are still on the wire.
-        assert n["most_in_flight_after_a_round_end"] == 0
-        assert o["most_in_flight_after_a_round_end"] == min(DEFAULT_CARRY_BUCKETS, o["chunk_buckets"])
+        # Between rounds the reductions still on the wire hold at most carry_bytes (default: 1/32 of the fp32
+        # shard); the opt-in carry_buckets=3 keeps the 3 started last, whatever their size.
+        assert o["most_held_after_a_round_end"] <= o["carry_budget"]
+        assert n["most_in_flight_after_a_round_end"] == min(3, n["chunk_buckets"])
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -23,7 +23,7 @@ def tied_stages(own_bucket, stage):
     other = torch.nn.Parameter(torch.randn(10 if is_a else 4))
     params = [other, tied] if is_a else [tied, other]
     zero = FP32ReduceZero(torch.optim.SGD(params, lr=0.1), stage_groups[0 if is_a else 1], stage=stage,
-                          own_bucket=[tied] if own_bucket else ())
+                          own_bucket=[tied] if own_bucket else (), bucket_numel=100)  # else: one bucket each
     zero.add_grad_sum([tied], tie_groups[rank % 2], what="tied weight")
     x = torch.randn(TIED, generator=torch.Generator().manual_seed(rank))
     own = torch.autograd.grad((tied * x).pow(2).sum() + other.sum(), tied)[0]

@@ -5,8 +5,9 @@
   PipelineEngine and the framework-neutral core driven round by round;
 - with overlap, the reductions are handed to torch.distributed *during* backward (before the engine's
   post-backward epilogue runs); without it, none are;
-- ZeRO-2 holds between micro-batches the fp32 shard plus the full buffers of the carry_buckets buckets whose
-  reduce-scatters it carries into the next micro-batch (default 3, the ones started last; 0: only the shard);
+- ZeRO-2 holds between micro-batches the fp32 shard plus the reductions it carries into the next micro-batch:
+  by default those started last that fit in carry_bytes (1/32 of the shard), with the opt-in carry_buckets N the
+  full buffers of the N started last (0: only the shard);
   with reduce_every=N it holds all full buffers inside each window of N; ZeRO-1 holds them across the step;
   safe_get_full_grad between micro-batches waits for a carried bucket and gives what the blocking path gives;
 - bad options name the option, the value and the valid range; a collective a peer never joins ends in a
@@ -134,11 +135,16 @@ def _same(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("stage,options", [(1, {}), (2, {}), (2, {"carry_buckets": 0}), (2, {"reduce_every": 2}),
+CARRY_BUCKET_0 = 2000  # bytes: bucket 0 (the first weight, 312 elements) in flight holds 1,872 on gloo, 2 ranks
+
+
+@pytest.mark.parametrize("stage,options", [(1, {}), (2, {}), (2, {"carry_bytes": CARRY_BUCKET_0}),
+                                          (2, {"carry_buckets": 3}), (2, {"reduce_every": 2}),
                                           (2, {"reduce_every": 3}), (1, {"overlap_param_gather": False}),
                                           (2, {"carry_reductions": True}), (2, {"overlap_param_gather": False})])
 def test_overlap_is_bit_identical_and_starts_reductions_during_backward(ranks, stage, options):
-    """(2, {}): the default carry (3 buckets run on into the next micro-batch) over gas 4, two steps."""
+    """(2, {}): the default (what fits in carry_bytes runs on into the next micro-batch: nothing on this model)
+    over gas 4, two steps; carry_bytes / carry_buckets / carry_reductions carry bucket 0, which the probe reads."""
     gas = 4
     blocking = ranks.run(2, train_and_watch, stage, False, gas, **options, timeout=120)
     overlapped = ranks.run(2, train_and_watch, stage, True, gas, **options, timeout=120)
@@ -147,7 +153,7 @@ def test_overlap_is_bit_identical_and_starts_reductions_during_backward(ranks, s
         for key in ("masters", "params", "grads"):
             assert _same(b[key], o[key]), key
         assert torch.equal(b["probe"], o["probe"])  # safe_get_full_grad between micro-batches
-        if stage == 2 and every == 1 and options.get("carry_buckets") != 0:  # ... of a bucket carried then
+        if stage == 2 and every == 1 and {"carry_bytes", "carry_buckets", "carry_reductions"} & set(options):
             assert o["bucket_of_probe"] in o["between"][gas - 1]["in_flight"]
         # Micro-batches that end with a reduction: (mb + 1) % every == 0 or the last one of the step.
         reducing = [(mb + 1) % every == 0 or mb == gas - 1 for _ in range(2) for mb in range(gas)]
@@ -161,12 +167,12 @@ def test_overlap_is_bit_identical_and_starts_reductions_during_backward(ranks, s
         assert o["buckets"] > 3
 
 
-@pytest.mark.parametrize("stage,options", [(1, {}), (2, {}), (2, {"carry_buckets": 0}), (2, {"carry_buckets": 2}),
-                                          (2, {"reduce_every": 2})])
-def test_gradient_memory_between_micro_batches(ranks, stage, options):
-    from l3plugin.zero.settings import DEFAULT_CARRY_BUCKETS
-
-    carry = options.get("carry_buckets", DEFAULT_CARRY_BUCKETS) if stage == 2 else 0
+@pytest.mark.parametrize("stage,options,carry", [(1, {}, 0), (2, {}, 0), (2, {"carry_bytes": CARRY_BUCKET_0}, 1),
+                                                (2, {"carry_buckets": 0}, 0), (2, {"carry_buckets": 2}, 2),
+                                                (2, {"reduce_every": 2}, 0)])
+def test_gradient_memory_between_micro_batches(ranks, stage, options, carry):
+    """``carry``: the buckets whose reduce-scatters run on into the next micro-batch (the default budget, 1/32 of
+    the 1,924-byte shard, holds none of them)."""
     for r in ranks.run(2, train_and_watch, stage, True, 4, **options, timeout=120):
         assert r["buckets"] > carry
         for mb, held in enumerate(r["between"]):
@@ -274,6 +280,10 @@ def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks):
     (1, {"carry_buckets": 2}, '"l3plugin.carry_buckets" is 2 with zero_optimization.stage 1; ZeRO-1 reduce-scatters'),
     (2, {"carry_buckets": 1, "carry_reductions": True},
      '"l3plugin.carry_buckets" is 1 with "l3plugin.carry_reductions" true, which carries every bucket: set one'),
+    (2, {"carry_bytes": -1}, '"l3plugin.carry_bytes"=-1 is out of range: must be an integer >= 0 (bytes the '
+                             'reductions carried into the next micro-batch may hold)'),
+    (1, {"carry_bytes": 10}, '"l3plugin.carry_bytes" is 10 with zero_optimization.stage 1; ZeRO-1 reduce-scatters'),
+    (2, {"carry_bytes": 10, "carry_buckets": 1}, '"l3plugin.carry_bytes" and "l3plugin.carry_buckets" are both set'),
     (2, {"wait_timeout": 0}, '"l3plugin.wait_timeout"=0 is invalid: must be a finite number of seconds > 0'),
     (2, {"wait_timeout": float("nan")}, '"l3plugin.wait_timeout"=nan is invalid: must be a finite number of'),
 ])
@@ -295,6 +305,7 @@ def test_zero_bucket_size_from_deepspeed_is_checked(ranks):
     ({"wait_timeout": -1}, "wait_timeout=-1 is invalid: must be a finite number of seconds > 0"),
     ({"overlap": "yes"}, "overlap='yes' must be True or False"),
     ({"carry_buckets": -2}, "carry_buckets=-2 is out of range: must be an integer >= 0 (buckets whose"),
+    ({"carry_bytes": 1e3, "carry_reductions": True}, "carry_bytes and carry_reductions are both set"),
 ])
 def test_settings_reject_bad_values(kwargs, expected):
     from l3plugin.zero import ZeroSettings
