@@ -178,9 +178,9 @@ def prepare(name, gas, args):
     from unittest import mock
 
     import torch.distributed as dist
+    from megatron.core.pipeline_parallel import schedules
 
     from l3plugin.debug import record_collectives
-    from l3plugin.megatron import pipeline
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
     from zero import live_tensors
 
@@ -195,15 +195,16 @@ def prepare(name, gas, args):
     attach_to_schedule(config, zero, reduce_in_backward=in_backward)
     BUILT[name] = (chunk, zero)
 
-    marked, backward_step = set(), pipeline._Executor._backward_step
+    marked, backward_step = set(), schedules.backward_step  # the flexible schedule looks it up once per step
 
-    def marked_backward_step(self, *a):
+    @functools.wraps(backward_step)  # keeps the signature the schedule reads (model_type or not)
+    def marked_backward_step(*a, **kw):
         first = len(log)
-        result = backward_step(self, *a)
+        result = backward_step(*a, **kw)
         marked.update(range(first, len(log)))
         return result
 
-    with record_collectives() as log, mock.patch.object(pipeline._Executor, "_backward_step", marked_backward_step):
+    with record_collectives() as log, mock.patch.object(schedules, "backward_step", marked_backward_step):
         train_step(name)
     group = dist.get_process_group_ranks(zero.group)
     reductions = [i for i, c in enumerate(log) if c.op == "isend" and c.group == group and c.numel > 1]

@@ -9,13 +9,34 @@ import toy_pipeline as toy
 HIDDEN, SEQ, MBS = 8, 4, 2
 
 
+def marking_backward(log, marked: set):
+    """Megatron's backward_step, adding to ``marked`` the indices of ``log()``'s collectives it started (the
+    flexible schedule looks schedules.backward_step up once per step: patch it there). ``functools.wraps`` keeps
+    its signature, which the schedule reads (model_type or not)."""
+    import functools
+
+    from megatron.core.pipeline_parallel import schedules
+
+    original = schedules.backward_step
+
+    @functools.wraps(original)
+    def marked_backward_step(*args, **kwargs):
+        first = len(log())
+        result = original(*args, **kwargs)
+        marked.update(range(first, len(log())))
+        return result
+
+    return marked_backward_step
+
+
 def zero_step(stage, p, v, m, k, overlap=True, steps=1, reduce_in_backward=True, **settings):
     from unittest import mock
 
     import torch.distributed as dist
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import TransformerConfig
 
-    from l3plugin.megatron import forward_backward_pipelining_flexible, pipeline
+    from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
     from l3plugin.mesh import init_mesh
     from l3plugin.debug import record_collectives
@@ -45,13 +66,7 @@ def zero_step(stage, p, v, m, k, overlap=True, steps=1, reduce_in_backward=True,
 
     config.round_grad_sync_func = checked_round_end
     in_backward = set()  # log indices of the collectives started while a backward ran
-    backward_step = pipeline._Executor._backward_step
-
-    def marked_backward_step(self, *args):
-        first = len(log)
-        result = backward_step(self, *args)
-        in_backward.update(range(first, len(log)))
-        return result
+    marked_backward_step = marking_backward(lambda: log, in_backward)
 
     def counting_finalize(*args, **kwargs):  # reductions still running when the last backward is done
         seen["in_flight"] = sum(b.in_flight is not None for b in zero.buckets)
@@ -60,7 +75,7 @@ def zero_step(stage, p, v, m, k, overlap=True, steps=1, reduce_in_backward=True,
     config.finalize_model_grads_func = counting_finalize
     batches = toy.make_microbatches(m, SEQ, MBS, HIDDEN)  # every DP rank the same data: easy reference
     for _ in range(steps):  # a later step's forward uses the parameters the previous step gathered
-        with record_collectives() as log, mock.patch.object(pipeline._Executor, "_backward_step",
+        with record_collectives() as log, mock.patch.object(schedules, "backward_step",
                                                             marked_backward_step):
             in_backward.clear()
             forward_backward_pipelining_flexible(
@@ -167,11 +182,12 @@ def gpt_zero_steps(pp, vpp, m, k, overlap, steps=2):
     from unittest import mock
 
     import torch.distributed as dist
+    from megatron.core.pipeline_parallel import schedules
 
     import tiny_gpt as gpt
     from l3plugin.debug import record_collectives
     from l3plugin.demo.model import global_name
-    from l3plugin.megatron import forward_backward_pipelining_flexible, pipeline
+    from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
     from l3plugin.mesh import init_mesh
 
@@ -184,17 +200,12 @@ def gpt_zero_steps(pp, vpp, m, k, overlap, steps=2):
     params = [q for c in chunks for q in c.parameters()]
     zero = megatron_zero(chunks, torch.optim.SGD(params, lr=0.1), stage=2, bucket_numel=3000, overlap=overlap)
     attach_to_schedule(config, zero)
-    backward_step, in_backward = pipeline._Executor._backward_step, set()
-
-    def marked_backward_step(self, *args):
-        first = len(log)
-        result = backward_step(self, *args)
-        in_backward.update(range(first, len(log)))
-        return result
+    in_backward = set()
+    marked_backward_step = marking_backward(lambda: log, in_backward)
 
     for step in range(steps):
         batches = gpt.microbatches(m, 2, 16, seed=100 * step + mesh.coords["dp"])
-        with record_collectives() as log, mock.patch.object(pipeline._Executor, "_backward_step",
+        with record_collectives() as log, mock.patch.object(schedules, "backward_step",
                                                             marked_backward_step):
             in_backward.clear()
             forward_backward_pipelining_flexible(
