@@ -403,12 +403,7 @@ def main(argv=None):
             del VARIANTS[name]
     if args.quick:
         args.width, args.layers, args.micro_batch, args.rounds = 256, 2, 16, 2
-    args.bucket = args.bucket or (["2e4"] if args.quick else ["1e6"])
-    for spec in args.bucket:
-        try:
-            bucket_elements(spec, 1)
-        except ValueError:
-            parser.error(f"--bucket {spec!r}: give elements (1e6), a share of the model (1/16) or default")
+    args.bucket = checked_buckets(parser, args.bucket or (["2e4"] if args.quick else ["1e6"]))
     with harness.json_output(args.json, "zero", argv) as figures:
         run(args, link, figures)
 
@@ -420,6 +415,16 @@ def bucket_elements(spec: str, params: int) -> int | None:
     if spec.startswith("1/"):  # rounded up to a multiple of 16 (stock wants a multiple of its alignment)
         return -(-params // (16 * int(spec[2:]))) * 16
     return int(float(spec))
+
+
+def checked_buckets(parser, specs: list[str]) -> list[str]:
+    """--bucket's values, each checked by ``bucket_elements`` (a parser error names a bad one)."""
+    for spec in specs:
+        try:
+            bucket_elements(spec, 1)
+        except ValueError:
+            parser.error(f"--bucket {spec!r}: give elements (1e6), a share of the model (1/16) or default")
+    return specs
 
 
 def run(args, link, figures):

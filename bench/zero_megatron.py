@@ -61,7 +61,7 @@ import torch  # noqa: E402
 
 import harness  # noqa: E402
 import wire  # noqa: E402
-from zero import bucket_elements  # noqa: E402  (bench/zero.py: --bucket's forms)
+from zero import bucket_elements, checked_buckets  # noqa: E402  (bench/zero.py: --bucket's forms)
 from l3plugin.ranks import RankPool  # noqa: E402
 
 # name: (stage, megatron_zero settings, reduce_in_backward)
@@ -285,12 +285,7 @@ def main(argv=None):
             del CONTENDERS[name]
     if args.quick:
         args.layers, args.hidden, args.ffn, args.vocab, args.seq, args.rounds = 2, 64, 176, 256, 32, 1
-    args.bucket = args.bucket or (["1e4"] if args.quick else ["5e5"])
-    for spec in args.bucket:
-        try:
-            bucket_elements(spec, 1)
-        except ValueError:
-            parser.error(f"--bucket {spec!r}: give elements (5e5), a share of the model (1/16) or default")
+    args.bucket = checked_buckets(parser, args.bucket or (["1e4"] if args.quick else ["5e5"]))
     link = harness.enter_wire(args.wire, "bfloat16", args.wire_mode)
     with harness.json_output(args.json, "zero_megatron", argv) as figures:
         run(args, link, figures)
