@@ -4,6 +4,7 @@ CPU run timing l3plugin's flexible schedule against Megatron-Core's stock interl
     .venv/bin/python bench/pp_schedule.py              # everything (simulation + 4-rank CPU run)
     .venv/bin/python bench/pp_schedule.py --no-real    # simulation tables only (seconds)
     .venv/bin/python bench/pp_schedule.py --wire auto  # 2 ranks, pp=2, vpp 2..4 on an emulated wire (~8 min)
+    .venv/bin/python bench/pp_schedule.py --zero-bubble [--png-dir DIR]  # 2 ranks: flexible vs flexible-zb
 
 Prints tables, asserts nothing; --json: every figure as JSON on stdout, the tables on stderr (bench/harness.py).
 Simulation costs: forward 1, backward 2, P2P latency 0 or 0.1 forward.
@@ -25,11 +26,20 @@ receive is posted). The flexible executor posts receives early (l3plugin.schedul
 flexible k = p and 1.5p posting in the agreed pair order instead (the executor before early receives).
 Stock runs with deallocate_pipeline_outputs off: it frees an output right after starting its isend, which
 gloo may still be reading (a known trap on gloo; NCCL's stream ordering makes it safe on GPUs).
+
+Zero bubble (``--zero-bubble``): 2 gloo ranks (one per core), pp=2, k = p, v in {1, 2}, m in {p, 2p, 4p}: the
+flexible schedule and flexible-zb (each backward split into B and W) interleaved over rounds, optionally on a
+wire. Printed per configuration: the step (slowest rank, median), the median of per-round ratios zb / flexible
+(range), each rank's busy time and idle share from the executor's own account (``waits["busy_s"]``: its compute
+spans, receives excluded; idle = (step - busy) / busy), the simulated idle (F = B = W) of both plans, the peak
+in flight of both plans and whether the gradients were identical in every run. ``--png-dir``: measured
+timelines (the executor's spans, l3plugin.schedule.timeline) of one round at v 2, m 2p, where W fills the idle.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -360,6 +370,112 @@ def wire_table(v, m, times, differ, agreed_order=False, message_bytes=0):
     return table
 
 
+# ---- zero bubble: flexible vs flexible-zb, 2 ranks ------------------------------------------------------------
+ZB_P = 2
+ZB_CONTENDERS = ("flexible", "flexible-zb")
+
+
+def zb_plan(schedule, v, m, k):
+    from l3plugin.schedule import build_zero_bubble_schedule
+
+    return (build_zero_bubble_schedule if schedule == "flexible-zb" else build_schedule)(ZB_P, v, m, k)
+
+
+def _zb_step(v, m, k, schedule, layers, hidden, seq, mbs):
+    """On every rank: one timed training step of the toy pipeline: wall, the executor's busy seconds and waits,
+    its compute spans, the gradients."""
+    from l3plugin.megatron import forward_backward_pipelining_flexible
+    import toy_pipeline as toy
+
+    mesh, chunks, batches = toy_model(ZB_P, v, m, k, layers, hidden, seq, mbs)
+    waits = {}
+    timing, _ = harness.barrier_timed(lambda: forward_backward_pipelining_flexible(
+        forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
+        num_microbatches=m, seq_length=seq, micro_batch_size=mbs, waits=waits, pipeline_schedule=schedule),
+        group=mesh.pp_group)
+    return {"wall": timing["wall"], "busy": waits["busy_s"], "recv_s": waits["recv_s"],
+            "rank": mesh.coords["pp"], "actions": waits["actions"],
+            "grads": {lid: g[0] for c in chunks for lid, g in c.grads().items()}}
+
+
+def zb_run(pool, args):
+    """Every configuration's contenders interleaved over rounds; returns the printed figures."""
+    from l3plugin.schedule.simulate import simulate
+
+    p, k = ZB_P, ZB_P
+    figures = {"rows": []}
+    print(f"flexible vs flexible-zb: 2 gloo ranks, pp={p}, k={k}, toy model {args.layers} layers of "
+          f"Linear({args.hidden})+tanh, activation [seq {args.seq}, mbs {args.mbs}], {args.rounds} rounds after a "
+          f"warm-up round")
+    print(f"  {'v':>2} {'m':>3} {'flexible ms':>11} {'zb ms':>7} {'zb / flexible':>22} "
+          f"{'busy ms r0/r1 flex':>18} {'zb':>11} {'idle flex':>11} {'idle zb':>11} {'sim idle flex/zb':>16} "
+          f"{'in flight':>9} {'identical':>9}")
+    for v in (1, 2):
+        for m in (p, 2 * p, 4 * p):
+            reference, differ = [], set()
+
+            def run(schedule):
+                result = pool.run(_zb_step, v, m, k, schedule, args.layers, args.hidden, args.seq, args.mbs,
+                                  timeout=1800)
+                reference[:] = reference or [r["grads"] for r in result]
+                if not all(all(torch.equal(a[lid], r["grads"][lid]) for lid in a) for a, r in zip(reference, result)):
+                    differ.add(schedule)
+                for r in result:
+                    del r["grads"]
+                return result
+
+            times = harness.interleaved_rounds(ZB_CONTENDERS, run, args.rounds)
+            walls = {s: [max(r["wall"] for r in ranks) for ranks in times[s]] for s in ZB_CONTENDERS}
+            busy = {s: [statistics.median(ranks[r]["busy"] for ranks in times[s]) for r in range(p)]
+                    for s in ZB_CONTENDERS}
+            step = {s: statistics.median(walls[s]) for s in ZB_CONTENDERS}
+            idle = {s: [(step[s] - b) / b for b in busy[s]] for s in ZB_CONTENDERS}
+            plans = {s: zb_plan(s, v, m, k) for s in ZB_CONTENDERS}
+            simulated = {"flexible": simulate(plans["flexible"], 1.0, 2.0).bubble_ratio,
+                         "flexible-zb": simulate(plans["flexible-zb"], 1.0, 1.0, weight_time=1.0).bubble_ratio}
+            inflight = {s: max(plan.peak_inflight() for plan in plans[s].ranks) for s in ZB_CONTENDERS}
+            ratio = harness.ratio_stats(walls["flexible-zb"], walls["flexible"])
+            row = {"v": v, "m": m, "k": k, "step_ms": {s: 1000 * step[s] for s in ZB_CONTENDERS},
+                   "zb_over_flexible": ratio, "busy_ms": {s: [1000 * b for b in busy[s]] for s in ZB_CONTENDERS},
+                   "idle": idle, "simulated_idle": simulated, "inflight": inflight,
+                   "identical_gradients": not differ}
+            figures["rows"].append(row)
+            print(f"  {v:>2} {m:>3} {1000 * step['flexible']:>11.1f} {1000 * step['flexible-zb']:>7.1f} "
+                  f"{harness.ratio_text(ratio):>22} "
+                  f"{'/'.join(f'{1000 * b:.0f}' for b in busy['flexible']):>18} "
+                  f"{'/'.join(f'{1000 * b:.0f}' for b in busy['flexible-zb']):>11} "
+                  f"{'/'.join(f'{x:.2f}' for x in idle['flexible']):>11} "
+                  f"{'/'.join(f'{x:.2f}' for x in idle['flexible-zb']):>11} "
+                  f"{simulated['flexible']:>7.3f}/{simulated['flexible-zb']:<8.3f} "
+                  f"{inflight['flexible']:>4}/{inflight['flexible-zb']:<4} {'yes' if not differ else 'NO':>9}",
+                  flush=True)
+            if args.png_dir and v == 2 and m == 2 * p:
+                figures["png"] = zb_timelines(times, v, m, k, args.png_dir)
+    return figures
+
+
+def zb_timelines(times, v, m, k, png_dir):
+    """Measured timelines (the executor's spans) of the last round of each contender, as PNGs; their paths."""
+    from measured_timeline import timeline
+
+    from l3plugin.schedule.timeline import render_png
+
+    paths = {}
+    Path(png_dir).mkdir(parents=True, exist_ok=True)
+    for schedule in ZB_CONTENDERS:
+        ranks = sorted(times[schedule][-1], key=lambda r: r["rank"])
+        per_rank = [[{"rank": r["rank"], "op": op, "microbatch": mb, "chunk": c, "start": s, "end": e}
+                     for op, mb, c, s, e in r["actions"]] for r in ranks]
+        path = paths[schedule] = str(Path(png_dir) / f"measured_{schedule}_p{ZB_P}_v{v}_m{m}_k{k}.png")
+        measured = timeline(zb_plan(schedule, v, m, k), per_rank)
+        weights = [a.end - a.start for a in measured.actions if a.op == "W"]
+        if weights:  # the legend names W steps when the result has a weight time
+            measured = dataclasses.replace(measured, weight_time=statistics.median(weights))
+        render_png(measured, path)
+        print(f"  measured timeline ({schedule}, v {v}, m {m}): {path}")
+    return paths
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-real", action="store_true", help="skip the multi-process CPU run")
@@ -375,17 +491,31 @@ def main(argv=None):
                         "posting receives in the agreed pair order (the executor before early receives)")
     parser.add_argument("--send-share", type=float, default=0.25, help="--wire auto: the share of the smallest "
                         "chunk's forward that one activation send alone should take")
+    parser.add_argument("--zero-bubble", action="store_true", help="2 ranks: flexible vs flexible-zb (pp 2, k = p, "
+                        "v 1 and 2, m p..4p; --layers, --hidden, --seq, --mbs, --rounds apply; a --wire if given)")
+    parser.add_argument("--png-dir", default=None, help="--zero-bubble: write measured timelines (v 2, m 2p) here")
     import wire
 
     wire.add_argument(parser)
     harness.add_json_argument(parser)
     args = parser.parse_args(argv)
     args.hidden, args.seq = args.hidden or 512, args.seq or (128 if args.wire == "off" else 256)
-    for v in args.vpp:
-        if v < 2 or args.layers % (WIRE_P * v):
+    for v in [1, 2] if args.zero_bubble else args.vpp:
+        if (v < 2 and not args.zero_bubble) or args.layers % (WIRE_P * v):
             parser.error(f"--vpp {v}: needs vpp >= 2 and --layers ({args.layers}) divisible by 2 x vpp")
     link = harness.enter_wire(args.wire, "float32", args.wire_mode)
     with harness.json_output(args.json, "pp_schedule", argv) as figures:
+        if args.zero_bubble:
+            from l3plugin.ranks import RankPool
+
+            if link.on and args.wire == "auto":
+                parser.error("--zero-bubble takes a --wire rate or preset, not auto")
+            options = link.pool_options(2) if link.on else {}
+            with RankPool(2, preload=("megatron.core",), **options) as pool:
+                figures["zero_bubble"] = zb_run(pool, args)
+                if link.on:
+                    harness.report_wire_traffic(link, figures["zero_bubble"])
+            return 0
         if link.on:
             from l3plugin.ranks import RankPool
 

@@ -153,7 +153,10 @@ def _weight_call(group, kept):
     handed = []  # (next node, its input number, gradient) computed in B on the parameter side
     complete = True
     for node in reached:
-        for (child, number), out in zip(node.next_functions, kept[node][1] or ()):
+        if kept[node][1] is None:  # its outputs were not seen: run it again
+            complete = False
+            continue
+        for (child, number), out in zip(node.next_functions, kept[node][1]):
             if child in side:
                 if out is None:
                     complete = False
