@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from l3plugin.collective import at_exit
 from l3plugin.collective.waits import group_ranks, resolve_timeout, wait_work
 
 
@@ -27,12 +28,16 @@ def _describe(op: str, tensor: torch.Tensor, group, what: str) -> str:
 
 class InFlight:
     """One started collective (one work, or several for a point-to-point exchange): ``wait`` gives its
-    result. Holds the input it reads until then."""
+    result. Holds the input it reads until then. Until waited it is finished at the interpreter's exit if
+    nobody waits for it; ``handed`` (``at_exit.use_counts`` of the tensors given to a backend worker thread,
+    taken before the start; async collectives, not point-to-point) are watched at exit until let go."""
 
-    def __init__(self, works, result, source: torch.Tensor | None, description: str):
+    def __init__(self, works, result, source: torch.Tensor | None, description: str, handed=()):
         self.works = [] if works is None else works if isinstance(works, list) else [works]
         self.source, self.description = source, description
         self._result = result  # the output tensor, or a function computing it once the works are done
+        if self.works:
+            at_exit.track(self, handed)
 
     def done(self) -> bool:
         """True when every work has finished (no wait): ``wait`` then returns at once. gloo's point-to-point
@@ -45,6 +50,7 @@ class InFlight:
         for work in self.works:
             wait_work(work, timeout=timeout, what=self.description)
         self.works = []
+        at_exit.waited(self)
         if callable(self._result):
             self._result = self._result()
         self.source = None
@@ -104,8 +110,9 @@ def start_reduce_scatter_sum(full: torch.Tensor, group, reduce_dtype: torch.dtyp
     out = torch.empty(full.numel() // world, dtype=reduce_dtype, device=full.device)
     # torch >= 2.13 renames reduce_scatter_tensor to reduce_scatter_single (the old name warns).
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    handed = at_exit.use_counts(out, send)
     work = fn(out, send, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return InFlight(work, out, send, _describe("reduce-scatter", send, group, what))
+    return InFlight(work, out, send, _describe("reduce-scatter", send, group, what), handed)
 
 
 def start_all_gather(shard: torch.Tensor, group, what: str = "") -> InFlight:
@@ -117,8 +124,9 @@ def start_all_gather(shard: torch.Tensor, group, what: str = "") -> InFlight:
         out.copy_(shard)
         return InFlight(None, out, None, "")
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    handed = at_exit.use_counts(out, shard)
     work = fn(out, shard, group=group, async_op=True)
-    return InFlight(work, out, shard, _describe("all-gather", shard, group, what))
+    return InFlight(work, out, shard, _describe("all-gather", shard, group, what), handed)
 
 
 def all_gather_shards(shard: torch.Tensor, group, timeout: float | None = None) -> torch.Tensor:
@@ -128,8 +136,9 @@ def all_gather_shards(shard: torch.Tensor, group, timeout: float | None = None) 
 def all_reduce_sum(t: torch.Tensor, group, timeout: float | None = None, what: str = "") -> torch.Tensor:
     """Sum ``t`` in place over ``group`` (bounded wait)."""
     if dist.get_world_size(group) > 1:
+        handed = at_exit.use_counts(t)
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        InFlight(work, t, t, _describe("all-reduce", t, group, what)).wait(timeout)
+        InFlight(work, t, t, _describe("all-reduce", t, group, what), handed).wait(timeout)
     return t
 
 
@@ -137,8 +146,9 @@ def broadcast_from(t: torch.Tensor, group_src: int, group, timeout: float | None
                    what: str = "") -> torch.Tensor:
     """Copy ``t`` of the rank ``group_src`` (its rank in ``group``) into ``t`` on every rank (bounded wait)."""
     if dist.get_world_size(group) > 1:
+        handed = at_exit.use_counts(t)
         work = dist.broadcast(t, src=dist.get_global_rank(group, group_src), group=group, async_op=True)
-        InFlight(work, t, t, _describe("broadcast", t, group, what)).wait(timeout)
+        InFlight(work, t, t, _describe("broadcast", t, group, what), handed).wait(timeout)
     return t
 
 
@@ -147,7 +157,8 @@ def reduce_sum_to(t: torch.Tensor, group_dst: int, group, timeout: float | None 
     """Sum ``t`` over ``group`` into ``t`` of the rank ``group_dst`` (its rank in ``group``); the other ranks'
     ``t`` is left undefined (bounded wait)."""
     if dist.get_world_size(group) > 1:
+        handed = at_exit.use_counts(t)
         work = dist.reduce(t, dst=dist.get_global_rank(group, group_dst), op=dist.ReduceOp.SUM, group=group,
                            async_op=True)
-        InFlight(work, t, t, _describe("reduce", t, group, what)).wait(timeout)
+        InFlight(work, t, t, _describe("reduce", t, group, what), handed).wait(timeout)
     return t

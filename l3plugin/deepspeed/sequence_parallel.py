@@ -111,6 +111,9 @@ def _sequence_parallel_groups(cp: int) -> SequenceParallelMpu:
                              f"already have {have} ranks (built earlier in this process)")
         return SequenceParallelMpu(sp)
     sp.initialize_sequence_parallel(cp)
+    from l3plugin.collective import at_exit
+
+    at_exit.on_exit(release_groups)  # groups l3plugin had DeepSpeed make: destroyed at exit
     return SequenceParallelMpu(sp)
 
 

@@ -68,6 +68,7 @@ def _boundary_group(pp_group, device, timeout):
     exist, measured on torch 2.13). Called at a schedule call, where every rank of the world is."""
     import torch.distributed as dist
 
+    from l3plugin.collective import at_exit
     from l3plugin.collective.comm import start_all_gather
 
     ranks = tuple(dist.get_process_group_ranks(pp_group))
@@ -82,6 +83,7 @@ def _boundary_group(pp_group, device, timeout):
             group = dist.new_group(list(group_ranks))
             if group_ranks == ranks:
                 _groups[key] = group
+                at_exit.destroy_at_exit(group)
     return _groups[key], ranks, new
 
 

@@ -35,7 +35,7 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-from l3plugin.collective import comm
+from l3plugin.collective import at_exit, comm
 
 # Tensor attributes and methods that read no element: they pass the guard without waiting.
 _METADATA_ATTRIBUTES = ("shape", "dtype", "device", "grad", "_grad", "requires_grad", "is_leaf", "grad_fn",
@@ -114,6 +114,7 @@ class StaleReadGuard(TorchFunctionMode):
                 return False
             self.__enter__()
             self.pushed = True
+            at_exit.on_exit(self.finish_at_exit)
         elif self not in stack:  # popped by somebody else's exit: start over
             self.pending.clear()
             self.pushed = False
@@ -126,6 +127,14 @@ class StaleReadGuard(TorchFunctionMode):
     def release(self, params) -> None:
         for p in params:
             self.pending.pop(id(p), None)
+        self.leave_if_done()
+
+    def finish_at_exit(self) -> None:
+        """At the interpreter's exit (``at_exit``, after the gathers are waited): complete them into their
+        parameters (a later exit handler may read them) and leave the stack."""
+        for owner in {id(o): o for o in (entry[1]() for entry in self.pending.values()) if o is not None}.values():
+            owner.wait_param_gather()
+        self.pending.clear()
         self.leave_if_done()
 
     def leave_if_done(self) -> None:
