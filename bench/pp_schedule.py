@@ -410,7 +410,7 @@ def zb_run(pool, args):
     print(f"  {'v':>2} {'m':>3} {'flexible ms':>11} {'zb ms':>7} {'zb / flexible':>22} "
           f"{'busy ms r0/r1 flex':>18} {'zb':>11} {'idle flex':>11} {'idle zb':>11} {'sim idle flex/zb':>16} "
           f"{'in flight':>9} {'identical':>9}")
-    for v in (1, 2):
+    for v in args.zb_vpp:
         for m in (p, 2 * p, 4 * p):
             reference, differ = [], set()
 
@@ -494,13 +494,15 @@ def main(argv=None):
     parser.add_argument("--zero-bubble", action="store_true", help="2 ranks: flexible vs flexible-zb (pp 2, k = p, "
                         "v 1 and 2, m p..4p; --layers, --hidden, --seq, --mbs, --rounds apply; a --wire if given)")
     parser.add_argument("--png-dir", default=None, help="--zero-bubble: write measured timelines (v 2, m 2p) here")
+    parser.add_argument("--zb-vpp", type=int, nargs="+", default=[1, 2], choices=(1, 2),
+                        help="--zero-bubble: the virtual stages to run")
     import wire
 
     wire.add_argument(parser)
     harness.add_json_argument(parser)
     args = parser.parse_args(argv)
     args.hidden, args.seq = args.hidden or 512, args.seq or (128 if args.wire == "off" else 256)
-    for v in [1, 2] if args.zero_bubble else args.vpp:
+    for v in args.zb_vpp if args.zero_bubble else args.vpp:
         if (v < 2 and not args.zero_bubble) or args.layers % (WIRE_P * v):
             parser.error(f"--vpp {v}: needs vpp >= 2 and --layers ({args.layers}) divisible by 2 x vpp")
     link = harness.enter_wire(args.wire, "float32", args.wire_mode)
