@@ -56,8 +56,7 @@ import torch
 from l3plugin.checks import check_int
 from l3plugin.megatron.cp_documents import schedule_step
 from l3plugin.schedule.p2p import PipelineChannels, header_shape, pair_orders, posts_receives_early, shape_header
-from l3plugin.schedule.plan import (FORWARD, WEIGHT, RankPlan, Schedule, build_schedule,
-                                    with_trainable_stages)
+from l3plugin.schedule.plan import FORWARD, WEIGHT, RankPlan, Schedule, build_schedule, with_trainable_stages
 from l3plugin.schedule.receives import receive_posts
 from l3plugin.schedule.split_backward import backward_input
 from l3plugin.schedule.zero_bubble import build_zero_bubble_schedule
@@ -261,8 +260,9 @@ class SyncHooks:
     Gradient reduction is off (``no_sync_func``) except for a chunk's completed gradients (Megatron's DDP
     contract): during the chunk's last backward when there is no ``grad_sync_func``, else right after it
     with that function; ``round_grad_sync_start_func`` runs before and ``round_grad_sync_func`` after the
-    last backward of every (chunk, round). ``param_sync_func`` starts chunks' parameter all-gathers at
-    ``param_sync_points``."""
+    last backward of every (chunk, round). In a split plan "last backward" is the last B or W step, where the
+    gradients accumulate: a trainable chunk's last W. ``param_sync_func`` starts chunks' parameter all-gathers
+    at ``param_sync_points``."""
 
     def __init__(self, config, model, schedule, pp_rank, grad_sync_points, round_ends, forward_only):
         self.model, self.schedule, self.forward_only = model, schedule, forward_only

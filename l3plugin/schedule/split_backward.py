@@ -16,8 +16,9 @@ How the work is divided, on the stage's autograd graph (from its output back to 
 - W, per group, calls ``torch.autograd.backward(..., inputs=the group's parameters)``: where the intermediate
   already computed its parameter-side outputs in B (custom autograd Functions compute every output, e.g.
   Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``), those are handed on from the next nodes,
-  so nothing runs twice; otherwise the intermediate runs again from the gradient kept in B, for its
-  parameter-side outputs only. Nothing on the input side runs again. A group with several intermediates that
+  so nothing runs twice (one autograd call for all of those); otherwise the intermediate runs again from the
+  gradient kept in B, for its parameter-side outputs only (a call per group). Nothing on the input side runs
+  again. A group with several intermediates that
   are run again gets pre-hooks that pin each to its kept gradient (one may lie on another's way to a shared
   parameter).
 - Gradients reach ``.grad`` through the parameters' own ``AccumulateGrad`` nodes, as in one backward: gradient
@@ -40,7 +41,7 @@ class WeightStep:
     """What a B step leaves for its W step: ``run()`` it once (it accumulates the weight gradients)."""
 
     def __init__(self, calls, retain_graph=True):
-        self._calls = calls  # [(roots, gradients, inputs or None, [(node, kept gradients)] to pin)]
+        self._calls = calls  # [(roots, gradients, inputs or None, [(node, kept gradients)] to pin, or None)]
         self._retain = retain_graph
 
     def run(self) -> None:
@@ -48,7 +49,7 @@ class WeightStep:
         if calls is None:
             raise RuntimeError("this W step has run already: each B step's weight gradients run once")
         for roots, grads, inputs, pins in calls:
-            handles = [node.register_prehook(lambda _grads, kept=kept: kept) for node, kept in pins]
+            handles = [node.register_prehook(lambda _grads, kept=kept: kept) for node, kept in pins or ()]
             try:
                 torch.autograd.backward(roots, grad_tensors=grads, inputs=inputs, retain_graph=self._retain)
             finally:
@@ -142,7 +143,12 @@ def backward_input(output: torch.Tensor, output_grad, input_tensor, params) -> t
     finally:
         for handle in handles:
             handle.remove()
-    return input_grad, WeightStep([call for group in groups if (call := _weight_call(group, kept)) is not None])
+    calls = [call for group in groups if (call := _weight_call(group, kept)) is not None]
+    # Calls starting on the parameter side never reach the input side: one autograd call runs them all.
+    handed = [call for call in calls if call[3] is None]
+    merged = [([root for call in handed for root in call[0]], [grad for call in handed for grad in call[1]],
+               [param for call in handed for param in call[2]], [])] if handed else []
+    return input_grad, WeightStep(merged + [call for call in calls if call[3] is not None])
 
 
 def _weight_call(group, kept):
@@ -168,7 +174,7 @@ def _weight_call(group, kept):
         if not handed:
             return None
         return ([GradientEdge(child, number) for child, number, _ in handed], [out for *_, out in handed],
-                params, [])
+                params, None)  # None: no pins, and it starts on the parameter side
     roots, grads = [], []
     for node in reached:
         for number, received in enumerate(kept[node][0]):
