@@ -32,7 +32,8 @@ flexible schedule and flexible-zb (each backward split into B and W) interleaved
 wire. Printed per configuration: the step (slowest rank, median), the median of per-round ratios zb / flexible
 (range), each rank's busy time and idle share from the executor's own account (``waits["busy_s"]``: its compute
 spans, receives excluded; idle = (step - busy) / busy), the simulated idle (F = B = W) of both plans, the peak
-in flight of both plans and whether the gradients were identical in every run. ``--png-dir``: measured
+in flight of both plans, the peak bytes autograd saved for backward (census, larger rank) and whether the
+gradients were identical in every run. ``--png-dir``: measured
 timelines (the executor's spans, l3plugin.schedule.timeline) of one round at v 2, m 2p, where W fills the idle.
 """
 
@@ -383,17 +384,18 @@ def zb_plan(schedule, v, m, k):
 
 def _zb_step(v, m, k, schedule, layers, hidden, seq, mbs):
     """On every rank: one timed training step of the toy pipeline: wall, the executor's busy seconds and waits,
-    its compute spans, the gradients."""
+    its compute spans, the peak bytes autograd saved for backward (census), the gradients."""
     from l3plugin.megatron import forward_backward_pipelining_flexible
     import toy_pipeline as toy
 
     mesh, chunks, batches = toy_model(ZB_P, v, m, k, layers, hidden, seq, mbs)
-    waits = {}
-    timing, _ = harness.barrier_timed(lambda: forward_backward_pipelining_flexible(
-        forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-        num_microbatches=m, seq_length=seq, micro_batch_size=mbs, waits=waits, pipeline_schedule=schedule),
-        group=mesh.pp_group)
-    return {"wall": timing["wall"], "busy": waits["busy_s"], "recv_s": waits["recv_s"],
+    waits, census = {}, SavedTensorCensus()
+    with census.hooks:
+        timing, _ = harness.barrier_timed(lambda: forward_backward_pipelining_flexible(
+            forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
+            num_microbatches=m, seq_length=seq, micro_batch_size=mbs, waits=waits, pipeline_schedule=schedule),
+            group=mesh.pp_group)
+    return {"wall": timing["wall"], "busy": waits["busy_s"], "recv_s": waits["recv_s"], "peak": census.peak,
             "rank": mesh.coords["pp"], "actions": waits["actions"],
             "grads": {lid: g[0] for c in chunks for lid, g in c.grads().items()}}
 
@@ -409,7 +411,7 @@ def zb_run(pool, args):
           f"warm-up round")
     print(f"  {'v':>2} {'m':>3} {'flexible ms':>11} {'zb ms':>7} {'zb / flexible':>22} "
           f"{'busy ms r0/r1 flex':>18} {'zb':>11} {'idle flex':>11} {'idle zb':>11} {'sim idle flex/zb':>16} "
-          f"{'in flight':>9} {'identical':>9}")
+          f"{'in flight':>9} {'saved MB':>11} {'identical':>9}")
     for v in args.zb_vpp:
         for m in (p, 2 * p, 4 * p):
             reference, differ = [], set()
@@ -434,10 +436,11 @@ def zb_run(pool, args):
             simulated = {"flexible": simulate(plans["flexible"], 1.0, 2.0).bubble_ratio,
                          "flexible-zb": simulate(plans["flexible-zb"], 1.0, 1.0, weight_time=1.0).bubble_ratio}
             inflight = {s: max(plan.peak_inflight() for plan in plans[s].ranks) for s in ZB_CONTENDERS}
+            saved = {s: max(r["peak"] for ranks in times[s] for r in ranks) / 1e6 for s in ZB_CONTENDERS}
             ratio = harness.ratio_stats(walls["flexible-zb"], walls["flexible"])
             row = {"v": v, "m": m, "k": k, "step_ms": {s: 1000 * step[s] for s in ZB_CONTENDERS},
                    "zb_over_flexible": ratio, "busy_ms": {s: [1000 * b for b in busy[s]] for s in ZB_CONTENDERS},
-                   "idle": idle, "simulated_idle": simulated, "inflight": inflight,
+                   "idle": idle, "simulated_idle": simulated, "inflight": inflight, "saved_mb": saved,
                    "identical_gradients": not differ}
             figures["rows"].append(row)
             print(f"  {v:>2} {m:>3} {1000 * step['flexible']:>11.1f} {1000 * step['flexible-zb']:>7.1f} "
@@ -447,7 +450,8 @@ def zb_run(pool, args):
                   f"{'/'.join(f'{x:.2f}' for x in idle['flexible']):>11} "
                   f"{'/'.join(f'{x:.2f}' for x in idle['flexible-zb']):>11} "
                   f"{simulated['flexible']:>7.3f}/{simulated['flexible-zb']:<8.3f} "
-                  f"{inflight['flexible']:>4}/{inflight['flexible-zb']:<4} {'yes' if not differ else 'NO':>9}",
+                  f"{inflight['flexible']:>4}/{inflight['flexible-zb']:<4} "
+                  f"{saved['flexible']:>5.1f}/{saved['flexible-zb']:<5.1f} {'yes' if not differ else 'NO':>9}",
                   flush=True)
             if args.png_dir and v == 2 and m == 2 * p:
                 figures["png"] = zb_timelines(times, v, m, k, args.png_dir)
