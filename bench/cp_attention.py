@@ -14,6 +14,11 @@ Work tables (analytic, "simulated from work counts", nothing timed): attention w
 number of query-key pairs inside the causal document mask; Llama-like documents have log-normal lengths
 (median ~600 tokens). For the paper's "2cp" layout and the document-"balanced" one, max/min work over
 ranks and the speedup it allows (total work / busiest rank) at cp 2, 4, 8 and S = 8K..128K.
+Then the same for torch 2.13's own all-gather CP load balancers (head-tail, per-document head-tail, PTRR) beside
+both layouts on the same documents, lengths rounded to multiples of 2cp (bench/torch_cp.py).
+``--torch-flex`` (``only``: nothing else timed): torch's all-gather CP itself (compiled FlexAttention, its block
+mask and balancers) against l3plugin's attention on 2 gloo ranks, forward only (no CPU FlexAttention backward in
+torch 2.13), outputs against fp64 (bench/torch_cp.py).
 
 Timed table: 2 gloo ranks on this 2-core CPU, one thread each. Contenders per S, interleaved (every round
 runs each once, the order rotating between rounds; the first round is a warm-up) and summarised by the
@@ -65,6 +70,7 @@ import torch  # noqa: E402
 
 import harness  # noqa: E402
 import ring_attention  # noqa: E402
+import torch_cp  # noqa: E402
 
 from l3plugin.cp.layout import imbalance, make_layout, rank_work  # noqa: E402
 from l3plugin.cp.sharding import shard_indices  # noqa: E402
@@ -400,6 +406,10 @@ def main(argv=None):
                         help="on a wire: which masks to time (causal at S=32K is most of the run time)")
     parser.add_argument("--kv-share", type=float, default=0.2, help="--wire auto: the share of cp=2 causal "
                         "attention time the K/V all-gather alone should take at the smallest S")
+    parser.add_argument("--torch-flex", nargs="?", const="with", choices=("with", "only"),
+                        help="also (or, with 'only', just) time torch 2.13's own all-gather CP (FlexAttention, its load "
+                        "balancers) beside l3plugin's, forward only, at --seq, on loopback (bench/torch_cp.py; builds "
+                        "a block mask and a compiled kernel per S and balancer: minutes)")
     parser.add_argument("--layers", type=int, default=4, help="on a wire: attention calls per step of the "
                         "keep / regather / regather ahead contenders (regather ahead gathers a call's K/V during "
                         "the backward of the call after it)")
@@ -411,6 +421,8 @@ def main(argv=None):
     if args.layers < 1:
         parser.error(f"--layers={args.layers} is invalid: must be at least 1")
     on_wire = args.wire != "off"
+    if args.torch_flex and on_wire:
+        parser.error("--torch-flex times on loopback only (no --wire)")
     args.seq = args.seq or ([8192, 16384, 32768] if on_wire else [2048, 4096, 8192])
     args.rounds = args.rounds or (3 if on_wire else 5)
     link = harness.enter_wire(args.wire, "float32", args.wire_mode)
@@ -419,6 +431,7 @@ def main(argv=None):
         print(f"{load()} at start ({os.cpu_count()} CPUs)\n")
         if args.work_seq:
             figures["work"] = work_table(args.work_seq, args.draws)
+            figures["torch_work"] = torch_cp.work_table(args.work_seq, args.draws, document_lengths)
         timed(args, link, on_wire, figures)
     return 0
 
@@ -437,7 +450,9 @@ def timed(args, link, on_wire, figures):
             why, figures["calibration"] = pick_rate(pool, link, min(args.seq), args.kv_share)
             print("  " + why, flush=True)
         figures["rate_bits"], figures["wire_mode"], figures["layers"] = link.rate, link.mode, args.layers
-        for s in args.seq:
+        if args.torch_flex:
+            figures["torch_flex"] = torch_cp.timed_table(pool, args.seq, args.rounds, _inputs, document_lengths, KERNEL)
+        for s in args.seq if args.torch_flex != "only" else ():
             cu_docs = document_lengths(s, torch.Generator().manual_seed(s))
             if not on_wire:
                 checks = (("cp2 causal", "ring causal"), ("cp2 docs 2cp", "ring docs"))

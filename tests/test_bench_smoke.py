@@ -90,6 +90,8 @@ def test_cp_attention_timed_rows(ahead):
     assert row[0] == "512" and row[2].endswith("(pairs 1.000)") and "work max/min" in row[6]
     (row,) = rendered_rows("cp-work", record)
     assert row[:2] == ["2K", "2 / 4 / 8"] and row[3].count(" / ") == 2
+    (row,) = rendered_rows("torch-cp-work", record)  # torch's load balancers on the same documents (bench/torch_cp.py)
+    assert row[:2] == ["2K", "2 / 4 / 8"] and row[-1] == " / ".join(["1.00, 1.00"] * 3)
     with pytest.raises(ValueError, match="this run was on loopback"):
         docs_tables.render("cp-wire", record)
 
