@@ -46,11 +46,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 
 import torch
 import torch.distributed as dist
 
+from l3plugin.collective import at_exit
 from l3plugin.collective.waits import CommTimeout, resolve_timeout, wait_work
 from l3plugin.schedule.plan import Message, Schedule
 from l3plugin.schedule.receives import RECV, SEND, ReceivePosts, pair_orders
@@ -367,6 +369,8 @@ class _ShapeReceiver:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"l3plugin-shapes-from-{peer}", daemon=True)
         self.thread.start()
+        _LIVE_RECEIVERS.add(self)
+        at_exit.on_exit(_stop_receivers_at_exit)
 
     def _run(self):
         ch = self.channels
@@ -380,6 +384,18 @@ class _ShapeReceiver:
                 pending.error = exc
             pending.done.set()
 
-    def stop(self):
+    def stop(self, bound: float | None = None):
         self.queue.put(None)
-        self.thread.join(self.channels.wait_timeout + 1.0)
+        self.thread.join(self.channels.wait_timeout + 1.0 if bound is None else bound)
+        _LIVE_RECEIVERS.discard(self)
+
+
+# Shape threads whose channels never reached finish() (a step raised and the caller caught it): stopped at exit,
+# within the exit bound, so none wakes up during the interpreter's finalization (collective/at_exit.py). One
+# blocked on a receive that never comes is left after the bound (a daemon thread: the exit goes on).
+_LIVE_RECEIVERS: "weakref.WeakSet[_ShapeReceiver]" = weakref.WeakSet()
+
+
+def _stop_receivers_at_exit() -> None:
+    for receiver in list(_LIVE_RECEIVERS):
+        receiver.stop(at_exit.exit_bound(receiver.channels.wait_timeout))

@@ -156,11 +156,18 @@ def step_error(**step_kwargs):
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
 
+    import threading
+
+    from l3plugin.schedule import p2p
+
     os.environ["L3PLUGIN_WAIT_TIMEOUT"] = "2"
     try:
         forward_backward_pipelining_flexible(**step_kwargs)
     except Exception as exc:  # noqa: BLE001 - the test reads each rank's message
-        return "\n".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", [])])
+        p2p._stop_receivers_at_exit()  # what the exit does (collective/at_exit.py) after a caught error
+        alive = sum(t.name.startswith("l3plugin-shapes-from-") for t in threading.enumerate())
+        return "\n".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", []),
+                          f"shape threads alive after the exit hook: {alive}"])
     finally:
         del os.environ["L3PLUGIN_WAIT_TIMEOUT"]
     return None
@@ -213,6 +220,8 @@ def test_an_error_in_a_micro_batch_names_it_and_no_rank_hangs(ranks):
     assert first is not None and "not divisible by the TP size 4" in first, first
     assert ("in the forward of micro-batch 3 of 5 (model chunk 0, virtual stage 0) on pipeline rank 0" in first), first
     assert second is not None and ("pipeline rank 0" in second or "Connection closed by peer" in second), second
+    for text in (first, second):  # the step raised before finish(): the exit hook stops its shape threads
+        assert "shape threads alive after the exit hook: 0" in text, text
 
 
 def run_tp_inputs(lengths_by_tp_rank, sequence_parallel):
