@@ -12,8 +12,9 @@ Here:
   simulated from work counts, nothing timed) of torch's three balancers and l3plugin's two layouts on the same
   documents: cp_attention's Llama-like draws with every length rounded to a multiple of 2cp (what torch's
   per-document balancer needs; l3plugin takes any lengths). The rearrangements are torch's own
-  (`_generate_indices`); PTRR gets the block counts of the document mask (block_counts, equal to
-  `create_block_mask`'s: tests/test_torch_cp_contender.py) through a stand-in with the three fields it reads.
+  (`_generate_indices`); PTRR gets the document mask's non-empty block counts (block_counts: equal to
+  `create_block_mask`'s at 1K tokens, checked by hand; tests/test_torch_cp_contender.py checks them against the dense
+  mask, since create_block_mask's first call costs ~15 s) through a stand-in with the three fields it reads.
 - timed contenders (cp_attention.py --torch-flex): the forward on 2 gloo ranks, torch's compiled FlexAttention with
   each balancer against l3plugin's all-gather attention (kernel cpu-flash, both layouts), outputs against an fp64
   reference. Forward only: FlexAttention has no backward on CPU in torch 2.13 (flex_attention.py `_validate_device`
