@@ -48,7 +48,7 @@ make_venv() {  # name ds tf acc
 
 link_checkout() {  # name: the checkout's path, then the hook (refreshed on every run: venvs built before have no path file)
   local site
-  site="$("$venvs/$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  site="$(PYTHONPATH="$here" "$venvs/$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"  # the hook importable even before the path file
   echo "$here" >"$site/_l3plugin_checkout.pth"
   cp "$here/l3plugin-autoload.pth" "$site/"
 }
