@@ -143,7 +143,9 @@ def main(argv=None) -> dict:
                     for code in codes:
                         if code != 0:
                             counts[(shape, arm)][f"rank exit {code}"] += 1
-            print(f"round {index + 1}/{args.rounds}: load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
+            so_far = "; ".join(f"{shape}/{arm} {counts[(shape, arm)]['ok']}/{index + 1}" for shape in shapes for arm in ARMS)
+            print(f"round {index + 1}/{args.rounds}: load average {os.getloadavg()[0]:.1f}; exit 0 so far: {so_far}",
+                  file=sys.stderr, flush=True)  # a run cut short still says what it counted
     print(f"{'shape':<7} {'arm':<6} {'runs':>5} {'exit 0':>7}  failures")
     for shape in shapes:
         for arm in ARMS:
