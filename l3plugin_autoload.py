@@ -54,8 +54,8 @@ def deferred_install():
     """The patch set of the deferred case: ``deepspeed.initialize`` -> ``initialize_after_install``. Built at
     first use, not at import: this module runs at every interpreter start and imports nothing of l3plugin."""
     if not _DEFERRED:
-        from l3plugin.versions import DEEPSPEED_CHECKED
-        from l3plugin.patchset import Patch, PatchSet
+        from l3plugin.upstream.versions import DEEPSPEED_CHECKED
+        from l3plugin.upstream.patchset import Patch, PatchSet
 
         _DEFERRED.append(PatchSet("l3plugin_autoload", "deepspeed", DEEPSPEED_CHECKED, [
             Patch("deepspeed", "initialize", initialize_after_install,

@@ -438,7 +438,7 @@ def main(argv=None):
 
 def timed(args, link, on_wire, figures):
     """The timed tables (on loopback or on the wire); figures["timed"]: one entry per S."""
-    from l3plugin.ranks import RankPool
+    from l3plugin.ranks.pool import RankPool
 
     began = time.perf_counter()
     print(f"== Timed, fwd+bwd, fp32, kernel {KERNEL}: 2 gloo ranks on this CPU, cp 4 and 8 only simulated "

@@ -96,7 +96,7 @@ def main(argv=None):
 
 def table(args, model, hq, hkv, d, figures):
     """Measure and print every (cp, S) row; the figures go to ``figures`` (bytes)."""
-    from l3plugin.ranks import RankPool
+    from l3plugin.ranks.pool import RankPool
 
     print(f"Saved for the backward by one CP attention layer, per GPU: {model.name} at TP {args.tp} "
           f"({hq} query heads, {hkv} K/V heads, head dim {d}), bf16, micro-batch 1, {args.doc_len}-token "

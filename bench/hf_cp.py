@@ -109,7 +109,7 @@ def main(argv=None):
 
 def table(args):
     """Print the table; return its rows (seconds, bytes)."""
-    from l3plugin.ranks import RankPool
+    from l3plugin.ranks.pool import RankPool
 
     rows = []
     print(f"transformers Llama (2 layers, hidden 256, 8 query / 2 K/V heads), fp32, one packed row, forward + "

@@ -1,5 +1,5 @@
-"""What process groups left behind in a reused worker cost (why RankPool replaces a pool whose calls left more than
-rank_worker.GROUPS_LEFT_LIMIT groups): 2 gloo ranks keep 0, 100, 200 extra groups (as a framework cache or a test
+"""What process groups left behind in a reused worker cost (why RankPool replaces a pool whose calls left more
+than l3plugin.ranks.worker.GROUPS_LEFT_LIMIT groups): 2 gloo ranks keep 0, 100, 200 extra groups (as a framework cache or a test
 would); for each count, the workers' CPU seconds over an idle pause (their threads poll) and the CPU and wall
 seconds of a fixed all-reduce loop on the world group.
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import harness  # noqa: E402
 
-from l3plugin.ranks import RankPool  # noqa: E402
+from l3plugin.ranks.pool import RankPool  # noqa: E402
 
 
 def keep_groups(count):

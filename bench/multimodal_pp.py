@@ -329,7 +329,7 @@ def _backward_ratio(hidden, heads, seq, repeats=7) -> dict:
 def real(args) -> dict:
     import statistics
 
-    from l3plugin.ranks import RankPool
+    from l3plugin.ranks.pool import RankPool
 
     with RankPool(2, preload=("megatron.core",), keep_state=True) as pool:
         layer_times = pool.run(_layer_times, real_runs(args)["count split"], timeout=900)[0]

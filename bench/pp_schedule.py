@@ -104,7 +104,7 @@ def simulation_table(settings, latencies):
 def real_run(steps, hidden, seq, mbs):
     """4 gloo ranks, pp=4 vpp=2, m=8, k=4: the same model and data under both schedules, alternating.
     Returns the printed figures."""
-    from l3plugin.ranks import RankPool
+    from l3plugin.ranks.pool import RankPool
 
     print(f"Real CPU run: 4 gloo ranks, pp=4 vpp=2 m=8 k=4, toy model hidden={hidden} seq={seq} "
           f"micro-batch={mbs}, {steps} steps each, alternating")
@@ -512,7 +512,7 @@ def main(argv=None):
     link = harness.enter_wire(args.wire, "float32", args.wire_mode)
     with harness.json_output(args.json, "pp_schedule", argv) as figures:
         if args.zero_bubble:
-            from l3plugin.ranks import RankPool
+            from l3plugin.ranks.pool import RankPool
 
             if link.on and args.wire == "auto":
                 parser.error("--zero-bubble takes a --wire rate or preset, not auto")
@@ -523,7 +523,7 @@ def main(argv=None):
                     harness.report_wire_traffic(link, figures["zero_bubble"])
             return 0
         if link.on:
-            from l3plugin.ranks import RankPool
+            from l3plugin.ranks.pool import RankPool
 
             with RankPool(2, preload=("megatron.core",), **link.pool_options(2)) as pool:
                 figures["wire"] = wire_run(pool, link, args)

@@ -96,7 +96,7 @@ def main(argv=None):
     wire.add_argument(parser)
     harness.add_json_argument(parser)
     args = parser.parse_args(argv)
-    from l3plugin.ranks import RankPool
+    from l3plugin.ranks.pool import RankPool
 
     link = harness.enter_wire(args.wire, "float32", args.wire_mode)
     with harness.json_output(args.json, "pp_variable_lengths", argv) as figures:

@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import harness  # noqa: E402
 import wire  # noqa: E402
-from l3plugin.ranks import RankPool  # noqa: E402
+from l3plugin.ranks.pool import RankPool  # noqa: E402
 
 # name: (stage, l3plugin options or None for stock, overlap_comm, extra DeepSpeed config); "half" = gas // 2
 VARIANTS = {

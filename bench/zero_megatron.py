@@ -62,7 +62,7 @@ import torch  # noqa: E402
 import harness  # noqa: E402
 import wire  # noqa: E402
 from zero import bucket_elements, checked_buckets  # noqa: E402  (bench/zero.py: --bucket's forms)
-from l3plugin.ranks import RankPool  # noqa: E402
+from l3plugin.ranks.pool import RankPool  # noqa: E402
 
 # name: (stage, megatron_zero settings, reduce_in_backward)
 CONTENDERS = {

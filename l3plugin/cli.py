@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from l3plugin.cli_args import add_mesh_sizes
+from l3plugin.arguments.flags import add_mesh_sizes
 
 
 def _cmd_mesh(args) -> int:
@@ -47,7 +47,7 @@ def _subcommands():
     """Subcommands owned by feature packages; each module adds its own parser (imports stay light)."""
     from l3plugin.debug.slow_rank import add_analyze_parser
     from l3plugin.demo import add_demo_parser
-    from l3plugin.doctor import add_doctor_parser
+    from l3plugin.upstream.doctor import add_doctor_parser
     from l3plugin.planner import add_plan_parser
     from l3plugin.planner.balance_cli import add_balance_parser
     from l3plugin.schedule.cli import add_schedule_parser, add_simulate_parser

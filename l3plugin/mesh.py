@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from l3plugin.checks import check_int
+from l3plugin.arguments.checks import check_int
 
 DIMS = ("tp", "cp", "pp", "dp")
 # parallel_state's order string lists dimensions innermost first; ep=1 is a no-op placeholder.

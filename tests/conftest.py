@@ -1,6 +1,6 @@
 import pytest
 
-from l3plugin.ranks import RankPools
+from l3plugin.ranks.pool import RankPools
 
 
 @pytest.fixture(scope="session")
@@ -17,7 +17,7 @@ def ranks():
 @pytest.hookimpl(trylast=True)  # after the session's fixtures (the pools) are torn down
 def pytest_sessionfinish(session, exitstatus):
     """The suite ends with no worker process of ours alive; one left is killed and fails the run."""
-    from l3plugin.ranks import kill_live_workers, live_workers
+    from l3plugin.ranks.pool import kill_live_workers, live_workers
 
     left = live_workers()
     if left:

@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from l3plugin.patches import MEGATRON_CHECKED, Patch, PatchSet
+from l3plugin.upstream.patches import MEGATRON_CHECKED, Patch, PatchSet
 
 
 class _CpuCuda:
@@ -67,7 +67,7 @@ def no_fork_tensor_parallel(module, _attribute):
     return _NoForkTensorParallel(module)
 
 
-# Declared with l3plugin's PatchSet (l3plugin/patchset.py), like every patch of an upstream object.
+# Declared with l3plugin's PatchSet (l3plugin/upstream/patchset.py), like every patch of an upstream object.
 STOCK_SCHEDULES = PatchSet("tests/megatron_cpu_shim.py (stock schedules on CPU; TEST-ONLY)", "megatron-core",
                            MEGATRON_CHECKED, [
     Patch(f"megatron.core.pipeline_parallel.{module}", "torch", f"{_HERE}:CPU_TORCH",

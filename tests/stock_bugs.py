@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from l3plugin.versions import installed_version, version_in
+from l3plugin.upstream.versions import installed_version, version_in
 
 
 def _version(package: str) -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import l3plugin
-from l3plugin.ranks import run_command
+from l3plugin.ranks.pool import run_command
 from runs_ahead import RunsAhead
 
 ZERO_TESTS = Path(__file__).resolve().parent / "zero"

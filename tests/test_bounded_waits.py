@@ -129,7 +129,7 @@ def env_bound_peer_never_joins(operation, timeout):
                                                        "in group ranks [0, 1] did not finish within 1 s"),
 ])
 def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks, fn, operation, expected):
-    from l3plugin.ranks import RanksFailed
+    from l3plugin.ranks.pool import RanksFailed
 
     with pytest.raises(RanksFailed) as err:
         ranks.run(2, fn, operation, TIMEOUT, timeout=60)
@@ -178,7 +178,7 @@ def test_an_uncaught_timeout_ends_the_process(tmp_path):
     the rank that raised stayed alive until the process group's own timeout)."""
     import sys
 
-    from l3plugin.ranks import _free_port, run_command
+    from l3plugin.ranks.pool import _free_port, run_command
 
     script = tmp_path / "uncaught.py"
     script.write_text(UNCAUGHT.format(port=_free_port()))

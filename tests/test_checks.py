@@ -1,10 +1,10 @@
-"""l3plugin/checks.py: the shared argument checks give one wording everywhere (name, value, valid range)."""
+"""l3plugin/arguments/checks.py: the shared argument checks give one wording everywhere (name, value, valid range)."""
 
 import math
 
 import pytest
 
-from l3plugin.checks import check_number
+from l3plugin.arguments.checks import check_number
 
 
 @pytest.mark.parametrize("value, bounds, message", [

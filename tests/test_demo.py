@@ -49,7 +49,7 @@ def test_the_silenced_upstream_warnings_are_the_ones_megatron_says():
 
     import megatron.core
 
-    from l3plugin.rank_worker import CPU_MEANINGLESS_WARNINGS, silence_cpu_meaningless_warnings
+    from l3plugin.ranks.worker import CPU_MEANINGLESS_WARNINGS, silence_cpu_meaningless_warnings
 
     package = Path(megatron.core.__file__).parent
     source = " ".join(" ".join(path.read_text(errors="replace").replace('"\n', "").replace('"', "").split())

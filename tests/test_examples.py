@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from l3plugin.ranks import run_command
+from l3plugin.ranks.pool import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 

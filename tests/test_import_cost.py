@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import l3plugin
-from l3plugin.ranks import run_command
+from l3plugin.ranks.pool import run_command
 
 TREE = Path(l3plugin.__file__).resolve().parents[1]  # the checkout under test (PYTHONPATH or the editable install)
 

@@ -1,4 +1,4 @@
-"""Versioned patch sets (l3plugin/patchset.py): the version is read from the module as imported, a version
+"""Versioned patch sets (l3plugin/upstream/patchset.py): the version is read from the module as imported, a version
 outside the checked range gets one message, version-specific rows (variants) are chosen by version, and
 `l3plugin doctor` reports the imported version, its path and the variant. The upstream here is a test double
 (a module object whose __version__ the test sets)."""
@@ -9,10 +9,12 @@ import types
 
 import pytest
 
-from l3plugin import patches, versions
-from l3plugin.doctor import doctor
-from l3plugin.patches import Patch, PatchMismatch, PatchSet, VersionOutOfRange
-from l3plugin.versions import version_in
+from l3plugin.upstream import patches
+
+from l3plugin.upstream import versions
+from l3plugin.upstream.doctor import doctor
+from l3plugin.upstream.patches import Patch, PatchMismatch, PatchSet, VersionOutOfRange
+from l3plugin.upstream.versions import version_in
 
 
 def old_api(alpha):

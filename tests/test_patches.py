@@ -1,4 +1,4 @@
-"""Patch sets (l3plugin/patchset.py) and their registry (l3plugin/patches.py): one declaration per upstream patch,
+"""Patch sets (l3plugin/upstream/patchset.py) and their registry (l3plugin/upstream/patches.py): one declaration per upstream patch,
 beside its replacement, checked before anything is set, undone exactly; `l3plugin doctor` checks every declaration
 and every private upstream name read against the installed frameworks."""
 
@@ -8,9 +8,11 @@ import types
 
 import pytest
 
-from l3plugin import patches, versions
-from l3plugin.doctor import doctor
-from l3plugin.patches import Patch, PatchMismatch, PatchSet
+from l3plugin.upstream import patches
+
+from l3plugin.upstream import versions
+from l3plugin.upstream.doctor import doctor
+from l3plugin.upstream.patches import Patch, PatchMismatch, PatchSet
 
 
 def stock_function(alpha, beta=2):
@@ -170,11 +172,11 @@ def test_declaring_a_set_imports_nothing_upstream(tmp_path):
     import json
     import os
 
-    from l3plugin.ranks import run_command
+    from l3plugin.ranks.pool import run_command
 
     frameworks = ("torch", "deepspeed", "megatron", "transformers", "accelerate")
     adapters = [m for m in patches.DECLARED_IN if not m.startswith("l3plugin.deepspeed")]
-    code = (f"import json, sys\nimport l3plugin.patches, l3plugin.patchset, l3plugin_autoload\n"
+    code = (f"import json, sys\nimport l3plugin.upstream.patches, l3plugin.upstream.patchset, l3plugin_autoload\n"
             f"light = [m for m in {frameworks!r} if m in sys.modules]\n"
             f"for name in {adapters!r}:\n    __import__(name)\n"
             f"print(json.dumps([light, [m for m in {frameworks[1:]!r} if m in sys.modules]]))")
@@ -250,7 +252,7 @@ def test_doctor_lists_the_sets_of_an_adapter_whose_install_failed_and_names_one_
     """An adapter whose import applies its sets (l3plugin.deepspeed) and hits a mismatch has declared them
     already: doctor lists them with the mismatch. A declaring module that cannot be imported is named."""
     (tmp_path / "fake_adapter.py").write_text(
-        "from l3plugin.patchset import Patch, PatchSet\n"
+        "from l3plugin.upstream.patchset import Patch, PatchSet\n"
         "def ours():\n    pass\n"
         "FAKE = PatchSet('fake adapter', 'fake-upstream', '>=1.0,<2', module='fake_upstream_gone', patches=[\n"
         "    Patch('fake_upstream_gone', 'function', ours, why='gone upstream')])\n"
@@ -275,6 +277,6 @@ def test_doctor_lists_the_sets_of_an_adapter_whose_install_failed_and_names_one_
 
 
 def patchset_module():
-    import l3plugin.patchset
+    import l3plugin.upstream.patchset
 
-    return l3plugin.patchset
+    return l3plugin.upstream.patchset

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from l3plugin.ranks import RanksFailed, RankPool
+from l3plugin.ranks.pool import RanksFailed, RankPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from idle_groups import keep_groups  # noqa: E402  (workers get this sys.path with every call)
@@ -64,7 +64,7 @@ def test_results_in_rank_order_and_single_threaded(pool):
 def test_workers_that_keep_many_process_groups_are_replaced_after_the_call(pool):
     """Each idle gloo group keeps polling threads: the pool restarts (cheaply) once a call left more than
     GROUPS_LEFT_LIMIT groups, and only then; the call itself still returns its results."""
-    from l3plugin.ranks import GROUPS_LEFT_LIMIT
+    from l3plugin.ranks.pool import GROUPS_LEFT_LIMIT
 
     pool.restart()
     before = pool.pids
@@ -116,7 +116,7 @@ def test_unpicklable_function_gives_a_clear_error(pool):
 # -- no worker outlives its pool or its parent ------------------------------------------------------------
 def wait_gone(pids, seconds=15.0):
     """The pids among ``pids`` still running after waiting up to ``seconds``."""
-    from l3plugin.ranks import _alive
+    from l3plugin.ranks.pool import _alive
 
     deadline = time.monotonic() + seconds
     while True:
@@ -147,7 +147,7 @@ def test_a_failed_call_kills_the_old_workers(pool):
 PARENT = """
 import os, signal, sys, time
 sys.path.insert(0, {tests!r})
-from l3plugin.ranks import RankPool, RankPools, live_workers
+from l3plugin.ranks.pool import RankPool, RankPools, live_workers
 
 
 def bounded():  # the bounded-wait cases, each of which leaves a rank blocked, then a normal end
@@ -239,7 +239,7 @@ def test_bounded_wait_cases_leave_no_process(tmp_path):
 def test_run_command_leaves_no_process_of_the_tree():
     import subprocess
 
-    from l3plugin.ranks import run_command
+    from l3plugin.ranks.pool import run_command
 
     # A command that ends but leaves a background child: the child is ended with it.
     done = run_command(["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"], timeout=30)

@@ -18,7 +18,7 @@ sys.path.append(str(ROOT / "bench"))  # bench/wire.py, imported as the benches d
 import harness  # noqa: E402
 import wire  # noqa: E402
 
-from l3plugin.ranks import RankPool  # noqa: E402
+from l3plugin.ranks.pool import RankPool  # noqa: E402
 
 pytestmark = [pytest.mark.wire,
               pytest.mark.skipif(wire.why_not_here() is not None,
@@ -138,7 +138,7 @@ SHARED_BENCH = f"""
 import json, subprocess, sys
 sys.path.append({str(ROOT / "bench")!r})
 import wire
-from l3plugin.ranks import RankPool
+from l3plugin.ranks.pool import RankPool
 
 
 def loopback_qdiscs():

@@ -22,7 +22,7 @@ import time
 
 import torch.distributed as dist
 
-from l3plugin.checks import check_number
+from l3plugin.arguments.checks import check_number
 
 DEFAULT_TIMEOUT = 600.0  # seconds: a tenth of an hour, well under the process groups' 30-minute default
 ENV_VAR = "L3PLUGIN_WAIT_TIMEOUT"

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from l3plugin.checks import check_int
+from l3plugin.arguments.checks import check_int
 
 LAYOUT_NAMES = ("2cp", "balanced")
 PER_DOCUMENT = "per-document"  # Megatron's / TE's THD split (per_document_layout): comes with THD input, not chosen

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from l3plugin.checks import check_int
+from l3plugin.arguments.checks import check_int
 from l3plugin.cp.layout import check_bool, check_cu_seqlens, make_layout, two_chunk_layout
 
 __all__ = ["ChunkDocuments", "check_bool", "check_cu_seqlens", "cu_seqlens_from_eod", "document_ids",

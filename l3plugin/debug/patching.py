@@ -33,7 +33,7 @@ import inspect
 import threading
 from dataclasses import dataclass
 
-from l3plugin.patchset import Patch, PatchSet
+from l3plugin.upstream.patchset import Patch, PatchSet
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
-from l3plugin.cli_args import positive_int
+from l3plugin.arguments.flags import positive_int
 from l3plugin.debug.traces import TraceSet, load_traces
 from l3plugin.mesh import DIMS, MeshShape
 

@@ -17,8 +17,8 @@ import contextvars
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from l3plugin.checks import check_int
-from l3plugin.patchset import PrivateState
+from l3plugin.arguments.checks import check_int
+from l3plugin.upstream.patchset import PrivateState
 from l3plugin.zero.settings import boolean, json_options, whole_number
 
 KEY = "l3plugin"

@@ -17,8 +17,8 @@ from l3plugin.deepspeed import checkpoint
 from l3plugin.deepspeed.config import (PluginOptions, check_model_supported, check_supported, config_of_call,
                                        handing_over, options_for, zero_settings)
 from l3plugin.deepspeed.sequence_parallel import ACCELERATE, check_for_hf_users, initialize_with_cp
-from l3plugin.versions import DEEPSPEED_CHECKED
-from l3plugin.patchset import Patch, PatchSet
+from l3plugin.upstream.versions import DEEPSPEED_CHECKED
+from l3plugin.upstream.patchset import Patch, PatchSet
 
 _ENGINE, _PIPE = "DeepSpeedEngine", "PipelineEngine"
 

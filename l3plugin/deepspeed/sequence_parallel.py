@@ -27,8 +27,8 @@ import inspect
 import sys
 
 from l3plugin.deepspeed.config import ARGS_FIELDS, KEY, PluginOptions, options_in
-from l3plugin.patchset import Patch, PatchSet, PrivateState
-from l3plugin.versions import DEEPSPEED_CHECKED
+from l3plugin.upstream.patchset import Patch, PatchSet, PrivateState
+from l3plugin.upstream.versions import DEEPSPEED_CHECKED
 
 
 def _sequence_parallel(cp: int | None = None):

@@ -93,7 +93,7 @@ def run_demo(args) -> int:
     from l3plugin.collective import waits
     from l3plugin.demo import train
     from l3plugin.demo.mesh_check import check_reports, mesh_report
-    from l3plugin.ranks import RankPool
+    from l3plugin.ranks.pool import RankPool
 
     opts = options(args)
     shape = MeshShape(tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp)
@@ -184,7 +184,7 @@ def run(args) -> int:
 
 
 def add_demo_parser(sub):
-    from l3plugin.cli_args import positive_int
+    from l3plugin.arguments.flags import positive_int
 
     demo = sub.add_parser("demo", help="the main job: a tiny Llama trained with 4D parallelism on CPU",
                           description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)

@@ -11,8 +11,8 @@ import zlib
 
 import torch
 
-from l3plugin.versions import MEGATRON_CHECKED
-from l3plugin.patchset import Patch, PatchSet
+from l3plugin.upstream.versions import MEGATRON_CHECKED
+from l3plugin.upstream.patchset import Patch, PatchSet
 
 
 def llama_config(*, num_layers, hidden, heads, kv_heads, ffn, tp=1, cp=1, pp=1, vpp=None, k=None,

@@ -258,7 +258,7 @@ def run_multimodal_demo(args) -> int:
 
     from l3plugin.collective import waits
     from l3plugin.demo import _progress, finish, learned
-    from l3plugin.ranks import RankPool
+    from l3plugin.ranks.pool import RankPool
 
     # lr 0.1: at 0.5 (0.2) the tiny model's loss spikes after about 20 (50) steps, and inside a spike 1e-7
     # differences in summation order grow to 1e-2: a chaotic run, not a mismatch (0.1 holds 5e-7 over 100 steps).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from l3plugin.checks import check_int
+from l3plugin.arguments.checks import check_int
 
 PLACEMENTS = {
     "pipeline": "the encoder in the first stage, per micro-batch; image tokens travel with the activations",

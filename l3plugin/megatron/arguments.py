@@ -16,7 +16,7 @@ import warnings
 from l3plugin.cp import CP_KV_MODES
 from l3plugin.cp.layout import LAYOUT_NAMES
 from l3plugin.megatron.attention import CP_COMM_TYPE
-from l3plugin.patchset import PrivateState
+from l3plugin.upstream.patchset import PrivateState
 
 SCHEDULES = ("default", "flexible", "flexible-zb")
 

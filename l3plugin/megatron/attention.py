@@ -37,8 +37,8 @@ import torch
 
 from l3plugin.cp.attention import all_gather_attention, check_cp_kv, thd_attention
 from l3plugin.cp.layout import LAYOUT_NAMES, make_layout
-from l3plugin.versions import MEGATRON_CHECKED
-from l3plugin.patchset import Patch, PatchSet
+from l3plugin.upstream.versions import MEGATRON_CHECKED
+from l3plugin.upstream.patchset import Patch, PatchSet
 
 CP_COMM_TYPE = "l3plugin_all_gather"  # Megatron's --cp-comm-type / TransformerConfig.cp_comm_type value
 

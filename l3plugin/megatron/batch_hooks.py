@@ -33,8 +33,8 @@ import torch
 
 from l3plugin.cp.sharding import cu_seqlens_from_eod, shard_batch
 from l3plugin.megatron.arguments import parsed_options
-from l3plugin.versions import MEGATRON_CHECKED
-from l3plugin.patchset import Patch, PatchSet
+from l3plugin.upstream.versions import MEGATRON_CHECKED
+from l3plugin.upstream.patchset import Patch, PatchSet
 
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # what get_batch_on_this_cp_rank shards
 

@@ -40,8 +40,8 @@ from l3plugin.megatron.arguments import CPRoute, parsed_options
 from l3plugin.megatron.attention import CP_COMM_TYPE, AllGatherCPCoreAttention
 from l3plugin.megatron.batch_hooks import CP_BATCH, broadcast_boundaries, eod_token, with_boundaries
 from l3plugin.megatron.cp_documents import fill_boundaries, sbhd_packed_params
-from l3plugin.versions import MEGATRON_CHECKED
-from l3plugin.patchset import Patch, PatchSet
+from l3plugin.upstream.versions import MEGATRON_CHECKED
+from l3plugin.upstream.patchset import Patch, PatchSet
 
 TE_MODULE = "megatron.core.extensions.transformer_engine"
 

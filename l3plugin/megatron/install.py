@@ -29,8 +29,8 @@ import warnings
 from l3plugin.megatron.cp_documents import schedule_step
 from l3plugin.megatron.arguments import SCHEDULES, chain_extra_args, parsed_options, prepare_cp_args
 from l3plugin.megatron.cp_route import install_cp_route, uninstall_cp_route
-from l3plugin.versions import MEGATRON_CHECKED
-from l3plugin.patchset import Patch, PatchSet
+from l3plugin.upstream.versions import MEGATRON_CHECKED
+from l3plugin.upstream.patchset import Patch, PatchSet
 
 _state = {"schedule": None, "warned": False}
 _STOCK_SELECTOR = "megatron.core.pipeline_parallel.schedules.get_forward_backward_func"

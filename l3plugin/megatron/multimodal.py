@@ -163,7 +163,7 @@ class MultimodalChunk(torch.nn.Module):
 
     def __init__(self, module, *, carry_image_tokens: int = 0, encoder=None):
         super().__init__()
-        from l3plugin.checks import check_int
+        from l3plugin.arguments.checks import check_int
 
         self.module, self.config = module, module.config
         self.carry = check_int("carry_image_tokens", carry_image_tokens, low=0)

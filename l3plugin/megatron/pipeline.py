@@ -53,7 +53,7 @@ import time
 
 import torch
 
-from l3plugin.checks import check_int
+from l3plugin.arguments.checks import check_int
 from l3plugin.megatron.cp_documents import schedule_step
 from l3plugin.schedule.p2p import PipelineChannels, header_shape, pair_orders, posts_receives_early, shape_header
 from l3plugin.schedule.plan import FORWARD, WEIGHT, RankPlan, Schedule, build_schedule, with_trainable_stages

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from l3plugin.cli_args import positive_int
+from l3plugin.arguments.flags import positive_int
 from l3plugin.schedule.balance import LayerCost, StageSplitter, megatron_layout
 from l3plugin.schedule.plan import build_schedule
 

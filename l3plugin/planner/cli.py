@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from l3plugin.checks import check_number
-from l3plugin.cli_args import positive_int
+from l3plugin.arguments.checks import check_number
+from l3plugin.arguments.flags import positive_int
 
 from .layer_costs import FREEZABLE, KINDS
 from .machine import CP_KV_MODES, MACHINE_NODES, MACHINES

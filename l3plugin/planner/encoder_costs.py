@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from l3plugin.checks import check_int, check_number
+from l3plugin.arguments.checks import check_int, check_number
 from l3plugin.schedule.balance import LayerCost, Split, StageSplitter
 from l3plugin.schedule.plan import build_schedule
 from l3plugin.schedule.simulate import Replay

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from l3plugin.checks import check_int
+from l3plugin.arguments.checks import check_int
 from l3plugin.schedule.balance import LayerCost, StageSplitter
 from l3plugin.schedule.plan import build_schedule
 

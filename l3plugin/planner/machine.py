@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from l3plugin.checks import check_number
+from l3plugin.arguments.checks import check_number
 
 GIB = float(2**30)
 CP_KV_MODES = ("regather", "keep")

@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 
-from l3plugin.checks import check_int
+from l3plugin.arguments.checks import check_int
 
 LLAMA3_VOCAB = 128256
 

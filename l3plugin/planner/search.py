@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from l3plugin.checks import check_int, check_number
+from l3plugin.arguments.checks import check_int, check_number
 from l3plugin.schedule.layers import layers_per_virtual_stage
 
 from .costs import GIB, Layout, LayoutCosts

@@ -19,7 +19,7 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 
-from l3plugin.checks import check_int
+from l3plugin.arguments.checks import check_int
 
 from .costs import GIB, Layout
 from .search import (Evaluation, NoPlanFits, PlanRequest, ScheduleCache, describe, divisors, enumerate_layouts,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from l3plugin.checks import check_int
+from l3plugin.arguments.checks import check_int
 
 from .layers import layer_ranges
 from .plan import BACKWARD, Schedule, with_trainable_stages

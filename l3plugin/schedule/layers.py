@@ -7,7 +7,7 @@ opaque; this helper only decides the split and rejects ones that cannot be made.
 
 from __future__ import annotations
 
-from l3plugin.checks import check_int
+from l3plugin.arguments.checks import check_int
 
 
 def layers_per_virtual_stage(num_layers: int, pp_size: int, vpp_size: int = 1, *,

@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from l3plugin.checks import check_int
+from l3plugin.arguments.checks import check_int
 
 FORWARD = "F"
 BACKWARD = "B"  # the whole backward, or only the input gradient where the plan splits it

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from l3plugin.checks import check_int
+from l3plugin.arguments.checks import check_int
 from l3plugin.schedule.plan import Message, Schedule, execution_order
 
 SEND, RECV = "send", "recv"

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from l3plugin.checks import check_number
+from l3plugin.arguments.checks import check_number
 
 from .plan import BACKWARD, FORWARD, WEIGHT, Schedule, execution_order
 

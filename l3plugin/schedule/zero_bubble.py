@@ -37,7 +37,7 @@ import math
 from collections import deque
 from dataclasses import replace
 
-from l3plugin.checks import check_int, check_number
+from l3plugin.arguments.checks import check_int, check_number
 
 from .plan import (BACKWARD, FORWARD, WEIGHT, Action, RankPlan, Schedule, ScheduleError, flexible_plan,
                    trainable_stages_plan, validate)

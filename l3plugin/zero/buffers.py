@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from l3plugin.checks import check_int
+from l3plugin.arguments.checks import check_int
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import InitVar, dataclass, field, fields
 
 import torch
 
-from l3plugin.checks import check_int
+from l3plugin.arguments.checks import check_int
 from l3plugin.collective.waits import resolve_timeout
 
 # ZeRO-2: what may still be on the wire when the next micro-batch (Megatron: round) starts is bounded in bytes,

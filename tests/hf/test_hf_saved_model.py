@@ -11,7 +11,7 @@ import transformers  # noqa: E402,F401 (the "hf" test extra, installed by make t
 
 from hf_models import tiny_model  # noqa: E402
 
-from l3plugin.ranks import run_command  # noqa: E402
+from l3plugin.ranks.pool import run_command  # noqa: E402
 
 LOAD = """
 import json, sys

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from l3plugin.cp.sharding import cu_seqlens_from_eod
-from l3plugin.versions import imported_version, version_in
+from l3plugin.upstream.versions import imported_version, version_in
 
 # Megatron-LM reorganised get_batch and argument parsing in 0.18: a stand-in per layout.
 NEW_LM = version_in(imported_version("megatron.core").version, ">=0.18")

@@ -11,7 +11,7 @@ from megatron.core import pipeline_parallel
 from megatron.core.pipeline_parallel import schedules
 
 import l3plugin.megatron as l3m
-from l3plugin.ranks import run_command
+from l3plugin.ranks.pool import run_command
 from runs_ahead import RunsAhead
 
 SCRIPT = Path(__file__).parent.parent / "data" / "print_selected_schedule.py"

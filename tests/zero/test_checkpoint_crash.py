@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ds_models import ds_config, engine_for, train
-from l3plugin.ranks import RanksFailed
+from l3plugin.ranks.pool import RanksFailed
 
 TIMEOUT = 180
 

@@ -22,7 +22,7 @@ import torch
 from ds_models import ds_config, engine_for, train
 from stock_bugs import SKIP_IF_STOCK_ZERO_STEP_FAILS
 
-from l3plugin.ranks import run_command
+from l3plugin.ranks.pool import run_command
 
 ON = {"fp32_reduce_zero": True}
 TIMEOUT = 180
@@ -162,7 +162,7 @@ def _assert_resumed(saved, legs, expect_optimizer):
 def _on_deepspeed(versions: str) -> bool:
     from importlib.metadata import version  # deepspeed itself is not imported in pytest's process
 
-    from l3plugin.versions import version_in
+    from l3plugin.upstream.versions import version_in
 
     return version_in(version("deepspeed"), versions)
 

@@ -44,7 +44,7 @@ def test_tied_copies_in_their_own_buckets_sum_to_the_total_bit_identically(ranks
 
 
 def test_tied_copies_at_different_offsets_are_refused_on_every_rank(ranks):
-    from l3plugin.ranks import RanksFailed
+    from l3plugin.ranks.pool import RanksFailed
 
     with pytest.raises(RanksFailed) as info:
         ranks.run(4, tied_stages, False, 1, timeout=120)

@@ -253,7 +253,7 @@ def test_core_rounds_overlap_is_bit_identical(ranks, stage):
 
 
 def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks):
-    from l3plugin.ranks import RanksFailed
+    from l3plugin.ranks.pool import RanksFailed
 
     start = time.monotonic()
     with pytest.raises(RanksFailed) as err:
