@@ -20,10 +20,10 @@ extensions). Under torch.compile the guard runs eagerly: a graph break at each t
 after a step, and with inductor those breaks change the kernels' fusion, so the values are NOT bit-identical to
 the blocking path (measured on an H200, bench/gpu_check.py). ``wait_params_in_forward`` avoids that: when its
 module's forward is being compiled, its first pre-hook completes every pending gather (one graph break before
-any of the model's work, the same with or without deferral) and the rest compiles without the guard. When the mode stack already holds a mode that is not the
-guard (``torch.set_default_device``, a ``with torch.device(...)`` around the step), the guard could not leave the
-stack in order, so the step completes its all-gathers before returning, as without overlap: same values, no
-overlap.
+any of the model's work, the same with or without deferral) and the rest compiles without the guard. When the
+mode stack already holds a mode that is not the guard (``torch.set_default_device``, a ``with torch.device(...)``
+around the step), the guard could not leave the stack in order, so the step completes its all-gathers before
+returning, as without overlap: same values, no overlap.
 
 A mixin of ``FP32ReduceZero`` (optimizer.py): it reads its buckets, group, settings and wait_timeout.
 """
