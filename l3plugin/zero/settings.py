@@ -129,8 +129,8 @@ class ZeroSettings:
         check=whole_number(1, " (micro-batches between ZeRO-2 reduce-scatters)"), json=(int,))
     carry_bytes: int | None = option(
         None, "ZeRO-2: at the end of a micro-batch's backward (not the step's last; Megatron: of a round of the "
-        "flexible schedule), the reduce-scatters started last run on under the next forward as long as what they hold (full "
-        "fp32 buffers and received slices) fits in this many bytes; the others are waited there; default: 1/"
+        "flexible schedule), the reduce-scatters started last run on under the next forward as long as what they "
+        "hold (full fp32 buffers and received slices) fits in this many bytes; the others are waited there; default: 1/"
         f"{CARRY_SHARE} of this rank's fp32 gradient shard",
         check=whole_number(0, " (bytes the reductions carried into the next micro-batch may hold)"), json=(int,))
     carry_buckets: int | None = option(
