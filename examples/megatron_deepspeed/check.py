@@ -10,6 +10,7 @@ cpu_run.py pretrain_gpt.py, its log in --out):
 
   stock_z1          stock DeepSpeed ZeRO-1 (no key)
   stock_z2_refused  stock ZeRO-2: DeepSpeed's PipelineEngine refuses it (the check wants that refusal)
+  ours_fp16_refused --fp16 with the key: l3plugin refuses it with its message (bf16 only)
   ours_z1, ours_z2  the same config with "l3plugin": {"fp32_reduce_zero": true}, ZeRO stage 1 and 2
   ours_z1_first, ours_z1_resume   (and z2) the run stopped after --iters // 2 iterations (--exit-interval, with
                     --save), then resumed from that checkpoint (--load) to --iters
@@ -21,7 +22,7 @@ It prints the loss of every iteration side by side (full precision, from rank 0)
   - ours differ from stock ZeRO-1 by more than --tol (default 5e-4 absolute on the loss, 7x the 7.2e-5 measured
     over 6 iterations: stock reduces the gradients in bf16, ours in fp32, so they drift apart by rounding), or ours
     ZeRO-1 from ours ZeRO-2 (fp32 sums in another order; measured equal) by more than --tol;
-  - stock ZeRO-2 is not refused.
+  - stock ZeRO-2 or ours with fp16 is not refused with its message.
 """
 import argparse
 import json
@@ -43,10 +44,10 @@ CPU = ("--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-g
        "--log-interval 1 --eval-iters 0 --eval-interval 100000 --pipeline-model-parallel-size 2")
 
 
-def ds_config(stage, key):
+def ds_config(stage, key, fp16=False):
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 100000,
-              "zero_optimization": {"stage": stage}, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
-              "wall_clock_breakdown": False}
+              "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0, "wall_clock_breakdown": False,
+              "fp16" if fp16 else "bf16": {"enabled": True}}
     if key:
         config["l3plugin"] = {"fp32_reduce_zero": True}
     return config
@@ -59,6 +60,7 @@ def runs(iters):
         "stock_z2_refused": (2, False, ""),
         "ours_z1": (1, True, ""),
         "ours_z2": (2, True, ""),
+        "ours_fp16_refused": (1, True, "--fp16"),
     }
     for stage in (1, 2):
         ckpt = f"{{out}}/ckpt_z{stage}"
@@ -67,21 +69,24 @@ def runs(iters):
     return table
 
 
-ORDER = ["stock_z1", "stock_z2_refused", "ours_z1", "ours_z2", "ours_z1_first", "ours_z1_resume",
-         "ours_z2_first", "ours_z2_resume"]
+ORDER = ["stock_z1", "stock_z2_refused", "ours_fp16_refused", "ours_z1", "ours_z2", "ours_z1_first",
+         "ours_z1_resume", "ours_z2_first", "ours_z2_resume"]
 LOSS = re.compile(r"\[check\] iteration (\d+): lm loss ([^,]+), grad norm (\S+)")
 ENGINE = re.compile(r"\[check\] rank (\d+): (\w+), optimizer (\S+), zero stage (\d)")
-REFUSAL = "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
+REFUSAL = {"stock_z2_refused": "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism",
+           "ours_fp16_refused": "l3plugin FP32-reducing ZeRO cannot run this config: fp16 is enabled"}
 
 
 def run(name, spec, args, data):
     stage, key, extra = spec
+    fp16 = "--fp16" in extra.split()
     config = os.path.join(args.out, f"ds_{name}.json")
     with open(config, "w") as f:
-        json.dump(ds_config(stage, key), f, indent=1)
+        json.dump(ds_config(stage, key, fp16), f, indent=1)
+    cpu = [a for a in CPU.split() if not (fp16 and a == "--bf16")]
     command = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
                 str(args.port), os.path.join(HERE, "cpu_run.py"), "pretrain_gpt.py"]
-               + MODEL.split() + CPU.split() + ["--train-iters", str(args.iters), "--data-path", data,
+               + MODEL.split() + cpu + ["--train-iters", str(args.iters), "--data-path", data,
                "--deepspeed", "--deepspeed_config", config, "--zero-stage", str(stage)]
                + extra.format(out=args.out).split())
     log = os.path.join(args.out, f"{name}.log")
@@ -95,16 +100,17 @@ def run(name, spec, args, data):
                                 timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    result = parse(log, rc)
+    result = parse(log, rc, name)
     print(f"== {name}: exit {rc}, {time.time() - start:.0f} s, {sorted(result['engines'])}", flush=True)
     return result
 
 
-def parse(log, rc):
+def parse(log, rc, name):
     text = open(log, errors="replace").read()
     losses = {int(i): float(loss) for i, loss, _ in LOSS.findall(text)}
     engines = {(e, o, int(s)) for _, e, o, s in ENGINE.findall(text)}
-    return {"rc": rc, "losses": losses, "engines": engines, "refused": REFUSAL in text, "log": log}
+    return {"rc": rc, "losses": losses, "engines": engines, "refused": name in REFUSAL and REFUSAL[name] in text,
+            "log": log}
 
 
 def main():
@@ -118,7 +124,7 @@ def main():
     parser.add_argument("--port", type=int, default=29517)
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing: compare the logs in --out of an earlier run (exit codes taken as 0)")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     args.megatron_deepspeed = os.path.abspath(args.megatron_deepspeed)
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
@@ -133,7 +139,7 @@ def main():
         if args.report_only:
             log = os.path.join(args.out, f"{name}.log")
             if os.path.exists(log):
-                results[name] = parse(log, 1 if name == "stock_z2_refused" else 0)
+                results[name] = parse(log, 1 if name.endswith("_refused") else 0, name)
             continue
         if name.endswith("_first"):  # a fresh checkpoint directory for each interrupted run
             subprocess.run(["rm", "-rf", os.path.join(args.out, "ckpt_" + name.split("_")[1])], check=True)
@@ -155,9 +161,9 @@ def report(results, args):
 
     for name, result in results.items():
         stock = name.startswith("stock")
-        if name == "stock_z2_refused":
+        if name.endswith("_refused"):
             if not result["refused"] or result["rc"] == 0:
-                fail(f"{name}: stock ZeRO-2 with the PipelineEngine was not refused (see {result['log']})")
+                fail(f"{name}: not refused with {REFUSAL[name]!r} (see {result['log']})")
             continue
         if result["rc"] != 0:
             fail(f"{name}: exit {result['rc']} (see {result['log']})")
