@@ -103,8 +103,10 @@ def test_shortened_schedules_match_full_simulation(p, v, m, k):
                                      (4, 2, 12, 8), (1, 1, 5, 5)])
 def test_warmup_lower_bound_is_the_schedule_peak(p, v, m, k):
     schedule = build_schedule(p, v, m, k)
+    list_scheduled = v > 1 and k >= p and 0 < m % k < p  # (4, 3, 5, 4): a bound, not the peak
     for rank in range(p):
-        assert sum(warmup_inflight(p, v, m, k, rank)) == schedule.ranks[rank].peak_inflight()
+        bound, peak = sum(warmup_inflight(p, v, m, k, rank)), schedule.ranks[rank].peak_inflight()
+        assert bound <= peak if list_scheduled else bound == peak
 
 
 def test_layer_splits_include_the_paper_405b_split():

@@ -155,15 +155,18 @@ def warmup_inflight(p: int, v: int, m: int, k: int, rank: int) -> tuple[int, int
     warm-up rule: k < p runs all m v forwards first; otherwise (v-1) k + 2 (p-rank-1) forwards (p-rank-1
     with one chunk; the extra term capped at final group + k, see schedule.plan) plus the first
     steady-state forward. Those forwards are the first entries of the forward order: groups of k
-    microbatches, each visiting chunks 0..v-1. A lower bound of the schedule's peak."""
+    microbatches, each visiting chunks 0..v-1. A lower bound of the schedule's peak (equal to it where the plan
+    is laid out as warm-up and pairs). A final group of s < p is list-scheduled (schedule.plan), whose peak can
+    be lower: there only the forwards that come before (microbatch 0, last chunk) in that order are counted."""
     total = m * v
     if k < p:
         count = total
     elif v == 1:
         count = min(p - rank, total)
+    elif 0 < m % k < p:
+        count = min((v - 1) * k + 1, total)
     else:
-        final = m % k or k
-        count = min((v - 1) * k + min(2 * (p - rank - 1), final + k) + 1, total)
+        count = min((v - 1) * k + 2 * (p - rank - 1) + 1, total)
     counts = [0, 0, 0]
     for start in range(0, m, k):
         size = min(k, m - start)
