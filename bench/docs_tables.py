@@ -143,6 +143,8 @@ DOC_FIGURES = (
     ("docs/verified.md", "| run | 1 | 2 | 3 | 4 | 5 |", (), "Megatron-LM losses (tests/examples)"),
     ("docs/verified.md", "| run (core_v0.19.0) | 1 | 2 | 3 |", (), "Megatron-LM losses (tests/examples)"),
     ("docs/verified.md", "| deepspeed | transformers | accelerate |", (), "test counts of the compat runs"),
+    ("docs/verified.md", "| iteration | stock ZeRO-1 | ours ZeRO-1 |", (),
+     "Megatron-DeepSpeed's losses printed by examples/megatron_deepspeed/check.py, by hand"),
     ("docs/verified.md", "| tokens | documents | unmasked / dense causal pairs |", (),
      "bench/gpu_check.py on a GPU, by hand from its JSON (docs/runs/gpu_check_h200.json); no renderer yet"),
     ("docs/zero.md", "| | reduce-scatter | gradient memory between micro-batches |", (), "what each stage does"),
