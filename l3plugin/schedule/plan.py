@@ -29,8 +29,9 @@ unit-cost simulation interleaves them, each rank running its next forward when i
 next backward when that can run), see :func:`list_scheduled_plan`. Laid out as pairs, a final group of s < p
 stalls every rank at each chunk of that group (a forward waits p - s steps for its input, and the backward paired
 behind it waits too): simulated at p 16, v 4, k 16, the idle time per busy time was 2.9 at m 36 against 0.12 at
-m 32; list-scheduled 0.27 (never slower nor more memory on p 2..8, v 2..4, k p..2p, m k+1..3k).  :func:`validate` replays every plan; the tests
-run it exhaustively on small grids and by property tests on larger ones.
+m 32; list-scheduled 0.27 (never slower nor more memory on p 2..8, v 2..4, k p..2p, m k+1..3k).
+:func:`validate` replays every plan; the tests run it exhaustively on small grids and by property tests on
+larger ones.
 
 Frozen layers: ``Schedule.first_grad_stage`` is the first virtual stage holding a trainable parameter
 (:func:`with_trainable_stages`). Stages before it (a frozen prefix) have no gradient path: their
