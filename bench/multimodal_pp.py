@@ -228,7 +228,7 @@ def _layer_times(run, repeats=7) -> dict:
 
     from l3plugin.demo import multimodal_model as mm
     from l3plugin.encoder import image_context
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     init_mesh(dp=2)
     config = mm.mllama_config("SX", hidden=run.hidden, heads=run.heads)
@@ -249,7 +249,7 @@ def _layer_times(run, repeats=7) -> dict:
 
 def _build_trainers(runs) -> None:
     from l3plugin.demo.multimodal import PipelinedTrainer
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     first = next(iter(runs.values()))
     init_mesh(pp=first.pp, vpp=first.vpp if first.vpp > 1 else None)
@@ -303,7 +303,7 @@ def _backward_ratio(hidden, heads, seq, repeats=7) -> dict:
     import time
 
     from l3plugin.demo import multimodal_model as mm
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     init_mesh(dp=2)
     chunk = mm.build_text_chunk(mm.mllama_config("S", hidden=hidden, heads=heads), "S", pre_process=False,

@@ -126,7 +126,7 @@ def toy_model(p, v, m, k, layers, hidden, seq, mbs, deallocate_outputs=True):
     from megatron.core.transformer import TransformerConfig
 
     import toy_pipeline as toy
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(pp=p, vpp=v)
     config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=1,

@@ -45,7 +45,7 @@ def _rank_rounds(rounds, layers, hidden, seq):
 
     import toy_pipeline as toy
     from l3plugin.megatron import forward_backward_pipelining_flexible
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
     from megatron_cpu_shim import stock_schedules_on_cpu
 
     torch.set_num_threads(1)

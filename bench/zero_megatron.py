@@ -112,7 +112,7 @@ def build_model(args):
     from megatron.core import parallel_state as ps
 
     from l3plugin.demo.model import build_chunk
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     if not ps.model_parallel_is_initialized():
         init_mesh(dp=2)  # once: the contenders' optimizers keep its groups

@@ -13,7 +13,7 @@ from l3plugin.arguments.flags import add_mesh_sizes
 
 
 def _cmd_mesh(args) -> int:
-    from l3plugin.mesh import MeshShape, format_table
+    from l3plugin.mesh.shape import MeshShape, format_table
 
     shape = MeshShape(tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp)
     if args.json:

@@ -23,7 +23,7 @@ def toy_config(pp, vpp, num_layers, group_size=None):
 def run_stock(pp, vpp, num_microbatches, num_layers, group_size=None, use_shim=True):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
     from megatron_cpu_shim import stock_schedules_on_cpu
 
     mesh = init_mesh(pp=pp, vpp=vpp)

@@ -7,7 +7,7 @@ import pytest
 
 from l3plugin.cli import main as cli_main
 from l3plugin.demo.mesh_check import check_reports, mesh_report
-from l3plugin.mesh import DIMS, MeshShape
+from l3plugin.mesh.shape import DIMS, MeshShape
 
 
 def factorizations(world):
@@ -89,7 +89,7 @@ def deepspeed_mpu_report(tp, cp, pp, dp):
     from deepspeed.utils import groups
 
     from deepspeed_mpu import DeepSpeedMPU
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(tp=tp, cp=cp, pp=pp, dp=dp)
     mpu = DeepSpeedMPU(mesh)

@@ -35,7 +35,7 @@ from megatron.core.transformer import TransformerConfig
 import l3plugin.megatron  # l3plugin: the flexible schedule (any m, variable lengths) and the CP attention spec
 from l3plugin.cp.layout import per_document_layout  # l3plugin: the tokens of Megatron's THD split on a CP rank
 from l3plugin.demo.model import build_chunk  # l3plugin's demo model: GPTModel + the CP attention spec
-from l3plugin.mesh import init_mesh
+from l3plugin.mesh.groups import init_mesh
 
 VOCAB, LAYERS, CLIP = 128, 4, 0.2
 

@@ -22,7 +22,7 @@ from megatron.core.transformer import TransformerConfig
 import l3plugin.megatron  # l3plugin: the schedule and the CP attention spec
 from l3plugin.cp import sharding  # l3plugin: which tokens this CP rank holds
 from l3plugin.megatron.attention import gpt_layer_spec_with_cp_attention
-from l3plugin.mesh import init_mesh  # l3plugin: parallel_state in the order TP, CP, PP, DP
+from l3plugin.mesh.groups import init_mesh  # l3plugin: parallel_state in the order TP, CP, PP, DP
 
 VOCAB, SEQ = 128, 32
 

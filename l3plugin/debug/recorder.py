@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from l3plugin.debug import patching
 from l3plugin.debug.patching import Call, canonical, tensors
 from l3plugin.debug.traces import RECORDER_FORMAT, RECORDER_VERSION
-from l3plugin.mesh import DIMS
+from l3plugin.mesh.shape import DIMS
 
 
 @dataclass(eq=False)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from l3plugin.arguments.flags import positive_int
 from l3plugin.debug.traces import TraceSet, load_traces
-from l3plugin.mesh import DIMS, MeshShape
+from l3plugin.mesh.shape import DIMS, MeshShape
 
 LEVELS = ("dp", "pp", "cp", "tp")  # outermost first
 

@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from l3plugin.mesh import MeshShape, format_table
+from l3plugin.mesh.shape import MeshShape, format_table
 
 MODEL = {"num_layers": 6, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128}
 TOLERANCE = {"bf16": 5e-2, "fp32": 1e-4}  # max |loss - reference loss| over all steps

@@ -1,18 +1,18 @@
 """Mesh check (the demo's first step): every rank initialises Megatron-Core's parallel_state in the
-order [TP, CP, PP, DP] through ``l3plugin.mesh.init_mesh`` and reports the members of its real process
+order [TP, CP, PP, DP] through ``l3plugin.mesh.groups.init_mesh`` and reports the members of its real process
 groups; the parent checks them against the planned table.
 """
 
 from __future__ import annotations
 
-from l3plugin.mesh import MeshShape
+from l3plugin.mesh.shape import MeshShape
 
 GROUPS = ("tp", "cp", "pp", "dp", "dp-cp")
 
 
 def mesh_report(tp: int, cp: int, pp: int, dp: int) -> dict:
     """Runs on every rank: build the mesh, return this rank's coordinates and group members."""
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(tp=tp, cp=cp, pp=pp, dp=dp)
     return {"rank": mesh.rank, "coords": mesh.coords,

@@ -93,12 +93,12 @@ class PipelinedTrainer:
     def __init__(self, run: MultimodalRun, init_mesh: bool = True):
         from megatron.core import parallel_state as ps
 
-        from l3plugin import mesh
+        from l3plugin.mesh import groups as mesh_groups
         from l3plugin.megatron.multimodal import image_encoder_placement
 
         self.run = run
         if init_mesh:
-            mesh.init_mesh(pp=run.pp, vpp=run.vpp if run.vpp > 1 else None)
+            mesh_groups.init_mesh(pp=run.pp, vpp=run.vpp if run.vpp > 1 else None)
         rank = ps.get_pipeline_model_parallel_rank()
         config, carry = run.config(pipelined=True), run.patches if run.placement == "pipeline" else 0
         self.encoder = run.encoder()
@@ -148,7 +148,7 @@ class SerialTrainer:
     over all images (broadcast), over each pipeline rank's share (replicated)."""
 
     def __init__(self, run: MultimodalRun):
-        from l3plugin.mesh import init_mesh
+        from l3plugin.mesh.groups import init_mesh
 
         init_mesh()
         self.run = run

@@ -54,7 +54,7 @@ def setup(opts: dict) -> dict:
     from megatron.core import parallel_state as ps
 
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     # Process groups with an explicit timeout (the harness's world group has one too); ZeRO's waits are
     # bounded below it (the pipeline's and CP's by $L3PLUGIN_WAIT_TIMEOUT, which run_demo sets).
@@ -108,7 +108,7 @@ def reference_losses(opts: dict, steps: int) -> list[float]:
     import torch.distributed as dist
 
     from l3plugin.megatron.zero import megatron_zero
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     init_mesh()
     alone, _ = dist.new_subgroups(group_size=1)

@@ -90,7 +90,7 @@ def _groups_left() -> int:
 def _reset_framework_state():
     """Leave no model-parallel state (nor its process groups and their threads) for the next call."""
     if "megatron.core.parallel_state" in sys.modules:
-        from l3plugin.mesh import destroy_mesh
+        from l3plugin.mesh.groups import destroy_mesh
 
         destroy_mesh()
     groups = sys.modules.get("deepspeed.utils.groups")

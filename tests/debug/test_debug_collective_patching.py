@@ -265,7 +265,7 @@ def test_local_collectives_without_a_process_group():
 
 def test_recorder_arguments_are_checked():
     from l3plugin.debug import record_collectives
-    from l3plugin.mesh import MeshShape
+    from l3plugin.mesh.shape import MeshShape
 
     with pytest.raises(TypeError, match="extra_targets"):
         with record_collectives([(os, "getcwd", "barrier")]):  # the old positional extra_targets

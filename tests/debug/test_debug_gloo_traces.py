@@ -54,7 +54,7 @@ def record_slow_runs(sizes, slow_ranks, root):
     import torch.distributed as dist
 
     from l3plugin.debug import record_collectives
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(*sizes)
     rank = dist.get_rank()
@@ -74,7 +74,7 @@ def record_every_op(root):
 
     from l3plugin.debug import record_collectives
     from l3plugin.debug.patching import OPS
-    from l3plugin.mesh import MeshShape
+    from l3plugin.mesh.shape import MeshShape
 
     rank = dist.get_rank()
     pair = dist.new_group([0, 1])

@@ -10,7 +10,7 @@ import pytest
 
 from l3plugin.debug.slow_rank import add_analyze_parser, analyze_trace_dir
 from l3plugin.debug.traces import load_traces, parse_group_ranks
-from l3plugin.mesh import MeshShape
+from l3plugin.mesh.shape import MeshShape
 
 T0 = 1_700_000_000.0  # seconds on the wall clock
 EPS = 0.001           # how long a collective takes once everyone is there

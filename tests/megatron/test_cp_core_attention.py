@@ -15,7 +15,7 @@ def gpt_step(cp, cu, dtype, cp_layout="2cp", position_embedding_type="learned_ab
 
     from l3plugin.cp import sharding
     from l3plugin.demo.model import build_chunk
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(cp=cp, dp=2 // cp)
     config = gpt.gpt_config(2, cp=cp, params_dtype=dtype)

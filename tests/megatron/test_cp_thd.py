@@ -169,7 +169,7 @@ def gpt_thd_step(cp, lengths, dtype=torch.float64):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from l3plugin.demo.model import build_chunk
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(cp=cp, dp=2 // cp)
     n = sum(lengths)
@@ -283,7 +283,7 @@ def gpt_zigzag_step(form, lengths=(5, 11, 3, 17, 1, 7), dtype=torch.float64):
     from l3plugin.cp.sharding import shard_batch
     from l3plugin.demo.model import build_chunk
     from l3plugin.megatron.batch_hooks import sbhd_from_thd
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     cp = 1 if form == "cp1" else 2
     mesh = init_mesh(cp=cp, dp=2 // cp)

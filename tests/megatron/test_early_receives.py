@@ -18,7 +18,7 @@ def run_step(pp, vpp, m, k, early, jitter):
 
     from megatron.core.transformer import TransformerConfig
 
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
     from l3plugin.schedule.plan import build_schedule
     from l3plugin.schedule.receives import receive_posts
 

@@ -23,7 +23,7 @@ def run_pipeline(pp, vpp, m, k, num_layers, layers_per_stage=None, stock=False, 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
     from megatron_cpu_shim import stock_schedules_on_cpu
 
     mesh = init_mesh(pp=pp, vpp=vpp if vpp > 1 else None)
@@ -129,7 +129,7 @@ def run_with_sync_hooks(p, v, m, k, pipeline_schedule="flexible"):
     import contextlib
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(pp=p, vpp=v if v > 1 else None)
     layers = 2 * p * v
@@ -223,7 +223,7 @@ def run_with_param_sync(p, v, m, k, stock):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
     from megatron_cpu_shim import stock_schedules_on_cpu
 
     mesh = init_mesh(pp=p, vpp=v if v > 1 else None)

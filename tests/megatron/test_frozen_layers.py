@@ -29,7 +29,7 @@ def run_frozen(p, v, m, k, model, skip=True):
     from unittest import mock
 
     from l3plugin.megatron import forward_backward_pipelining_flexible, pipeline
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(pp=p, vpp=v if v > 1 else None)
     layers, frozen = 2 * p * v, frozen_layers(model, p, v)
@@ -121,7 +121,7 @@ def zero_frozen_step(stage, p, v, m, k, model):
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(pp=p, vpp=v if v > 1 else None, dp=dist.get_world_size() // p)
     layers, frozen = 2 * p * v, frozen_layers(model, p, v)
@@ -190,7 +190,7 @@ def gpt_frozen_step(p, v, m, k):
     """A real Megatron-Core GPTModel (4 layers, pp 2 x vpp 2) with the embedding, layers 0-1 and layer 2's
     attention frozen: stages 0 and 1 are a frozen prefix, stage 2 the first trainable one."""
     from l3plugin.megatron import forward_backward_pipelining_flexible
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
     import tiny_gpt as gpt
 
     mesh = init_mesh(pp=p, vpp=v)
@@ -211,7 +211,7 @@ def gpt_frozen_step(p, v, m, k):
 
 
 def gpt_frozen_serial(m):
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
     import tiny_gpt as gpt
 
     init_mesh(dp=2)  # both ranks compute the same serial reference; no communication

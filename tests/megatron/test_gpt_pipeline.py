@@ -10,7 +10,7 @@ SEQ, MBS = 16, 2
 
 def gpt_flexible_step(pp, vpp, m, k, num_layers, layout=None, pipeline_schedule="flexible"):
     from l3plugin.megatron import forward_backward_pipelining_flexible
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(pp=pp, vpp=vpp)
     r = mesh.coords["pp"]
@@ -27,7 +27,7 @@ def gpt_flexible_step(pp, vpp, m, k, num_layers, layout=None, pipeline_schedule=
 
 def gpt_serial_step(m, num_layers):
     """The same model in one piece, microbatch after microbatch (loss scaled as Megatron scales it)."""
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     init_mesh(dp=2)  # both ranks compute the same serial reference; no communication
     model = gpt.build_gpt(gpt.gpt_config(num_layers), seq_len=SEQ)

@@ -104,7 +104,7 @@ def multimodal_misuse():
 
     from l3plugin.demo import multimodal_model as mm
     from l3plugin.megatron.multimodal import multimodal_block_spec
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     init_mesh()
     config = mm.mllama_config("SX")

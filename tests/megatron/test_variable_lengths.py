@@ -50,7 +50,7 @@ def run_rl_calls(p, cases, receive_posting):
     from megatron.core import pipeline_parallel
 
     import l3plugin.megatron as l3m
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     out, v_now = [], None
     l3m.install("flexible")
@@ -114,7 +114,7 @@ def run_stock_and_flexible(p, v, m, k):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
     from megatron_cpu_shim import stock_schedules_on_cpu
 
     mesh = init_mesh(pp=p, vpp=v if v > 1 else None)
@@ -176,7 +176,7 @@ def step_error(**step_kwargs):
 def run_fixed_config_with_varying_lengths():
     """p = 2: micro-batches of 4 and 6 tokens with variable_seq_lengths off (seq_length=4): rank 0 must refuse
     to send micro-batch 1 naming the fix; rank 1, left waiting, must fail too (within the wait bound)."""
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(pp=2)
     config = varlen_config(2, 1, 2, 4)
@@ -198,7 +198,7 @@ def test_lengths_that_vary_without_the_flag_fail_on_every_rank(ranks):
 def run_with_a_bad_micro_batch(bad):
     """p = 2, v = 2, variable lengths: micro-batch ``bad`` breaks a rule of the user's forward step (as a length
     that sequence parallelism cannot split would). Returns each rank's error text."""
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(pp=2, vpp=2)
     config = varlen_config(2, 2, 2, 8)
@@ -230,7 +230,7 @@ def run_tp_inputs(lengths_by_tp_rank, sequence_parallel):
     from megatron.core.enums import ModelType
     from megatron.core.transformer import TransformerConfig
 
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(tp=2)
     config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, tensor_model_parallel_size=2,
@@ -275,7 +275,7 @@ def test_micro_batches_that_differ_across_tp_or_do_not_split_for_sp_are_named_on
 
 def run_frozen_prefix(p, v, m, k, frozen, receive_posting):
     """Variable lengths with a frozen prefix (no gradient messages into it): one training step on this rank."""
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(pp=p, vpp=v if v > 1 else None)
     layers = 2 * p * v

@@ -24,7 +24,7 @@ def run_both(p, cases):
     from unittest import mock
 
     from l3plugin.megatron import pipeline
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     split_b = mock.patch.object(pipeline, "backward_input", wraps=pipeline.backward_input)
     results, vpp = [], None

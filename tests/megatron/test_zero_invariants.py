@@ -40,7 +40,7 @@ def tied_zero_train(pp, vpp, tp, sp, per_token, stage, m, k, keep_invariants=Tru
     from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.demo.model import global_name
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
     from megatron_cpu_shim import sequence_parallel_on_cpu
 
     mesh = init_mesh(tp=tp, pp=pp, vpp=vpp)
@@ -80,7 +80,7 @@ def tied_zero_train(pp, vpp, tp, sp, per_token, stage, m, k, keep_invariants=Tru
 def serial_train(dp, m, per_token):
     """The same model in one piece (tied: one tensor serves both uses), every DP rank's micro-batches in order,
     plain torch: clip_grad_norm_ and SGD."""
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     init_mesh(dp=2)  # both ranks compute the same reference; no communication
     model = gpt.build_gpt(gpt.gpt_config(LAYERS), seq_len=SEQ, share_embeddings_and_output_weights=True)
@@ -188,7 +188,7 @@ def tp_replicated_grads(stage):
     from megatron.core.transformer import TransformerConfig
 
     from l3plugin.megatron.zero import finalize_grads_func, megatron_zero
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     init_mesh(tp=2)
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,

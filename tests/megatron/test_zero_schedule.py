@@ -38,7 +38,7 @@ def zero_step(stage, p, v, m, k, overlap=True, steps=1, reduce_in_backward=True,
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
     from l3plugin.debug import record_collectives
 
     mesh = init_mesh(pp=p, vpp=v, dp=dist.get_world_size() // p)
@@ -189,7 +189,7 @@ def gpt_zero_steps(pp, vpp, m, k, overlap, steps=2):
     from l3plugin.demo.model import global_name
     from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(pp=pp, vpp=vpp)
     r, v = mesh.coords["pp"], vpp or 1

@@ -64,7 +64,7 @@ def megatron_run(bucket_numel, overlap=True, steps=2, m=3):
     import toy_pipeline as toy
     from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
 
     init_mesh(dp=dist.get_world_size())
     hidden, layers = 32, 4

@@ -17,7 +17,7 @@ def _setup():
     import torch.distributed as dist
 
     from l3plugin.megatron.zero import megatron_zero
-    from l3plugin.mesh import init_mesh
+    from l3plugin.mesh.groups import init_mesh
     from tiny_gpt import build_gpt, gpt_config
 
     init_mesh(dp=dist.get_world_size())
