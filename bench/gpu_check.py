@@ -24,6 +24,12 @@ recorded even when another fails (the JSON is rewritten after each, so a run cut
    (overlap=False), parameters bit for bit; a read of a parameter between the step and the next forward (the guard
    completes its bucket first); and the same two with every chunk ``torch.compile``d (inductor), with dynamo's
    graph breaks counted, with the hooks and without them (the guard alone).
+4. ``split_backward``: the zero-bubble schedule's backward split (``l3plugin/schedule/split_backward.py``: B, the
+   input gradient, then W, the weight gradients) on a virtual stage of 2 Llama-3-8B-shaped layers (hidden 4096,
+   32 query / 8 K/V heads, SwiGLU 14336, RMSNorm, causal SDPA; 4096 tokens), bf16: the input gradient and every
+   weight gradient against one fused backward, bit for bit; then the times (CUDA events, median of 5) of the
+   fused backward, of B and of W, each net of the forward: B / fused is the share of the backward left on the
+   pipeline's critical path, (B + W) / fused what the split costs.
 """
 
 from __future__ import annotations
@@ -258,6 +264,88 @@ def zero_check(device, hidden) -> dict:
     return out
 
 
+# -- the zero-bubble split ----------------------------------------------------------------------------------
+class LlamaLayer(torch.nn.Module):
+    """One pre-norm decoder layer: RMSNorm, fused QKV (GQA), causal SDPA, output projection, RMSNorm, SwiGLU."""
+
+    def __init__(self, hidden, heads, kv_heads, ffn):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.norm1, self.norm2 = torch.nn.RMSNorm(hidden), torch.nn.RMSNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.gate_up = torch.nn.Linear(hidden, 2 * ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):  # x: [tokens, hidden]
+        tokens, d = x.size(0), self.head_dim
+        q, k, v = self.qkv(self.norm1(x)).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q, k, v = (t.view(tokens, -1, d).transpose(0, 1)[None] for t in (q, k, v))
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.proj(attn[0].transpose(0, 1).reshape(tokens, -1))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
+def split_backward_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, tokens=4096, layers=2) -> dict:
+    from l3plugin.schedule.split_backward import backward_input
+
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(*(LlamaLayer(hidden, heads, kv_heads, ffn) for _ in range(layers)))
+    stage = stage.to(device, torch.bfloat16)
+    params = list(stage.parameters())
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    grad_out = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+
+    def forward():
+        inp = x.detach().requires_grad_(True)
+        return inp, stage(inp)
+
+    def fused():
+        inp, out = forward()
+        out.backward(grad_out)
+        return inp.grad
+
+    def split(run_w=True):
+        inp, out = forward()
+        input_grad, weight_step = backward_input(out, grad_out, inp, params)
+        if run_w:
+            weight_step.run()
+        return input_grad
+
+    for p in params:
+        p.grad = None
+    fused_input_grad = fused()
+    fused_grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    split_input_grad = split()
+    out = {"hidden": hidden, "heads": [heads, kv_heads], "ffn": ffn, "tokens": tokens, "layers": layers,
+           "dtype": "bfloat16",
+           "input_grad_bit_identical": torch.equal(fused_input_grad, split_input_grad),
+           "weight_grads_bit_identical": all(torch.equal(p.grad, g) for p, g in zip(params, fused_grads)),
+           "weight_grads_max_abs_difference": max(float((p.grad.float() - g.float()).abs().max())
+                                                  for p, g in zip(params, fused_grads))}
+    del fused_input_grad, split_input_grad, fused_grads
+
+    def no_grads(fn):
+        def run():
+            for p in params:
+                p.grad = None
+            fn()
+        return run
+
+    forward_s = timed(forward, device)  # the forward that keeps the graph, freed unused
+    fused_s = timed(no_grads(fused), device) - forward_s
+    b_s = timed(no_grads(lambda: split(run_w=False)), device) - forward_s
+    split_s = timed(no_grads(split), device) - forward_s
+    out.update(forward_ms=round(forward_s * 1e3, 2), fused_backward_ms=round(fused_s * 1e3, 2),
+               b_ms=round(b_s * 1e3, 2), w_ms=round((split_s - b_s) * 1e3, 2),
+               b_over_fused=round(b_s / fused_s, 3), b_plus_w_over_fused=round(split_s / fused_s, 3),
+               note="each time net of the same forward (graph kept, then freed unused)")
+    return out
+
+
 _OUT = None
 
 
@@ -291,7 +379,9 @@ def main(argv=None) -> int:
     print("environment: " + json.dumps(record["environment"]), flush=True)
     write(record)
     for name, run in (("cp_kernels", lambda: cp_kernels(device, sizes, record)),
-                      ("zero", lambda: zero_check(device, 64 if args.cpu else 2048))):
+                      ("zero", lambda: zero_check(device, 64 if args.cpu else 2048)),
+                      ("split_backward", lambda: split_backward_check(
+                          device, **(dict(hidden=64, heads=4, kv_heads=2, ffn=96, tokens=64) if args.cpu else {})))):
         section_began = time.perf_counter()
         try:
             record[name] = run()

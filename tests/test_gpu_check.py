@@ -31,3 +31,10 @@ def test_documents_cross_the_chunk_borders_of_cp4():
     inside_a_document = [c for c in range(chunk, 8192, chunk) if c not in cu]
     assert len(inside_a_document) >= 4  # of the 7 chunk borders
     assert gpu_check.unmasked_pairs([0, 3, 5]) == 6 + 3
+
+
+def test_split_backward_section_compares_against_one_fused_backward():
+    """The section's own check, small on CPU: B then W give the fused backward's gradients bit for bit."""
+    out = gpu_check.split_backward_check(torch.device("cpu"), hidden=32, heads=4, kv_heads=2, ffn=48, tokens=16)
+    assert out["input_grad_bit_identical"] and out["weight_grads_bit_identical"], out
+    assert out["weight_grads_max_abs_difference"] == 0.0
