@@ -27,9 +27,11 @@ recorded even when another fails (the JSON is rewritten after each, so a run cut
 4. ``split_backward``: the zero-bubble schedule's backward split (``l3plugin/schedule/split_backward.py``: B, the
    input gradient, then W, the weight gradients) on a virtual stage of 2 Llama-3-8B-shaped layers (hidden 4096,
    32 query / 8 K/V heads, SwiGLU 14336, RMSNorm, causal SDPA; 4096 tokens), bf16: the input gradient and every
-   weight gradient against one fused backward, bit for bit; then the times (CUDA events, median of 5) of the
-   fused backward, of B and of W, each net of the forward: B / fused is the share of the backward left on the
-   pipeline's critical path, (B + W) / fused what the split costs.
+   weight gradient against one fused backward, bit for bit, beside the control (a fused backward against itself),
+   with torch's defaults and with its deterministic algorithms (``CUBLAS_WORKSPACE_CONFIG`` is set for that at
+   start unless set); then the times (CUDA events, median of 5) of the fused backward, of B and of W, each net of
+   the forward: B / fused is the share of the backward left on the pipeline's critical path, (B + W) / fused
+   what the split costs.
 """
 
 from __future__ import annotations
@@ -313,20 +315,32 @@ def split_backward_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, t
             weight_step.run()
         return input_grad
 
-    for p in params:
-        p.grad = None
-    fused_input_grad = fused()
-    fused_grads = [p.grad.clone() for p in params]
-    for p in params:
-        p.grad = None
-    split_input_grad = split()
+    def gradients(backward):
+        for p in params:
+            p.grad = None
+        input_grad = backward()
+        return [input_grad] + [p.grad.clone() for p in params]
+
+    def compare(first, second) -> dict:
+        return {"input_grad_bit_identical": torch.equal(first[0], second[0]),
+                "weight_grads_bit_identical": all(torch.equal(a, b) for a, b in zip(first[1:], second[1:])),
+                "max_abs_difference": max(float((a.float() - b.float()).abs().max()) for a, b in zip(first, second))}
+
     out = {"hidden": hidden, "heads": [heads, kv_heads], "ffn": ffn, "tokens": tokens, "layers": layers,
-           "dtype": "bfloat16",
-           "input_grad_bit_identical": torch.equal(fused_input_grad, split_input_grad),
-           "weight_grads_bit_identical": all(torch.equal(p.grad, g) for p, g in zip(params, fused_grads)),
-           "weight_grads_max_abs_difference": max(float((p.grad.float() - g.float()).abs().max())
-                                                  for p, g in zip(params, fused_grads))}
-    del fused_input_grad, split_input_grad, fused_grads
+           "dtype": "bfloat16"}
+    # The control: a fused backward against itself. On CUDA flash attention's backward accumulates dq with
+    # atomics (run-to-run different) unless torch's deterministic algorithms are on: the split is compared
+    # both ways, and bit for bit only means something where the control is.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    for key, det in (("default", False), ("deterministic_algorithms", True)):
+        torch.use_deterministic_algorithms(det)
+        try:
+            reference = gradients(fused)
+            out[key] = {"fused_vs_fused": compare(reference, gradients(fused)),
+                        "split_vs_fused": compare(reference, gradients(split))}
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
+        del reference
 
     def no_grads(fn):
         def run():
@@ -366,6 +380,7 @@ def main(argv=None) -> int:
         if s < 8 * CP or s % (2 * CP):
             parser.error(f"--sizes {s} is invalid: each must be a multiple of {2 * CP} and >= {8 * CP}")
     _OUT = args.out
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS under deterministic algorithms (4.)
     if not torch.cuda.is_available() and not args.cpu:
         record = {"skipped": f"no CUDA device (torch {torch.__version__}, cuda available: False): nothing to check; "
                              f"--cpu runs the same checks small on CPU"}
