@@ -9,12 +9,13 @@ STAMP  := $(VENV)/.installed
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall only when the package metadata or the start-up hook that setup.py installs changes.
+# Reinstall only when the package metadata or the start-up hook that setup.py installs changes. --no-compile: pip
+# would byte-compile every file of every package (torch's thousands) up front; Python compiles what is imported.
 # torch==2.13.0 resolves to the CPU wheel on these machines; constraints.txt pins the versions the suite
 # was verified with.
 $(STAMP): $(PY) pyproject.toml setup.py l3plugin-autoload.pth constraints.txt
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,plot,hf]"
+	$(PY) -m pip install --quiet --no-compile --upgrade pip
+	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e ".[test,plot,hf]"
 	touch $(STAMP)
 
 install: $(STAMP)
