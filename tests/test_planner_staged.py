@@ -27,16 +27,35 @@ def run(argv, capsys, code=0):
     return captured.out if code == 0 else captured.err
 
 
-@pytest.fixture(scope="module")
-def long_json():
-    """`plan --seq-len 131072 --keep-tp-pp --json` for the paper's 405B run (computed once)."""
+def _quiet_main(argv):
+    """stdout of ``main(argv)`` outside a test (module fixtures cannot take capsys)."""
     import contextlib
     import io
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(LONG + ["--keep-tp-pp", "--json", "--top-k", "3"]) == 0
-    return json.loads(out.getvalue())
+        assert main(argv) == 0
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def long_json():
+    """`plan --seq-len 131072 --keep-tp-pp --json` for the paper's 405B run (computed once)."""
+    return json.loads(_quiet_main(LONG + ["--keep-tp-pp", "--json", "--top-k", "3"]))
+
+
+@pytest.fixture(scope="module")
+def short_json_file(tmp_path_factory):
+    """The short-context stage's own `plan --seq-len 8192 --json` output, as a file for --from."""
+    path = tmp_path_factory.mktemp("plans") / "8k.json"
+    path.write_text(_quiet_main(SHORT + ["--json", "--top-k", "1"]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def staged_text_from_short(short_json_file):
+    """The 131K text report with TP/PP kept --from the 8K plan's file (computed once, read by two tests)."""
+    return _quiet_main(LONG + ["--from", str(short_json_file), "--top-k", "2"])
 
 
 def _sizes(record):
@@ -61,22 +80,21 @@ def test_keep_tp_pp_gives_the_paper_131k_layout_by_the_rule(long_json):
         assert staged["step_time_s"] >= best["step_time_s"] and "Terms that differ" in staged["trade_off"]
 
 
-def test_from_plan_json_gives_the_same_answer(tmp_path, capsys, long_json):
-    short = tmp_path / "8k.json"
-    short.write_text(run(SHORT + ["--json", "--top-k", "1"], capsys))
-    assert _sizes(json.loads(short.read_text())["plans"][0]) == (8, 16, 1, 128)
-    data = json.loads(run(LONG + ["--from", str(short), "--json", "--top-k", "1"], capsys))
-    assert _sizes(data["staged"]) == (8, 16, 16, 8) and data["staged"]["vpp"] == 8
-    assert data["staged"]["kept_from"] == f"--from {short}"
-    # a staged --json run can seed the next stage: its staged answer is what --from keeps
-    long = tmp_path / "131k.json"
-    long.write_text(json.dumps(long_json))
-    text = run(LONG + ["--from", str(long), "--top-k", "1"], capsys)
-    assert "Staged plan (paper 5.1), TP/PP kept from --from" in text
+def test_from_plan_json_gives_the_same_answer(short_json_file, staged_text_from_short):
+    """--from the 8K plan's --json file keeps the TP/PP that --keep-tp-pp plans itself (long_json above): the
+    same staged answer. (That a staged --json run seeds the next stage: test_emit_megatron_for_the_staged_plan.)"""
+    assert _sizes(json.loads(short_json_file.read_text())["plans"][0]) == (8, 16, 1, 128)
+    text = staged_text_from_short
+    assert f"Staged plan (paper 5.1), TP/PP kept from --from {short_json_file}:" in text
+    staged_row = next(line for line in text.splitlines() if line.startswith(" S "))
+    assert staged_row.split()[1:5] == ["8", "16", "16", "8"]  # tp cp pp dp
+    assert "Why tp=8 cp=16 pp=16 dp=8, vpp=8," in text
 
 
-def test_staged_text_says_why(capsys):
-    text = run(LONG + ["--keep-tp-pp", "--top-k", "2"], capsys)
+def test_staged_text_says_why(staged_text_from_short):
+    # The text report of a staged plan is the same whichever way TP/PP were kept (--from here, --keep-tp-pp in
+    # long_json): both give staged_plan the same base.
+    text = staged_text_from_short
     staged_row = next(line for line in text.splitlines() if line.startswith(" S "))
     assert staged_row.split()[1:5] == ["8", "16", "16", "8"]
     for phrase in ("Why tp=8 cp=16 pp=16 dp=8, vpp=8", "CP can replace neither TP nor PP", "VPP=8 kept",
@@ -85,16 +103,19 @@ def test_staged_text_says_why(capsys):
         assert phrase in text
     # the paper's layout is shown under the free ranking when it is not in the top k
     if " P " in text:
-        assert next(line for line in text.splitlines() if line.startswith(" P ")).split()[1:5] == staged_row.split()[1:5]
+        paper_row = next(line for line in text.splitlines() if line.startswith(" P "))
+        assert paper_row.split()[1:5] == staged_row.split()[1:5]
 
 
 def test_the_rule_follows_the_gpu_count_and_batch():
-    """CP >= N / (TP B): half the GPUs need half the CP (derived, not a constant). When the rule's CP does not
-    fit this memory model, the next CP is taken and the report says why."""
+    """CP >= N / (TP B): half the GPUs need half the CP, half the batch twice the CP (derived, not a constant).
+    When the rule's CP does not fit this memory model, the next CP is taken and the report says why (8192 GPUs
+    at 16M tokens: CP 8 and 16 do not fit)."""
     base = Base(tp=8, pp=16, vpp=8, source="test")
     cache = ScheduleCache()
-    for gpus, cp in ((16384, 16), (8192, 8), (4096, 4)):
-        req = PlanRequest("llama3-405b", gpus=gpus, seq_len=131072, global_batch_tokens=16 * 2**20)
+    for gpus, batch_tokens, cp in ((16384, 16 * 2**20, 16), (8192, 16 * 2**20, 8), (16384, 8 * 2**20, 32),
+                                   (8192, 8 * 2**20, 16)):
+        req = PlanRequest("llama3-405b", gpus=gpus, seq_len=131072, global_batch_tokens=batch_tokens)
         result = staged_plan(req, base, cache)
         L = result.evaluation.layout
         assert result.rule_cp == cp and (L.tp, L.pp) == (8, 16) and L.tp * L.pp * L.cp * L.dp == gpus
@@ -105,12 +126,25 @@ def test_the_rule_follows_the_gpu_count_and_batch():
             assert L.vpp == 8 and any(r.startswith("VPP=8 kept") for r in result.reasons)
 
 
-def test_keeping_the_gathered_kv_needs_a_larger_cp():
+@pytest.fixture(scope="module")
+def staged_405b_at_131k():
+    """staged_plan of the paper's 131K run with the paper's TP/PP, by --cp-kv (each computed once)."""
+    done = {}
+
+    def get(cp_kv):
+        if cp_kv not in done:
+            req = PlanRequest("llama3-405b", gpus=16384, seq_len=131072, global_batch_tokens=16 * 2**20,
+                              hardware=Hardware(cp_kv=cp_kv))
+            done[cp_kv] = staged_plan(req, Base(tp=8, pp=16, vpp=8, source="test"))
+        return done[cp_kv]
+
+    return get
+
+
+def test_keeping_the_gathered_kv_needs_a_larger_cp(staged_405b_at_131k):
     """--cp-kv keep holds the all-gathered K/V for backward: CP 16 no longer fits at any VPP, so the staged
     plan moves to the next CP, which shards activations further, and says so."""
-    req = PlanRequest("llama3-405b", gpus=16384, seq_len=131072, global_batch_tokens=16 * 2**20,
-                      hardware=Hardware(cp_kv="keep"))
-    result = staged_plan(req, Base(tp=8, pp=16, vpp=8, source="test"))
+    result = staged_405b_at_131k("keep")
     L = result.evaluation.layout
     assert result.rule_cp == 16 and (L.tp, L.pp, L.cp, L.dp) == (8, 16, 32, 4) and result.evaluation.fits
     assert any(r.startswith("CP=16: no VPP fits") for r in result.reasons)
@@ -121,8 +155,12 @@ def test_keeping_the_gathered_kv_needs_a_larger_cp():
     assert "--l3plugin-cp-kv keep" in args
 
 
-def test_emit_megatron_for_the_staged_plan(capsys):
-    args = run(LONG + ["--keep-tp-pp", "--emit", "megatron"], capsys)
+def test_emit_megatron_for_the_staged_plan(capsys, long_json, tmp_path):
+    """Emitted --from a staged --json run (long_json, planned with --keep-tp-pp): --from keeps its staged answer
+    (the free search's #1 there has PP 4), so a staged run seeds the next stage."""
+    long = tmp_path / "131k.json"
+    long.write_text(json.dumps(long_json))
+    args = run(LONG + ["--from", str(long), "--emit", "megatron"], capsys)
     for flag in ("--tensor-model-parallel-size 8", "--context-parallel-size 16", "--pipeline-model-parallel-size 16",
                  "--cp-comm-type l3plugin_all_gather", "--l3plugin-cp-kv regather", "--global-batch-size 128",
                  "--seq-length 131072",
@@ -297,7 +335,7 @@ def test_hardware_validates_its_fields():
 
 
 @pytest.mark.parametrize("cp_kv, cp", [("regather", 16), ("keep", 32)])
-def test_emitted_cp_flags_select_l3plugins_attention_with_the_planned_kv(cp_kv, cp):
+def test_emitted_cp_flags_select_l3plugins_attention_with_the_planned_kv(staged_405b_at_131k, cp_kv, cp):
     """The CP flags of --emit megatron go through the launcher's own arguments (l3plugin/megatron/cp_route.py)
     to the route that builds the attention, keeping for backward what the memory was planned for: the
     paper's 131K plan (CP 16) with l3plugin's own attention when it regathers."""
@@ -306,9 +344,7 @@ def test_emitted_cp_flags_select_l3plugins_attention_with_the_planned_kv(cp_kv, 
 
     from l3plugin.megatron.arguments import CPRoute, add_cp_arguments, check_cp_args
 
-    req = PlanRequest("llama3-405b", gpus=16384, seq_len=131072, global_batch_tokens=16 * 2**20,
-                      hardware=Hardware(cp_kv=cp_kv))
-    ev = staged_plan(req, Base(tp=8, pp=16, vpp=8, source="test")).evaluation
+    ev = staged_405b_at_131k(cp_kv).evaluation
     words = shlex.split(megatron_args(ev).replace("\\\n", " "), comments=True)  # notes are shell comments
     megatron_like = argparse.ArgumentParser()  # Megatron-LM's definitions of the two flags (arguments.py)
     megatron_like.add_argument("--context-parallel-size", type=int, default=1)
