@@ -1,6 +1,11 @@
 import pytest
+import torch
 
 from l3plugin.ranks.pool import RankPools
+
+# The suite's own process single-threaded, as the rank workers are: its ops are tiny, and on 2 cores shared with
+# the workers a second intra-op thread costs more in barriers than it computes (tests/cp/test_kernels.py: 5x).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
