@@ -48,12 +48,15 @@ def overlap_against_one_collective(cp_layout, dtypes=(torch.float64, torch.float
     return results
 
 
-@pytest.mark.parametrize("cp_layout", ["2cp", "balanced", SCRAMBLED], ids=["2cp", "balanced", "scrambled"])
-def test_overlap_is_bit_identical_to_one_collective_at_cp2(ranks, cp_layout):
+# Both dtypes once (2cp), fp64 for the other layouts: the kernels and the overlap have no dtype branch (the parts
+# and their order come from the layout and the mask), so fp32 under balanced/scrambled takes the 2cp fp32 paths.
+@pytest.mark.parametrize("cp_layout, dtypes", [("2cp", (torch.float64, torch.float32)), ("balanced", (torch.float64,)),
+                                               (SCRAMBLED, (torch.float64,))], ids=["2cp", "balanced", "scrambled"])
+def test_overlap_is_bit_identical_to_one_collective_at_cp2(ranks, cp_layout, dtypes):
     """Same kernel calls, same order of the dK/dV sums: equal to the last bit (test_attention.py checks
     both against the fp64 reference)."""
-    for rank, results in enumerate(ranks.run(2, overlap_against_one_collective, cp_layout, timeout=120)):
-        assert len(results) == 2 * 2 * 2 * 4
+    for rank, results in enumerate(ranks.run(2, overlap_against_one_collective, cp_layout, dtypes, timeout=120)):
+        assert len(results) == len(dtypes) * 2 * 2 * 4
         for case, (overlapped, plain) in results.items():
             for what, a, b in zip(("out", "dq", "dk", "dv"), overlapped, plain):
                 assert torch.equal(a, b), f"rank {rank} {case} {what}: max diff {(a - b).abs().max():.3g}"

@@ -124,12 +124,7 @@ def _count(log, first, text):
     return sum(entry.startswith(first) and text in entry for entry in log)
 
 
-@pytest.mark.parametrize("cp, cp_layout, overlap, local_first", [(2, "2cp", True, False), (2, "balanced", False, False),
-                                                                 (4, "2cp", True, False), (2, "2cp", True, True)])
-def test_prefetch_is_bit_identical_over_a_stack_of_calls(ranks, cp, cp_layout, overlap, local_first):
-    """Gradients of queries, keys and values through three calls (documents crossing chunk borders)."""
-    results = _check(ranks.run(cp, stacked, "step", cp_layout, overlap, local_first, timeout=120),
-                     f"cp={cp} {cp_layout} local_first={local_first}")
+def _check_step(results):
     plain, ahead = results["regather"][1], results["regather prefetch"][1]
     assert _count(plain, "start", "(again)") == LAYERS and _count(plain, "start", "ahead") == 0
     # the last call keeps its buffer until its backward; each other one is gathered ahead, once, and waited
@@ -137,10 +132,22 @@ def test_prefetch_is_bit_identical_over_a_stack_of_calls(ranks, cp, cp_layout, o
     assert _count(ahead, "start", "(again)") == 0
 
 
+# cp = 2, 2cp, overlap, not local-first: the run of test_prefetch_starts_during_the_backward_of_the_call_after.
+@pytest.mark.parametrize("cp, cp_layout, overlap, local_first", [(2, "balanced", False, False), (4, "2cp", True, False),
+                                                                 (2, "2cp", True, True)])
+def test_prefetch_is_bit_identical_over_a_stack_of_calls(ranks, cp, cp_layout, overlap, local_first):
+    """Gradients of queries, keys and values through three calls (documents crossing chunk borders)."""
+    _check_step(_check(ranks.run(cp, stacked, "step", cp_layout, overlap, local_first, timeout=120),
+                       f"cp={cp} {cp_layout} local_first={local_first}"))
+
+
 def test_prefetch_starts_during_the_backward_of_the_call_after(ranks):
     """The previous call's all-gather starts before this call's dK/dV leave, and is waited only when the
-    previous call's backward starts (after this call's dK/dV are waited)."""
-    log = ranks.run(2, stacked, "step", timeout=120)[0]["regather prefetch"][1]
+    previous call's backward starts (after this call's dK/dV are waited). Also the bit-identical stack of calls
+    at cp = 2 (2cp, overlap)."""
+    results = _check(ranks.run(2, stacked, "step", timeout=120), "cp=2 2cp local_first=False")
+    _check_step(results)
+    log = results["regather prefetch"][1]
     backward = log[next(i for i, e in enumerate(log) if "ahead" in e) - 1:]
     events = [("start" if e.startswith("start") else "wait") + (" ahead" if "ahead" in e else " dK/dV" if "dK/dV" in e
                                                                  else "") for e in backward]

@@ -15,6 +15,8 @@ def grid(p):
     """(v, m, k, frozen model) for pp ``p``: v 1-2, m in {1, p, 2p+1}, k in {1, p, p+1} (k <= m); a frozen prefix
     and frozen middle stages at m = 2p+1."""
     cases = [(v, m, k, None) for v in (1, 2) for m in (1, p, 2 * p + 1) for k in sorted({1, p, p + 1}) if k <= m]
+    if p > 2:  # v = 1 at m < 2p+1 only at pp 2 (the same (m, k) relations to p; pp 4 runs them at v = 2)
+        cases = [c for c in cases if c[0] == 2 or c[1] == 2 * p + 1]
     return cases + [(2, 2 * p + 1, p, "prefix"), (2, 2 * p + 1, p + 1, "middle")]
 
 
