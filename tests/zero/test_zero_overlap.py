@@ -257,11 +257,11 @@ def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks):
 
     start = time.monotonic()
     with pytest.raises(RanksFailed) as err:
-        ranks.run(2, peer_never_joins, 2.0, timeout=60)
+        ranks.run(2, peer_never_joins, 1.0, timeout=60)  # the reduction never completes: any bound fires
     text = str(err.value)
     assert "rank 0 raised" in text and "CommTimeout" in text
     assert "rank 0: reduce-scatter" in text and "(gradient bucket 0)" in text and "in group ranks [0, 1]" in text
-    assert "did not finish within 2 s" in text
+    assert "did not finish within 1 s" in text
     assert time.monotonic() - start < 30
 
 
