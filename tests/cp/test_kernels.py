@@ -11,16 +11,6 @@ from l3plugin.cp.sharding import ChunkDocuments, document_metadata
 S = 96
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These ops are tiny: on 2 loaded cores torch's second intra-op thread costs 5x in barriers (as the rank
-    pool's workers run, single-threaded); restored after each test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def random_layout(seq_len, seed, longest):
     """cu_seqlens with random document lengths in 1..longest (many cross block and chunk borders)."""
     gen = torch.Generator().manual_seed(seed)
