@@ -8,13 +8,16 @@ of the model, and stay bit-identical to the blocking path:
   most the fp32 shard + 5%.
 """
 
+import contextlib
+import gc
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ds_models import batch, ds_config, engine_for, loss_of, make_mlp
+from ds_models import batch, ds_config, engine_for, loss_of, make_mlp, quiet_deepspeed
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
 from zero import known_state, live_tensors  # noqa: E402  (bench/zero.py's census)
@@ -23,13 +26,41 @@ GAS, WIDTH = 3, 64  # make_mlp(width=64): 5,121 parameters in 6 tensors
 BUCKETS = {"DeepSpeed's default": None, "1/16 of the model": -(-5121 // 16)}
 
 
-def census(excluded, modules):
-    """Bytes of the live storages not in ``excluded`` (the bench's census, past the parameter-gather guard)."""
+@contextlib.contextmanager
+def frozen_heap():
+    """gc.freeze() what is alive now (the ~400k objects of torch, megatron.core and deepspeed), so that the census's
+    gc.collect() and gc.get_objects() walk only what the runs make: ~1.5 s a census -> milliseconds. Yields the
+    tensors frozen with it (none in a fresh worker), which ``census`` reads itself: one of them given a new storage
+    during a run is still counted, as without the freeze."""
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # as live_tensors: isinstance on some deprecated torch objects warns
+        older = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    gc.freeze()
+    try:
+        yield older
+    finally:
+        gc.unfreeze()
+
+
+def live_storages(modules=(), older=()):
+    """The bench's live_tensors() ({storage data_ptr: (bytes, tensor)}), with the storages of the ``older`` tensors
+    (``frozen_heap``)."""
     with torch._C.DisableTorchFunction():
-        return sum(nbytes for ptr, (nbytes, _) in live_tensors(modules).items() if ptr not in excluded)
+        live = live_tensors(modules)
+        for t in older:
+            storage = t.untyped_storage()
+            if storage.data_ptr():
+                live.setdefault(storage.data_ptr(), (storage.nbytes(), t))
+    return live
 
 
-def deepspeed_run(plugin, bucket, overlap=True, steps=2):
+def census(excluded, modules, older=()):
+    """Bytes of the live storages not in ``excluded`` (the bench's census, past the parameter-gather guard)."""
+    return sum(nbytes for ptr, (nbytes, _) in live_storages(modules, older).items() if ptr not in excluded)
+
+
+def deepspeed_run(plugin, bucket, overlap=True, steps=2, older=()):
     """Train ``steps`` steps of GAS micro-batches; the census at the last step's second micro-batch boundary
     (B/param: every bucket has a reduced shard by then, and a carried one its full buffer too) and the fp32
     masters."""
@@ -38,7 +69,7 @@ def deepspeed_run(plugin, bucket, overlap=True, steps=2):
     cfg = ds_config(2, gas=GAS, plugin=plugin, data_types={"grad_accum_dtype": "fp32"})
     cfg["zero_optimization"].update({"overlap_comm": overlap, "contiguous_gradients": True}
                                     | ({} if bucket is None else {"reduce_bucket_size": bucket}))
-    before = live_tensors()
+    before = live_storages(older=older)
     engine = engine_for(cfg, model=make_mlp(width=WIDTH))
     rank, largest = dist.get_rank(), 0
     for step in range(steps):
@@ -48,7 +79,7 @@ def deepspeed_run(plugin, bucket, overlap=True, steps=2):
             engine.step()
             if step == steps - 1 and mb == 1:
                 excluded = set(before) | known_state(engine) | {x.untyped_storage().data_ptr() for x in data}
-                largest = max(largest, census(excluded, [engine.module]))
+                largest = max(largest, census(excluded, [engine.module], older))
     params = sum(p.numel() for p in engine.module.parameters())
     masters = [safe_get_full_fp32_param(p) for p in engine.module.parameters()] if plugin else []
     zero = getattr(engine.optimizer, "zero", None)
@@ -56,7 +87,7 @@ def deepspeed_run(plugin, bucket, overlap=True, steps=2):
             "bucket_numel": zero.bucket_numel if zero else None}
 
 
-def megatron_run(bucket_numel, overlap=True, steps=2, m=3):
+def megatron_run(bucket_numel, overlap=True, steps=2, m=3, older=()):
     """The toy pipeline at pp 1 (dp 2) under the flexible schedule with ZeRO-2: the census at the start of the
     last step's third forward (two round ends done), over the fp32 shard's bytes."""
     from megatron.core.transformer import TransformerConfig
@@ -70,7 +101,7 @@ def megatron_run(bucket_numel, overlap=True, steps=2, m=3):
     hidden, layers = 32, 4
     config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=1,
                                pipeline_dtype=torch.float32, microbatch_group_size_per_vp_stage=1)
-    before = live_tensors()
+    before = live_storages(older=older)
     chunks = toy.build_chunks(config, num_layers=layers, hidden=hidden, pp_rank=0, pp_size=1)
     params = [q for c in chunks for q in c.parameters()]
     zero = megatron_zero(chunks, torch.optim.SGD(params, lr=0.1), stage=2, overlap=overlap,
@@ -87,7 +118,7 @@ def megatron_run(bucket_numel, overlap=True, steps=2, m=3):
             excluded |= {t.untyped_storage().data_ptr() for b in batches for t in b.values()
                          if torch.is_tensor(t)}
             nonlocal largest
-            largest = max(largest, census(excluded, chunks))
+            largest = max(largest, census(excluded, chunks, older))
         return toy.forward_step(data_iterator, model)
 
     for _ in range(steps):
@@ -103,16 +134,32 @@ def megatron_run(bucket_numel, overlap=True, steps=2, m=3):
 def deepspeed_runs():
     """Stock with fp32 accumulation at each bucket size; at DeepSpeed's default: ours, ours blocking and ours
     carrying 3 buckets (ours at buckets of 1/16 is the same run: the default cuts its one bucket to that size)."""
+    quiet_deepspeed()  # the runs' imports, before the freeze
+    from deepspeed.runtime.zero import stage_1_and_2  # noqa: F401
+    from deepspeed.utils import safe_get_full_fp32_param  # noqa: F401
+
+    import l3plugin.deepspeed  # noqa: F401
+
     ours = {"fp32_reduce_zero": True}
-    results = {f"stock, {label}": deepspeed_run(None, bucket) for label, bucket in BUCKETS.items()}
-    return results | {"ours": deepspeed_run(ours, None), "blocking": deepspeed_run(ours, None, overlap=False),
-                      "carry_buckets 3": deepspeed_run({**ours, "carry_buckets": 3}, None)}
+    with frozen_heap() as older:
+        results = {f"stock, {label}": deepspeed_run(None, bucket, older=older) for label, bucket in BUCKETS.items()}
+        return results | {"ours": deepspeed_run(ours, None, older=older),
+                          "blocking": deepspeed_run(ours, None, overlap=False, older=older),
+                          "carry_buckets 3": deepspeed_run({**ours, "carry_buckets": 3}, None, older=older)}
 
 
 def megatron_runs():
     """Ours and ours blocking with the default bucket size (25M, cut to 1/16 of the model: the same run as
     buckets of 1/16 given)."""
-    return megatron_run(None), megatron_run(None, overlap=False)
+    from megatron.core.transformer import TransformerConfig  # noqa: F401  (the runs' imports, before the freeze)
+
+    import toy_pipeline  # noqa: F401
+    from l3plugin.megatron import forward_backward_pipelining_flexible  # noqa: F401
+    from l3plugin.megatron.zero import megatron_zero  # noqa: F401
+    from l3plugin.mesh.groups import init_mesh  # noqa: F401
+
+    with frozen_heap() as older:
+        return megatron_run(None, older=older), megatron_run(None, overlap=False, older=older)
 
 
 def test_deepspeed_zero2_holds_at_most_stock_memory_and_is_bit_identical(ranks):
