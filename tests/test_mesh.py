@@ -110,17 +110,24 @@ def deepspeed_mpu_report(tp, cp, pp, dp):
     }
 
 
-def test_deepspeed_mpu_exposes_the_same_groups(ranks):
-    shape = MeshShape(tp=2, cp=2, pp=1, dp=2)
-    reports = ranks.run(8, deepspeed_mpu_report, 2, 2, 1, 2, timeout=180)
+# Every pair of TP, CP and DP above 1 at once, on 4 ranks: a getter that returned another dimension's group is told
+# apart in one of them (8 ranks would take all three at once, and pay DeepSpeed's import in 8 workers).
+MPU_SHAPES = [(2, 2, 1, 1), (2, 1, 1, 2), (1, 2, 1, 2)]
+
+
+@pytest.mark.parametrize("sizes", MPU_SHAPES, ids=lambda s: "tp{}cp{}pp{}dp{}".format(*s))
+def test_deepspeed_mpu_exposes_the_same_groups(ranks, sizes):
+    shape = MeshShape(*sizes)
+    tp, cp, pp, dp = sizes
+    reports = ranks.run(shape.world_size, deepspeed_mpu_report, *sizes, timeout=180)
     for rank, rep in enumerate(reports):
         c = shape.coords(rank)
 
         def mine(dims):
             return next(g for g in shape.group_ranks(dims) if rank in g)
 
-        assert rep["model"] == (2, c["tp"], mine("tp"))
-        assert rep["data"] == (2, c["dp"], mine("dp"))
-        assert rep["pipe"] == (1, mine("pp"))
-        assert rep["seq"] == (2, mine("cp"))
-        assert rep["seq_dp"] == (4, mine("cp-dp"))
+        assert rep["model"] == (tp, c["tp"], mine("tp"))
+        assert rep["data"] == (dp, c["dp"], mine("dp"))
+        assert rep["pipe"] == (pp, mine("pp"))
+        assert rep["seq"] == (cp, mine("cp"))
+        assert rep["seq_dp"] == (cp * dp, mine("cp-dp"))
