@@ -4,12 +4,17 @@ One test per kind of wait: the pipeline's P2P receive and send (schedule/p2p.py)
 all-gather (forward) and dK/dV reduce-scatter (backward), and the CP route's document-boundary broadcast over
 TP (megatron/batch_hooks.py). Rank 1 never joins; rank 0 must raise
 ``CommTimeout`` naming itself, the peer or group and the operation, long before the process group's own
-timeout. The harness then rebuilds its pool.
+timeout.
+
+The cases run one after the other in one call, each on a process group of its own (the operation rank 0 gave up
+on stays posted in its group, out of the next cases' way); rank 1 goes through them without waiting for rank 0's
+timeouts, so the call takes about one bound per case. Then the pool replaces its workers.
 """
 
 import os
 import re
 import time
+import traceback
 
 import pytest
 import torch
@@ -17,8 +22,8 @@ import torch.distributed as dist
 
 from l3plugin.collective.waits import DEFAULT_TIMEOUT, ENV_VAR, resolve_timeout
 
-TIMEOUT = 1.0  # seconds rank 0 waits; rank 1 stays away longer than that
-AWAY = TIMEOUT + 1.0
+TIMEOUT = 1.0  # seconds rank 0 waits
+PEER_TIMEOUT = 60.0  # rank 1's own waits, in the forwards it shares with rank 0 (which comes to them late)
 
 
 def timed(fn):
@@ -30,16 +35,15 @@ def timed(fn):
         raise RuntimeError(f"clear error after {time.monotonic() - start:.2f} s") from exc
 
 
-def p2p_peer_never_joins(operation, timeout):
+def p2p_peer_never_joins(operation, timeout, group=None):
     """Rank 0 runs its pipeline plan (p=2, m=2) until it blocks; rank 1 never posts anything."""
     from l3plugin.schedule.p2p import PipelineChannels
     from l3plugin.schedule.plan import FORWARD, build_schedule
 
     if dist.get_rank() == 1:
-        time.sleep(AWAY)
         return "stayed away"
     schedule = build_schedule(2, 1, 2, 2)
-    channels = PipelineChannels(schedule, 0, None, [0, 1], None, shape=(4, 2), dtype=torch.float32,
+    channels = PipelineChannels(schedule, 0, None, [0, 1], group, shape=(4, 2), dtype=torch.float32,
                                 device=torch.device("cpu"), wait_timeout=timeout)
 
     def run():
@@ -55,55 +59,55 @@ def p2p_peer_never_joins(operation, timeout):
     return timed(run)
 
 
-def cp_peer_never_joins(operation, timeout, overlap=False):
+def cp_peer_never_joins(operation, timeout, overlap=False, group=None):
     """all-gather: rank 1 never calls attention. reduce-scatter (cp_kv="keep") and all-gather again
     (cp_kv="regather" without prefetch, the backward's first collective): rank 1 skips the backward."""
     from l3plugin.cp.attention import all_gather_attention
 
+    group = dist.group.WORLD if group is None else group
     q = torch.randn(8, 2, 4, requires_grad=True)
     if operation == "all-gather" and dist.get_rank() == 1:
-        time.sleep(AWAY)
         return "stayed away"
     cp_kv = "keep" if operation == "reduce-scatter" else "regather"
-    out = timed(lambda: all_gather_attention(q, q, q, [0, 16], group=dist.group.WORLD, wait_timeout=timeout,
+    bound = timeout if dist.get_rank() == 0 else PEER_TIMEOUT
+    out = timed(lambda: all_gather_attention(q, q, q, [0, 16], group=group, wait_timeout=bound,
                                              overlap=overlap, cp_kv=cp_kv, prefetch=False))
     if dist.get_rank() == 1:
-        time.sleep(AWAY)
         return "skipped the backward"
     return timed(lambda: out.sum().backward())
 
 
-def cp_overlapped_peer_never_joins(operation, timeout):
+def cp_overlapped_peer_never_joins(operation, timeout, group=None):
     """The same with the communication in parts (cp/overlap.py): the first part waited times out."""
-    return cp_peer_never_joins(operation, timeout, overlap=True)
+    return cp_peer_never_joins(operation, timeout, overlap=True, group=group)
 
 
-def boundaries_peer_never_joins(operation, timeout):
+def boundaries_peer_never_joins(operation, timeout, group=None):
     """The CP route's document boundaries sent over TP (megatron/batch_hooks.py): rank 1 never receives."""
     from l3plugin.megatron.batch_hooks import broadcast_boundaries
 
     if dist.get_rank() == 1:
-        time.sleep(AWAY)
         return "stayed away"
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
-    return timed(lambda: broadcast_boundaries(cu, 0, dist.group.WORLD, torch.device("cpu"), timeout))
+    group = dist.group.WORLD if group is None else group
+    return timed(lambda: broadcast_boundaries(cu, 0, group, torch.device("cpu"), timeout))
 
 
-def env_bound_peer_never_joins(operation, timeout):
+def env_bound_peer_never_joins(operation, timeout, group=None):
     """A blocking helper of comm.py called without a timeout takes $L3PLUGIN_WAIT_TIMEOUT, not the default."""
     from l3plugin.collective import comm
 
     if dist.get_rank() == 1:
-        time.sleep(AWAY)
         return "stayed away"
     os.environ[ENV_VAR] = str(timeout)
     try:
-        return timed(lambda: comm.broadcast_from(torch.zeros(1), 0, dist.group.WORLD, what="bound from the env"))
+        group = dist.group.WORLD if group is None else group
+        return timed(lambda: comm.broadcast_from(torch.zeros(1), 0, group, what="bound from the env"))
     finally:
         del os.environ[ENV_VAR]
 
 
-@pytest.mark.parametrize("fn,operation,expected", [
+CASES = [
     (env_bound_peer_never_joins, "broadcast", "rank 0: broadcast (bound from the env) of 1 float32 elements (0.0 "
                                               "MiB) in group ranks [0, 1] did not finish within 1 s"),
     (boundaries_peer_never_joins, "broadcast", "rank 0: broadcast (document boundaries' count over TP) of 1 int64 "
@@ -123,20 +127,44 @@ def env_bound_peer_never_joins(operation, timeout):
                                                          "float32 elements (0.0 MiB) in group ranks [0, 1] did not "
                                                          "finish within 1 s"),
     (cp_overlapped_peer_never_joins, "all-gather", "rank 0: all-gather (CP K/V part 0 (2, 4, 2, 4)) of 64 float32 "
-                                                   "elements (0.0 MiB) in group ranks [0, 1] did not finish within 1 s"),
+                                                   "elements (0.0 MiB) in group ranks [0, 1] did not finish within "
+                                                   "1 s"),
     (cp_overlapped_peer_never_joins, "reduce-scatter", "rank 0: reduce-scatter (point-to-point exchange on gloo) (CP "
                                                        "dK/dV part 0 (2, 4, 2, 4)) of 128 float32 elements (0.0 MiB) "
                                                        "in group ranks [0, 1] did not finish within 1 s"),
-])
-def test_a_peer_that_never_joins_gives_a_rank_named_error(ranks, fn, operation, expected):
-    from l3plugin.ranks.pool import RanksFailed
+]
 
-    with pytest.raises(RanksFailed) as err:
-        ranks.run(2, fn, operation, TIMEOUT, timeout=60)
-    text = str(err.value)
-    assert "rank 0 raised" in text and "CommTimeout" in text, text
+
+def run_cases(cases, timeout):
+    """On each rank: every (fn, operation) of ``cases`` in turn, each on a new process group of both ranks.
+    Per case (True, what it returned) or (False, its error: type, message and traceback)."""
+    groups = [dist.new_group([0, 1]) for _ in cases]
+    outcomes = []
+    for (fn, operation), group in zip(cases, groups):
+        try:
+            outcomes.append((True, fn(operation, timeout, group=group)))
+        except Exception as exc:  # noqa: BLE001 - the test reads each rank's error
+            outcomes.append((False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def outcomes(ranks, uncaught):
+    """{(fn, operation): (rank 0's outcome, rank 1's)} of every case, from one call (while the ranks wait out their
+    bounds, ``uncaught``'s fresh interpreter imports torch)."""
+    try:
+        per_rank = ranks.run(2, run_cases, [(fn, operation) for fn, operation, _ in CASES], TIMEOUT, timeout=120)
+    finally:  # rank 0's given-up operations stay posted in its groups: the next tests get fresh workers
+        ranks.pool(2).restart()
+    return {(fn, operation): (per_rank[0][i], per_rank[1][i]) for i, (fn, operation, _) in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("fn,operation,expected", CASES)
+def test_a_peer_that_never_joins_gives_a_rank_named_error(outcomes, fn, operation, expected):
+    (returned, text), (peer_returned, peer) = outcomes[(fn, operation)]
+    assert not returned and "CommTimeout" in text, text  # rank 0 raised
     assert expected in text, text
-    assert "rank 1 raised" not in text  # the peer that stayed away is not blamed for raising
+    assert peer_returned, peer  # the peer that stayed away is not blamed for raising
     elapsed = float(re.search(r"clear error after ([0-9.]+) s", text).group(1))
     assert TIMEOUT <= elapsed < TIMEOUT + 1.5, elapsed  # the bound, not the process group's 30 minutes
     print(f"{fn.__name__}[{operation}]: clear error after {elapsed:.2f} s (wait bound {TIMEOUT:g} s)")
@@ -173,17 +201,33 @@ wait_work(StuckWork(), timeout=0.1, what="receive from rank 1")
 """
 
 
-def test_an_uncaught_timeout_ends_the_process(tmp_path):
-    """Under torchrun the failing rank must exit so that the agent stops the job (measured: without this,
-    the rank that raised stayed alive until the process group's own timeout)."""
+def run_uncaught(folder):
+    """Run UNCAUGHT in a fresh interpreter: (its CompletedProcess, seconds it took)."""
     import sys
 
     from l3plugin.ranks.pool import _free_port, run_command
 
-    script = tmp_path / "uncaught.py"
+    script = folder / "uncaught.py"
     script.write_text(UNCAUGHT.format(port=_free_port()))
     start = time.monotonic()
     done = run_command([sys.executable, str(script)], timeout=120)
+    return done, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def uncaught(tmp_path_factory):
+    """``run_uncaught`` started in a thread (a Future): its interpreter's start-up, mostly importing torch, overlaps
+    the cases above, whose ranks mostly wait."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as side:
+        yield side.submit(run_uncaught, tmp_path_factory.mktemp("uncaught"))
+
+
+def test_an_uncaught_timeout_ends_the_process(uncaught):
+    """Under torchrun the failing rank must exit so that the agent stops the job (measured: without this,
+    the rank that raised stayed alive until the process group's own timeout)."""
+    done, seconds = uncaught.result()
     assert done.returncode == 1, done.stderr
     assert "CommTimeout: rank 0: receive from rank 1 did not finish within 0.1 s" in done.stderr
-    assert time.monotonic() - start < 60  # not the 600 s the stuck thread would hold the process
+    assert seconds < 60  # not the 600 s the stuck thread would hold the process

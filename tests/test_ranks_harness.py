@@ -76,9 +76,12 @@ def test_workers_that_keep_many_process_groups_are_replaced_after_the_call(pool)
     assert pool.run(rank_and_sum, 0)[0][1] == 3
 
 
-def test_rank_that_raises_is_named_with_its_traceback(pool):
+def test_rank_that_raises_is_named_with_its_traceback_and_the_old_workers_are_killed(pool):
+    old = pool.pids
     with pytest.raises(RanksFailed) as err:
         pool.run(raise_on_rank, 1, timeout=60)
+    assert wait_gone(old, 0.5) == []  # ranks 0 and 2 were blocked in all_reduce: killed with the failed call
+    assert set(pool.pids).isdisjoint(old)
     text = str(err.value)
     assert "rank 1 raised" in text
     assert "ValueError: deliberate failure on rank 1" in text
@@ -92,10 +95,10 @@ def test_rank_that_raises_is_named_with_its_traceback(pool):
 def test_rank_that_hangs_past_the_timeout_is_named(pool):
     start = time.monotonic()
     with pytest.raises(RanksFailed) as err:
-        pool.run(sleep_on_rank, 2, 600, timeout=3)
+        pool.run(sleep_on_rank, 2, 600, timeout=2)  # ranks 0 and 1 answer at once
     assert time.monotonic() - start < 60
     text = str(err.value)
-    assert "rank 2 hung" in text and "timeout of 3 s" in text
+    assert "rank 2 hung" in text and "timeout of 2 s" in text
     assert "rank 0 " not in text and "rank 1 " not in text
     assert "sleep_on_rank" in text  # the hung rank's stack shows where it is
     assert pool.run(sleep_on_rank, 0, 0) == [0, 1, 2]
@@ -136,14 +139,6 @@ def stuck_in_collective():
     time.sleep(600)
 
 
-def test_a_failed_call_kills_the_old_workers(pool):
-    old = pool.pids
-    with pytest.raises(RanksFailed):
-        pool.run(raise_on_rank, 1, timeout=60)  # ranks 0 and 2 stay blocked in all_reduce
-    assert wait_gone(old, 0.5) == []
-    assert set(pool.pids).isdisjoint(old)
-
-
 PARENT = """
 import os, signal, sys, time
 sys.path.insert(0, {tests!r})
@@ -151,11 +146,11 @@ from l3plugin.ranks.pool import RankPool, RankPools, live_workers
 
 
 def bounded():  # the bounded-wait cases, each of which leaves a rank blocked, then a normal end
-    import test_bounded_waits as bw
-    pools = RankPools()
-    for fn, operation in ((bw.cp_peer_never_joins, "reduce-scatter"), (bw.p2p_peer_never_joins, "recv")):
+    import test_ranks_harness
+    pools = RankPools(preload=("test_ranks_harness", "test_bounded_waits"))  # imported once, in the fork server
+    for case in (("cp_peer_never_joins", "reduce-scatter"), ("p2p_peer_never_joins", "recv")):
         try:
-            pools.run(2, fn, operation, bw.TIMEOUT, timeout=60)
+            pools.run(2, test_ranks_harness.bounded_wait_case, *case, timeout=60)
         except AssertionError:
             pass
         print("pids", *pools.pool(2).pids, flush=True)
@@ -167,72 +162,93 @@ def stuck():  # a parent interrupted or killed while its workers are stuck in a 
     import test_ranks_harness
     # Ctrl-C raises KeyboardInterrupt, as in a terminal (a shell's background job inherits SIGINT ignored)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    pool = RankPool(2)
-    print("pids", *pool.pids, flush=True)
+    pool = RankPool(2, preload=("test_ranks_harness",))
+    print("stuck", time.monotonic(), *pool.pids, flush=True)  # CLOCK_MONOTONIC: the same in every process
     pool.run(test_ranks_harness.stuck_in_collective, timeout=600)
 
 
 if __name__ == "__main__":  # spawned workers import this file too
-    {{"bounded": bounded, "stuck": stuck}}[sys.argv[1]]()
+    for mode in sys.argv[1:]:
+        {{"bounded": bounded, "stuck": stuck}}[mode]()
 """
 
 
-def start_parent(tmp_path, mode):
+def bounded_wait_case(fn_name, operation):
+    """A case of test_bounded_waits.py by name (rank 0 gives up on a peer that never joins), so that the parent
+    running it need not import that module, nor torch with it."""
+    import test_bounded_waits as bw
+
+    return getattr(bw, fn_name)(operation, bw.TIMEOUT)
+
+
+def start_parent(tmp_path, *modes):
     import subprocess
     import sys
 
     script = tmp_path / "parent.py"
     script.write_text(PARENT.format(tests=os.path.dirname(__file__)))
-    return subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, str(script), *modes], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
 
 SIGNALS = ("SIGKILL", "SIGINT", "SIGTERM")
+BOUNDED_IN = "SIGTERM"  # the parent that runs the bounded-wait cases first (test_bounded_wait_cases_leave_no_process)
 
 
-@pytest.fixture(scope="module")
-def stuck_parents(tmp_path_factory):
-    """One parent per signal of the test below, all started at once: each pays its own imports and pool, which
-    leave a core idle; started together they overlap. Yields {signal: (parent, worker pids, when the call began)}."""
+@pytest.fixture(scope="module", autouse=True)
+def parents(tmp_path_factory):
+    """One parent per signal of the test below, all started at once and before the module's first test: each pays
+    its own imports and pool, which leave a core idle; started together, and while the tests above wait out their
+    grace periods and timeouts, they overlap (a fourth parent for the bounded-wait cases would pay them again: the
+    SIGTERM one runs them before its stuck call). ``parents(signal)``: (parent, its stuck call's worker pids, when
+    that call began, the lines it printed before), read on first use."""
     import signal
 
-    parents = {how: start_parent(tmp_path_factory.mktemp(how), "stuck") for how in SIGNALS}
-    started = {}
-    try:
-        for how, parent in parents.items():
+    started = {how: start_parent(tmp_path_factory.mktemp(how), *(["bounded"] if how == BOUNDED_IN else []), "stuck")
+               for how in SIGNALS}
+    read = {}
+
+    def get(how):
+        if how not in read:
+            parent, before = started[how], []
             line = parent.stdout.readline()
-            started[how] = (parent, [int(x) for x in line.split()[1:]] if line.startswith("pids ") else line,
-                            time.monotonic())
-        yield started
+            while line and not line.startswith("stuck "):
+                before.append(line.strip())
+                line = parent.stdout.readline()
+            pids = ([int(x) for x in line.split()[2:]] if line else
+                    f"no stuck call: exit code {parent.poll()}, printed {before}")
+            read[how] = (parent, pids, float(line.split()[1]) if line else None, before)
+        return read[how]
+    try:
+        yield get
     finally:  # never wait for the pipes here: leaked workers would hold them open
-        for how, parent in parents.items():
+        for how, parent in started.items():
             parent.kill()
             parent.wait()
             parent.stdout.close()
             parent.stderr.close()
-            pids = started.get(how, (None, []))[1]
+            pids = read.get(how, (None, []))[1]
             for pid in wait_gone(pids if isinstance(pids, list) else [], 0):
                 os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("how", SIGNALS)
-def test_workers_die_with_a_parent_killed_or_interrupted_mid_call(stuck_parents, how):
+def test_workers_die_with_a_parent_killed_or_interrupted_mid_call(parents, how):
     import signal
 
-    parent, pids, began = stuck_parents[how]
-    assert isinstance(pids, list), pids  # else the line the parent printed instead of its workers' pids
+    parent, pids, began, _ = parents(how)
+    assert isinstance(pids, list), pids  # else what the parent printed instead of its workers' pids
     time.sleep(max(0.0, began + 2 - time.monotonic()))  # the call is under way: rank 0 in all_reduce, rank 1 asleep
     parent.send_signal(getattr(signal, how))
     parent.wait(timeout=60)
     assert wait_gone(pids) == [], f"workers {pids} of a parent ended by {how} are still running"
 
 
-def test_bounded_wait_cases_leave_no_process(tmp_path):
-    parent = start_parent(tmp_path, "bounded")
-    out, err = parent.communicate(timeout=300)
-    assert parent.returncode == 0, err[-3000:]
-    pids = [int(x) for line in out.splitlines() if line.startswith("pids ") for x in line.split()[1:]]
-    assert len(pids) == 4 and "live after close []" in out, out
+def test_bounded_wait_cases_leave_no_process(parents):
+    _, stuck_pids, _, printed = parents(BOUNDED_IN)
+    assert isinstance(stuck_pids, list), stuck_pids  # bounded() returned: the parent went on to its stuck call
+    pids = [int(x) for line in printed if line.startswith("pids ") for x in line.split()[1:]]
+    assert len(pids) == 4 and "live after close []" in printed, printed
     assert wait_gone(pids, 5) == []
 
 
@@ -270,5 +286,6 @@ def test_worker_init_runs_in_every_worker_before_the_group_and_its_failure_is_na
 
     with RankPool(2, worker_init=mark_rank, master_addr="127.0.0.1") as pool:
         assert pool.run(init_trace) == [("0/2", 0), ("1/2", 1)]
+    # grace: how long rank 0, left waiting for rank 1 in init_process_group, is given before it is reported
     with pytest.raises(RanksFailed, match=r"(?s)could not start 2 gloo ranks.*rank 1.*deliberate worker_init"):
-        RankPool(2, worker_init=functools.partial(mark_rank, fail_on=1), start_timeout=60)
+        RankPool(2, worker_init=functools.partial(mark_rank, fail_on=1), start_timeout=60, grace=1.0)
