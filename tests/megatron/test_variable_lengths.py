@@ -7,6 +7,12 @@ log-prob passes (forward-only, under no_grad) and for training. Here: every such
 serial run bit for bit, for p in {2, 3, 4}, v in {1, 2, 3}, m from 1 to 2p + 1 and k below, at and above p, with
 both receive postings (early: gloo's; agreed: the pair order NCCL needs), in one pool of workers that keeps its
 model chunks' configuration and changes m and k from call to call as an RL loop does.
+
+Which (v, m, k) run where (``RL_RUNS``): at p = 2 every one, under one posting or the other; at p = 3 (early) and
+at p = 4 (under each posting) every v and every k, each v with one m, the m in three of the classes of m against p
+(1, below p, p, between p and 2p, 2p, above 2p); the two postings at p = 4 together in five. Every class of m meets
+each posting at some p. The plans themselves, and both postings' orders, are checked for every configuration
+without processes (tests/schedule: test_schedule_properties, test_receive_posts, test_comm_order).
 """
 
 import pytest
@@ -25,11 +31,10 @@ def varlen_microbatches(m: int, seed: int) -> list[dict]:
     return [toy.make_microbatches(1, length, 1, HIDDEN, seed=seed * 101 + i)[0] for i, length in enumerate(lengths)]
 
 
-def grid(p: int, m_step: int = 1) -> list[tuple[int, int, int]]:
-    """(v, m, k) for one p: m = 1..2p+1 (every ``m_step``-th), k = 1 (< p), p and p + 1 where k <= m (k = p with
-    m < p: Megatron's default, which the schedule turns into one group of m)."""
-    return [(v, m, k) for v in (1, 2, 3) for m in range(1, 2 * p + 2, m_step) for k in (1, p, p + 1)
-            if k <= m or k == p]
+def grid(p: int) -> list[tuple[int, int, int]]:
+    """(v, m, k) for one p: m = 1..2p+1, k = 1 (< p), p and p + 1 where k <= m (k = p with m < p: Megatron's
+    default, which the schedule turns into one group of m)."""
+    return [(v, m, k) for v in (1, 2, 3) for m in range(1, 2 * p + 2) for k in (1, p, p + 1) if k <= m or k == p]
 
 
 def varlen_config(p, v, k, num_layers):
@@ -84,28 +89,54 @@ def check_cases(p, cases, results):
         per_rank = [r[case] for r in results]
         where = f"p={p} v={v} m={m} k={k}"
         assert all(r["grads_after_fwd"] == 0 for r in per_rank), where  # the log-prob pass kept no gradients
-        ref_losses, _ = toy.serial_reference(batches, num_layers=2 * p * v, hidden=HIDDEN)
-        assert len(per_rank[-1]["forward_only"]) == m, where
-        assert all(torch.equal(a, b) for a, b in zip(per_rank[-1]["forward_only"], ref_losses)), where
+        # The log-prob losses equal the training pass's, which equal the serial run's (below).
+        assert len(per_rank[-1]["forward_only"]) == len(per_rank[-1]["losses"]) == m, where
+        assert all(torch.equal(a, b) for a, b in zip(per_rank[-1]["forward_only"], per_rank[-1]["losses"])), where
         toy.assert_matches_serial(per_rank, batches, num_layers=2 * p * v, hidden=HIDDEN)
 
 
-# Early receives (gloo's) on the whole grid at p = 2 and 4 and every third m at p = 3; the agreed pair order (NCCL's)
-# on every m at p = 2, every other m at p = 4.
-@pytest.mark.parametrize("p,receive_posting,m_step", [(2, "early", 1), (3, "early", 3), (4, "early", 1),
-                                                      (2, "agreed", 1), (4, "agreed", 2)])
-def test_rl_call_pattern_matches_serial_bitwise(ranks, p, receive_posting, m_step):
-    cases = grid(p, m_step)
+def m_class(p, m):
+    """Where m stands against p: the schedule's warm-up, groups and final group change at these bounds."""
+    return ("1" if m == 1 else "< p" if m < p else "p" if m == p else "< 2p" if m < 2 * p else "2p" if m == 2 * p
+            else "> 2p")
+
+
+def every_k(p, *v_m):
+    """Every k of ``grid(p)`` for each (v, m); k = p + 1 is left out at v = 1, where it is the plan of k = p (without
+    virtual stages k only picks 1F1B, k >= p, or all-forward-all-backward, k < p)."""
+    return [case for case in grid(p) if case[:2] in v_m and not (case[0] == 1 and case[2] == p + 1)]
+
+
+# {id: (p, receive posting, cases)}: one call per id (docstring). At p = 4 the early posting takes m < p, between p
+# and 2p, and 2p + 1; the agreed one m < p, p and 2p. Final groups shorter than p, where the plan is list-scheduled:
+# (2, 7, 3), (3, 4, 3), (2, 9, 4), (3, 6, 4), (3, 6, 5) and (2, 8, 5).
+RL_RUNS = {
+    "p2-early": (2, "early", [c for c in grid(2) if c[1] % 2 == 0]),
+    "p2-agreed": (2, "agreed", [c for c in grid(2) if c[1] % 2 == 1]),
+    "p3-early": (3, "early", every_k(3, (1, 1), (2, 7), (3, 4))),
+    "p4-early": (4, "early", every_k(4, (1, 3), (2, 9), (3, 6))),
+    "p4-agreed": (4, "agreed", every_k(4, (1, 4), (2, 8), (3, 2))),
+}
+
+
+@pytest.mark.parametrize("p,receive_posting,cases", RL_RUNS.values(), ids=RL_RUNS.keys())
+def test_rl_call_pattern_matches_serial_bitwise(ranks, p, receive_posting, cases):
     results = ranks.run(p, run_rl_calls, p, cases, receive_posting, timeout=300)
     check_cases(p, cases, results)
 
 
 def test_grid_covers_the_issue():
-    for p in (2, 4):
-        cases = grid(p)
-        assert {v for v, _, _ in cases} == {1, 2, 3}
-        assert {m for _, m, _ in cases} == set(range(1, 2 * p + 2))
-        assert any(k < p for *_, k in cases) and any(k == p for *_, k in cases) and any(k > p for *_, k in cases)
+    runs = {(p, posting): cases for p, posting, cases in RL_RUNS.values()}
+    assert set(runs[2, "early"]) | set(runs[2, "agreed"]) == set(grid(2))  # all of p = 2
+    assert {m for _, m, _ in grid(2)} == set(range(1, 6))
+    for posting in ("early", "agreed"):
+        cases = [(p, *case) for (p, mine), some in runs.items() if mine == posting for case in some]
+        assert {v for _, v, _, _ in cases} == {1, 2, 3}
+        assert {m_class(p, m) for p, _, m, _ in cases} == {"1", "< p", "p", "< 2p", "2p", "> 2p"}, posting
+        assert {(k > p) - (k < p) for p, *_, k in cases} == {-1, 0, 1}, posting
+        for p in {p for p, *_ in cases}:  # at every p: every v, and k below, at and above p
+            here = [(v, k) for q, v, _, k in cases if q == p]
+            assert {v for v, _ in here} == {1, 2, 3} and {(k > p) - (k < p) for _, k in here} == {-1, 0, 1}, p
 
 
 def run_stock_and_flexible(p, v, m, k):
