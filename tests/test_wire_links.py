@@ -1,7 +1,7 @@
 """The emulated wire made for real (bench/wire.py): per-rank links are full duplex and carry each rank's own
 traffic, the shared bus is half duplex, rates can be changed and calibrated, and namespaces go on every exit.
 Needs root, ``ip`` and ``tc`` (skipped otherwise). Timing bounds are coarse, at a low rate where the wire's
-time (0.4 s) dwarfs gloo's CPU time (milliseconds) and the two modes differ by 2x."""
+time (0.2 s) dwarfs gloo's CPU time (milliseconds) and the two modes differ by 2x."""
 
 import json
 import os
@@ -25,7 +25,9 @@ pytestmark = [pytest.mark.wire,
                                  reason=f"the wire needs network namespaces: {wire.why_not_here()}")]
 
 RATE = 80 * 10**6  # bits/s: 10 MB/s each way
-NUMEL = 1_000_000  # fp32 elements: 4 MB, 0.4 s at RATE in one direction
+# fp32 elements: 2 MB, 0.2 s at RATE in one direction (0.175 s past tbf's 256 KiB burst): full duplex within
+# 0.5x..1.5x of it, half duplex (twice the bytes through one bucket) within 1.5x..3x.
+NUMEL = 500_000
 ONE_WAY = NUMEL * 4 * 8 / RATE
 
 
@@ -81,7 +83,7 @@ def test_each_rank_sends_through_its_own_link(per_rank):
     ends carry only acknowledgements."""
     link, pool = per_rank
     link.set_rate(RATE)
-    numel = NUMEL // 4  # 1 MB
+    numel = NUMEL // 2  # 1 MB
     for source in (0, 1):
         before = link.traffic()
         pool.run(send_one_way, numel, source)
@@ -108,8 +110,8 @@ def test_set_rate_and_calibration_shape_both_ends_of_every_link(per_rank):
     assert [shaped_rate(*end) for end in ends] == [None] * 4
     link.set_rate(RATE)
     assert [shaped_rate(*end) for end in ends] == [RATE] * 4
-    # --wire auto's calibration: the exchange timed unshaped and at RATE (>= 0.4 s on the wire), then every end
-    # set to the rate at which it takes 0.2 s: faster than RATE (how much faster depends on the CPU's load)
+    # --wire auto's calibration: the exchange timed unshaped and at RATE (>= 0.2 s on the wire), then every end
+    # set to the rate at which it takes 0.1 s: faster than RATE (how much faster depends on the CPU's load)
     picked = harness.calibrate_wire(link, lambda: exchange_seconds(pool.run(wire.time_collectives_alone,
                                                                             NUMEL, 1)), ONE_WAY / 2)
     assert picked["probed"] > ONE_WAY * 0.5 and picked["probe_rate"] == RATE, picked

@@ -10,7 +10,9 @@ import pytest
 from l3plugin.debug.slow_rank import _match_calls, analyze_trace_dir
 from l3plugin.debug.traces import load_traces, read_kineto_trace
 
-SLEEP = 0.3   # the slowed rank's extra "compute" per round
+# The slowed rank's extra "compute" per round: its peers wait SLEEP x ROUNDS = 0.45 s for it at every level, ten
+# times or more the scheduling jitter of 8 ranks on 2 loaded cores (milliseconds a call).
+SLEEP = 0.15
 ROUNDS = 3
 MESHES = {"tp2-cp2-dp2": (2, 2, 1, 2), "tp2-pp2-dp2": (2, 1, 2, 2)}
 # Slow-rank choices: each mesh coordinate (tp, cp or pp, dp) at 1 alone, all at 1, and rank 0.

@@ -3,6 +3,7 @@ GPTModel's own sharded state dict, loaded back onto 1, 2 and 4 data-parallel ran
 
 import os
 
+import pytest
 import torch
 
 TIMEOUT = 180
@@ -85,19 +86,27 @@ def load_leg(folder):
     model_sd = model.sharded_state_dict()
     loaded = dist_checkpointing.load({"optimizer": zero_sharded_state_dict(zero, model_sd, is_loading=True)}, folder)
     load_zero_sharded_state_dict(zero, loaded["optimizer"])
-    out = {"snapshot": _snapshot(zero), "lr": zero.optimizer.param_groups[0]["lr"],
+    snapshot = _snapshot(zero)  # one all-reduce per tensor: the full masters are read once
+    out = {"snapshot": snapshot, "lr": zero.optimizer.param_groups[0]["lr"],
            "step": float(zero.optimizer.state[zero.buckets[0].master]["step"]),
-           "params_are_masters": all(torch.equal(p.detach(), zero.full_master(p)) for p in zero.params),
+           "params_are_masters": all(torch.equal(p.detach(), snapshot[zero.param_names[p]][0]) for p in zero.params),
            "buckets": len(zero.buckets)}
     _train(model, zero, 1, seed=100)
     out["step_after"] = float(zero.optimizer.state[zero.buckets[0].master]["step"])
     return out
 
 
-def test_dist_checkpointing_round_trip_and_dp_resharding(ranks, tmp_path):
-    folder = str(tmp_path / "ckpt")
+@pytest.fixture(scope="module")
+def saved_checkpoint(ranks, tmp_path_factory):
+    """(folder, rank 0's save_leg result): one torch_dist checkpoint saved by 2 DP ranks, which the tests only
+    read."""
+    folder = str(tmp_path_factory.mktemp("dist") / "ckpt")
     os.makedirs(folder)
-    saved = ranks.run(2, save_leg, folder, timeout=TIMEOUT)[0]
+    return folder, ranks.run(2, save_leg, folder, timeout=TIMEOUT)[0]
+
+
+def test_dist_checkpointing_round_trip_and_dp_resharding(ranks, saved_checkpoint):
+    folder, saved = saved_checkpoint
     assert os.path.isfile(os.path.join(folder, "metadata.json"))  # a torch_dist checkpoint
     assert saved["step"] == 2.0
     for world in (2, 4, 1):
@@ -132,11 +141,10 @@ def nan_load_leg(folder, nan_on_rank):
             and not zero.optimizer.state}
 
 
-def test_dist_checkpointing_nan_is_refused_on_every_rank(ranks, tmp_path):
-    folder = str(tmp_path / "ckpt")
-    os.makedirs(folder)
-    ranks.run(2, save_leg, folder, timeout=TIMEOUT)
+def test_dist_checkpointing_nan_is_refused_on_every_rank(ranks, saved_checkpoint):
+    folder, _ = saved_checkpoint  # the NaN is put in what was loaded, in memory: the checkpoint stays as saved
     legs = ranks.run(2, nan_load_leg, folder, 1, timeout=TIMEOUT)
-    assert legs[1]["error"].startswith("ValueError: loaded optimizer state 'exp_avg'") and "non-finite" in legs[1]["error"]
+    assert legs[1]["error"].startswith("ValueError: loaded optimizer state 'exp_avg'")
+    assert "non-finite" in legs[1]["error"]
     assert legs[0]["error"].startswith("PeerFailed") and "rank 1: ValueError" in legs[0]["error"]
     assert legs[0]["unchanged"] and legs[1]["unchanged"]
