@@ -4,6 +4,7 @@ interpreter of this venv, from an empty directory, so the hook is the installed 
 imported l3plugin for it; the l3plugin tree under test (the one this test imported) is first on its path.
 The last test builds a regular wheel (with build isolation) and checks it in a fresh virtualenv."""
 
+import functools
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import shutil
 import socket
 import sys
 import sysconfig
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -28,20 +30,27 @@ TREE = Path(l3plugin.__file__).resolve().parents[1]  # the checkout under test (
 # l3plugin_autoload is the hook itself; "l3plugin" and "l3plugin.*" are the package.
 PACKAGE_MODULES = "sorted(m for m in sys.modules if m == 'l3plugin' or m.startswith('l3plugin.'))"
 
+# "imported": the modules and deepspeed.initialize right after `import deepspeed` (with FIRST empty: that import
+# alone, as a user's script makes it; tests/test_import_cost.py reads it). "files": where the package and the hook
+# were imported from.
 ENGINE = f"""
 import json, sys
-sys.path.insert(0, {str(ZERO_TESTS)!r})
-from ds_models import ds_config, make_mlp, quiet_deepspeed
 before = {PACKAGE_MODULES}
 if FIRST:
     __import__(FIRST)  # imports deepspeed from inside an l3plugin module
+import deepspeed
+imported = [sorted(sys.modules), deepspeed.initialize.__name__]
+sys.path.insert(0, {str(ZERO_TESTS)!r})
+from ds_models import ds_config, make_mlp, quiet_deepspeed
 deepspeed = quiet_deepspeed()
 model = make_mlp()
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                   config=ds_config(2, gas=1, plugin={{"fp32_reduce_zero": True}}))
-print(json.dumps({{"before": before, "optimizer": type(engine.optimizer).__name__,
+print(json.dumps({{"before": before, "imported": imported, "optimizer": type(engine.optimizer).__name__,
                   "hf_adapter": any(m.startswith("l3plugin.huggingface") for m in sys.modules),
-                  "accelerate": "accelerate" in sys.modules}}))
+                  "accelerate": "accelerate" in sys.modules,
+                  "files": [getattr(sys.modules.get(m), "__file__", None)
+                            for m in ("l3plugin", "l3plugin_autoload")]}}))
 """
 
 
@@ -64,15 +73,23 @@ def run(code, tmp_path, timeout=90, python=sys.executable, tree=TREE, **env):
     return out
 
 
-def engine_result(tmp_path, first="", **env):
-    out = run(f"FIRST = {first!r}\n" + ENGINE, tmp_path, **env)
+def engine_result(tmp_path, first="", python=sys.executable, tree=TREE, **env):
+    out = run(f"FIRST = {first!r}\n" + ENGINE, tmp_path, python=python, tree=tree, **env)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["before"] == [], "the script imported l3plugin itself"
-    return result
+    return dict(result, stderr=out.stderr)
 
 
 def engine_optimizer(tmp_path, first="", **env):
     return engine_result(tmp_path, first, **env)["optimizer"]
+
+
+@functools.cache
+def plain_import_run(opt_out: bool) -> dict:
+    """ENGINE with nothing imported first, the hook on or opted out (L3PLUGIN_NO_AUTOLOAD=1): one fresh interpreter
+    each per session, shared by this module's tests and tests/test_import_cost.py."""
+    with tempfile.TemporaryDirectory(prefix="l3plugin-autoload-") as empty:
+        return engine_result(Path(empty), **({"L3PLUGIN_NO_AUTOLOAD": "1"} if opt_out else {}))
 
 
 def test_pth_is_installed_in_site_packages():
@@ -103,18 +120,19 @@ def half_built_result(tmp_path):
 
 @pytest.fixture(scope="module", autouse=True)
 def ahead(request, tmp_path_factory):
-    """This module's fresh interpreters that build a DeepSpeed engine (each seconds of imports on one core) and the
-    wheel, started two at a time when the module starts (tests/runs_ahead.py)."""
+    """This module's fresh interpreters (each seconds of imports on one core), the wheel and its virtualenv, started
+    two at a time when the module starts (tests/runs_ahead.py); the wheel's chain, the longest, first."""
     def cwd(name):
         return tmp_path_factory.mktemp(name)
 
-    runs = {"test_config_key_works_without_import": lambda: engine_result(cwd("key")),
-            "test_opt_out_gives_stock_zero": lambda: engine_optimizer(cwd("opt-out"), L3PLUGIN_NO_AUTOLOAD="1"),
+    runs = {"wheel": lambda: wheel_and_its_virtualenv(cwd("wheel")),
+            "test_config_key_works_without_import": lambda: plain_import_run(opt_out=False),
+            "test_opt_out_gives_stock_zero": lambda: plain_import_run(opt_out=True)["optimizer"],
             "test_deepspeed_imported_from_inside_l3plugin":
                 lambda: engine_optimizer(cwd("inside"), first="l3plugin.deepspeed.optimizer"),
             "test_deepspeed_imported_while_another_l3plugin_module_is_half_built":
                 lambda: half_built_result(cwd("half-built")),
-            "wheel": lambda: build_wheel(cwd("wheel"))}
+            "test_failed_install_warns_and_deepspeed_still_imports": lambda: failed_install_run(cwd("fake"))}
     needed_by = {"wheel": ("test_wheel_holds_only_product_code", "test_wheel_in_a_fresh_virtualenv_installs_the_hook")}
     with RunsAhead(request, runs, needed_by) as runs_ahead:
         yield runs_ahead
@@ -147,15 +165,19 @@ def test_deepspeed_imported_while_another_l3plugin_module_is_half_built(ahead):
     assert result["restored"] == "initialize_with_key"  # the trampoline gave way to l3plugin.deepspeed's install
 
 
-def test_failed_install_warns_and_deepspeed_still_imports(tmp_path):
-    """A stand-in `deepspeed` without the engine modules: install() fails; `import deepspeed` must not."""
+def failed_install_run(tmp_path):
     fake = tmp_path / "fake" / "deepspeed"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("import sys\nDONE = 'l3plugin.deepspeed' not in sys.modules\n")
     code = ("import sys, deepspeed\n"
             "from l3plugin_autoload import DeepSpeedWatcher\n"
             "print(deepspeed.DONE, type(deepspeed.__spec__.loader).__name__, DeepSpeedWatcher in sys.meta_path)")
-    out = run(code, tmp_path, PYTHONPATH=str(tmp_path / "fake"))
+    return run(code, tmp_path, PYTHONPATH=str(tmp_path / "fake"))
+
+
+def test_failed_install_warns_and_deepspeed_still_imports(ahead):
+    """A stand-in `deepspeed` without the engine modules: install() fails; `import deepspeed` must not."""
+    out = ahead.result("test_failed_install_warns_and_deepspeed_still_imports")
     # The hook ran after deepspeed/__init__ finished, then gave the module its own loader back and left.
     assert out.stdout.split() == ["True", "SourceFileLoader", "False"]
     assert "l3plugin autoload: could not install the FP32-reducing ZeRO into DeepSpeed" in out.stderr
@@ -184,9 +206,37 @@ def build_wheel(tmp_path):
     return built
 
 
+def install_in_a_fresh_virtualenv(wheel, tmp_path):
+    """The wheel installed with pip into a fresh virtualenv, then ENGINE run by its interpreter: (its
+    site-packages, ENGINE's result). torch and DeepSpeed come from this venv through a path entry."""
+    venv = tmp_path / "venv"
+    run_command([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=120, check=True)
+    python = str(venv / "bin" / "python")
+    site = Path(run_command([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                            timeout=60, check=True).stdout.strip())
+    # This venv's packages after the new venv's own (a plain path entry: its .pth files are not run).
+    (site / "zz-packages-of-the-test-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # Without PYTHONPATH: a checkout on it (the compat runs put it there) holds l3plugin.egg-info of the same
+    # version, and pip would take that for an installed l3plugin and skip the wheel ("already installed").
+    no_path = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run_command([*PIP, "--python", python, "install", "--no-deps", "--no-index", str(wheel)], timeout=300,
+                check=True, env=no_path)
+    return site, engine_result(tmp_path, python=python, tree=None)
+
+
+def wheel_and_its_virtualenv(tmp_path):
+    """(the wheel, what install_in_a_fresh_virtualenv returned or raised): one run ahead for both wheel tests, a
+    failure of the virtualenv part kept for its own test."""
+    wheel = build_wheel(tmp_path)
+    try:
+        return wheel, install_in_a_fresh_virtualenv(wheel, tmp_path)
+    except Exception as exc:  # noqa: BLE001 - raised again by the test of the virtualenv
+        return wheel, exc
+
+
 @pytest.fixture(scope="module")
 def wheel(ahead):
-    return ahead.result("wheel")
+    return ahead.result("wheel")[0]
 
 
 def test_wheel_holds_only_product_code(wheel):
@@ -203,33 +253,21 @@ def test_wheel_holds_only_product_code(wheel):
     assert "l3plugin/demo/model.py" in package  # the demo's model is product (`l3plugin demo`)
 
 
-def test_wheel_in_a_fresh_virtualenv_installs_the_hook(wheel, tmp_path):
+def test_wheel_in_a_fresh_virtualenv_installs_the_hook(ahead):
     """The wheel installed with pip into a fresh virtualenv: the .pth lands in its site-packages (listed in the
-    wheel's RECORD, so pip uninstalls it) and the key works with no import. torch and DeepSpeed come from this venv
-    through a path entry."""
+    wheel's RECORD, so pip uninstalls it) and the key works with no import, the hook and the package being the
+    wheel's."""
+    wheel, installed = ahead.result("wheel")
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         record = archive.read(next(n for n in names if n.endswith(".dist-info/RECORD"))).decode()
     assert "l3plugin-autoload.pth" in names and "l3plugin_autoload.py" in names
     assert any(line.startswith("l3plugin-autoload.pth,sha256=") for line in record.splitlines())
 
-    venv = tmp_path / "venv"
-    run_command([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=120, check=True)
-    python = str(venv / "bin" / "python")
-    site = Path(run_command([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                            timeout=60, check=True).stdout.strip())
-    # This venv's packages after the new venv's own (a plain path entry: its .pth files are not run).
-    (site / "zz-packages-of-the-test-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    # Without PYTHONPATH: a checkout on it (the compat runs put it there) holds l3plugin.egg-info of the same
-    # version, and pip would take that for an installed l3plugin and skip the wheel ("already installed").
-    no_path = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run_command([*PIP, "--python", python, "install", "--no-deps", "--no-index", str(wheel)], timeout=300,
-                check=True, env=no_path)
+    if isinstance(installed, Exception):
+        raise installed
+    site, result = installed
     assert (site / "l3plugin-autoload.pth").read_text().strip() == "import l3plugin_autoload"
-
-    where = "import json, l3plugin, l3plugin_autoload; print(json.dumps([l3plugin.__file__, l3plugin_autoload.__file__]))"
-    found = json.loads(run(where, tmp_path, python=python, tree=None).stdout.strip().splitlines()[-1])
-    assert all(Path(f).resolve().is_relative_to(site.resolve()) for f in found), found  # the wheel's, not the tree's
-    out = run("FIRST = ''\n" + ENGINE, tmp_path, python=python, tree=None)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    found = result["files"]  # what the hook imported: the wheel's, not the tree's
+    assert all(f is not None and Path(f).resolve().is_relative_to(site.resolve()) for f in found), found
     assert {k: result[k] for k in ("before", "optimizer")} == {"before": [], "optimizer": "DeepSpeedFP32ReduceZero"}

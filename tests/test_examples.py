@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from l3plugin.ranks.pool import run_command
+from runs_ahead import RunsAhead
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,11 +21,20 @@ def run_torchrun(nproc, script, *args, timeout=600):
     return done.stdout
 
 
-def test_megatron_example_trains_with_the_flexible_schedule():
-    out = run_torchrun(2, "examples/megatron/train_flexible_pp.py", "--pp", "2", "--vpp", "2",
-                       "--microbatches", "5", "--group-size", "3", "--steps", "2")
-    lines = [line for line in out.splitlines() if line.startswith("step ")]
-    assert len(lines) == 2 and all("forward_backward_pipelining_flexible" in line for line in lines), out
+@pytest.fixture(scope="module", autouse=True)
+def ahead(request, tmp_path_factory):
+    """The two torchrun examples (each a launcher and 2 ranks importing torch and Megatron-Core or DeepSpeed on
+    one core each), started together when the module starts; the post-training test, first in this file, runs on
+    the suite's warm workers meanwhile (tests/runs_ahead.py)."""
+    export = tmp_path_factory.mktemp("deepspeed-example") / "fp32.pt"
+    runs = {"test_megatron_example_trains_with_the_flexible_schedule": lambda: run_torchrun(
+                2, "examples/megatron/train_flexible_pp.py", "--pp", "2", "--vpp", "2", "--microbatches", "5",
+                "--group-size", "3", "--steps", "2"),
+            # 2 steps (a step on trained weights) of the config's 8 micro-batches each, then the export.
+            "test_deepspeed_example_uses_the_plugin_with_the_key": lambda: (run_torchrun(
+                2, "examples/deepspeed/train.py", "--steps", "2", "--export", str(export)), export)}
+    with RunsAhead(request, runs) as runs_ahead:
+        yield runs_ahead
 
 
 def post_training_figures(out: str) -> dict:
@@ -56,19 +66,27 @@ def post_training_lines(argv):
 def test_rl_and_sft_post_training_on_cp2_pp2_vpp2_equal_one_process(ranks):
     """The post-training example (variable-length THD micro-batches, m changing every step, a forward-only log-prob
     pass then a training pass; then SFT) at CP 2 x PP 2 x 2 virtual stages equals the same loop in one process to
-    fp32 rounding, step after step (the weights after each optimizer step included: the next step reads them)."""
+    fp32 rounding, step after step (the weights after each optimizer step included: the next step reads them).
+    One step per mode: the RL step (3 micro-batches, forward-only pass, training pass, optimizer step) and then
+    the SFT step (6 micro-batches, on the RL step's weights) already change m and read updated weights."""
     runs = {layout: [line for lines in ranks.run(n, post_training_lines, ["--pp", pp, "--vpp", pp, "--cp", pp,
-                                                                          "--steps", "2"], timeout=300)
+                                                                          "--steps", "1"], timeout=300)
                      for line in lines]
             for layout, n, pp in (("parallel", 4, "2"), ("single", 1, "1"))}
     parallel, single = (post_training_figures("\n".join(runs[layout])) for layout in ("parallel", "single"))
-    assert sorted(parallel) == sorted(single) == [("rl", 0), ("rl", 1), ("sft", 0), ("sft", 1)], (parallel, single)
+    assert sorted(parallel) == sorted(single) == [("rl", 0), ("sft", 0)], (parallel, single)
     assert len({parallel[key][0] for key in parallel}) > 1  # the micro-batch count changes from step to step
     for key, (m, lengths, logp, loss) in parallel.items():
         m1, lengths1, logp1, loss1 = single[key]
         assert (m, lengths) == (m1, lengths1), key
         assert abs(logp - logp1) <= 1e-5 * abs(logp1) and abs(loss - loss1) <= 1e-5 * max(abs(loss1), 1e-2), (
             key, parallel[key], single[key])
+
+
+def test_megatron_example_trains_with_the_flexible_schedule(ahead):
+    out = ahead.result("test_megatron_example_trains_with_the_flexible_schedule")
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and all("forward_backward_pipelining_flexible" in line for line in lines), out
 
 
 PATCHED_TAGS = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0")  # docs/verified.md
@@ -93,13 +111,12 @@ def test_patch_adds_only_existing_l3plugin_calls(tag):
     assert callable(l3m.install) and callable(l3m.chain_extra_args)
 
 
-def test_deepspeed_example_uses_the_plugin_with_the_key(tmp_path):
+def test_deepspeed_example_uses_the_plugin_with_the_key(ahead):
     import torch
 
-    export = tmp_path / "fp32.pt"
-    out = run_torchrun(2, "examples/deepspeed/train.py", "--steps", "3", "--export", str(export))
+    out, export = ahead.result("test_deepspeed_example_uses_the_plugin_with_the_key")
     steps = [line for line in out.splitlines() if line.startswith("step ")]
-    assert len(steps) == 3 and all("DeepSpeedFP32ReduceZero" in line for line in steps), out
+    assert len(steps) == 2 and all("DeepSpeedFP32ReduceZero" in line for line in steps), out
     # The export is a plain state dict: stock torch (and so stock DeepSpeed) can fine-tune from it.
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
                                 torch.nn.GELU(), torch.nn.Linear(64, 1))

@@ -2,17 +2,10 @@
 adapter's light modules (config parsing, the patches). What only the key's paths need (the ZeRO optimizer, the
 parameter-gather guard and with it torch._dynamo, the checkpoint formats, CP, the Hugging Face adapter) is imported
 when first used. Checked by module names in a fresh interpreter of this venv (no timings; the figures are
-bench/autoload_startup.py's)."""
+bench/autoload_startup.py's): the one tests/test_autoload.py's key test runs (`import deepspeed` first thing, the
+hook on, then an engine with the key), and for the stock modules the one of its opt-out test."""
 
-import json
-import os
-import sys
-from pathlib import Path
-
-import l3plugin
-from l3plugin.ranks.pool import run_command
-
-TREE = Path(l3plugin.__file__).resolve().parents[1]  # the checkout under test (PYTHONPATH or the editable install)
+from test_autoload import plain_import_run  # tests/test_autoload.py: one interpreter per session for both files
 
 # Imported by the key's paths only: none may be loaded by `import deepspeed` with the hook on.
 KEY_ONLY = ("l3plugin.deepspeed.optimizer", "l3plugin.zero.optimizer", "l3plugin.zero.param_gather",
@@ -22,23 +15,16 @@ KEY_ONLY_PACKAGES = ("l3plugin.checkpoint", "l3plugin.cp", "l3plugin.huggingface
 # What param_gather's guard (torch.compiler.disable) pulls in: absent unless stock `import deepspeed` loads it too.
 TORCH_HEAVY = ("torch._dynamo", "torch._inductor")
 
-CODE = ("import json, sys, deepspeed\n"
-        "print(json.dumps([sorted(sys.modules), deepspeed.initialize.__name__]))")
 
-
-def modules_after_import_deepspeed(tmp_path, **env):
-    full_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "L3PLUGIN_NO_AUTOLOAD")}
-    full_env.update({"PYTHONPATH": str(TREE), "OMP_NUM_THREADS": "1",
-                     "PYTHONWARNINGS": "always::RuntimeWarning", **env})
-    out = run_command([sys.executable, "-c", CODE], cwd=tmp_path, env=full_env, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "l3plugin autoload" not in out.stderr, out.stderr[-3000:]  # the hook's failure warning
-    modules, initialize = json.loads(out.stdout.strip().splitlines()[-1])
+def modules_after_import_deepspeed(opt_out: bool):
+    run = plain_import_run(opt_out=opt_out)  # by keyword, as test_autoload calls it: the same cache entry
+    assert "l3plugin autoload" not in run["stderr"], run["stderr"][-3000:]  # the hook's failure warning
+    modules, initialize = run["imported"]
     return set(modules), initialize
 
 
-def test_import_deepspeed_loads_nothing_only_the_key_needs(tmp_path):
-    modules, initialize = modules_after_import_deepspeed(tmp_path)
+def test_import_deepspeed_loads_nothing_only_the_key_needs():
+    modules, initialize = modules_after_import_deepspeed(opt_out=False)
     # The hook ran: l3plugin's deepspeed.initialize is in place (else this test would pass vacuously).
     assert "l3plugin.deepspeed" in modules and initialize == "initialize_with_key"
     loaded = sorted(m for m in modules if m in KEY_ONLY or any(m == p or m.startswith(p + ".")
@@ -46,6 +32,6 @@ def test_import_deepspeed_loads_nothing_only_the_key_needs(tmp_path):
     assert not loaded, f"`import deepspeed` with the hook imported modules only the key needs: {loaded}"
     heavy = {m for m in TORCH_HEAVY if m in modules}
     if heavy:  # only a fault if stock `import deepspeed` (this torch and DeepSpeed) does not load them itself
-        stock, initialize = modules_after_import_deepspeed(tmp_path, L3PLUGIN_NO_AUTOLOAD="1")
+        stock, initialize = modules_after_import_deepspeed(opt_out=True)
         assert "l3plugin.deepspeed" not in stock and initialize == "initialize"
         assert heavy <= stock, f"the hook made `import deepspeed` import {sorted(heavy - stock)}"

@@ -7,14 +7,32 @@ import pytest
 
 import accelerate  # noqa: E402,F401 (the "hf" test extra, installed by make test: missing, it fails here, never skips)
 
+from runs_ahead import RunsAhead  # noqa: E402  (tests/runs_ahead.py)
 from test_examples import run_torchrun  # noqa: E402  (tests/test_examples.py)
 
+SCRIPTS = ("train_trainer.py", "train_accelerate.py")
 
-@pytest.mark.parametrize("script", ["train_trainer.py", "train_accelerate.py"])
-def test_hf_example_trains_two_steps_with_cp(script, tmp_path):
+
+def run_example(script, tmp_path):
     extra = ["--output-dir", str(tmp_path)] if script == "train_trainer.py" else []
-    out = run_torchrun(2, f"examples/huggingface/{script}", "--steps", "2", "--docs-per-row", "12", *extra,
-                       timeout=300)
+    return run_torchrun(2, f"examples/huggingface/{script}", "--steps", "2", "--docs-per-row", "12", *extra,
+                        timeout=300)
+
+
+@pytest.fixture(scope="module")
+def ahead(request, tmp_path_factory):
+    """Both examples' torchruns (nearly all of each is its ranks importing torch, transformers and DeepSpeed, one
+    core each, and the launcher waiting), started together (tests/runs_ahead.py)."""
+    runs = {f"test_hf_example_trains_two_steps_with_cp[{script}]":
+            (lambda script=script: run_example(script, tmp_path_factory.mktemp(script.removesuffix(".py"))))
+            for script in SCRIPTS}
+    with RunsAhead(request, runs) as runs_ahead:
+        yield runs_ahead
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_hf_example_trains_two_steps_with_cp(script, ahead, request):
+    out = ahead.result(request.node.name)
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(steps) == 2, out
     assert all(line.endswith("attention l3plugin_all_gather_cp") for line in steps), out

@@ -1,7 +1,6 @@
 """Switching Megatron to the flexible schedule: the flag, install() and the launcher."""
 
 import argparse
-import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -12,7 +11,6 @@ from megatron.core.pipeline_parallel import schedules
 
 import l3plugin.megatron as l3m
 from l3plugin.ranks.pool import run_command
-from runs_ahead import RunsAhead
 
 SCRIPT = Path(__file__).parent.parent / "data" / "print_selected_schedule.py"
 
@@ -81,25 +79,36 @@ def test_the_selector_takes_what_this_versions_training_loop_passes():
 LAUNCHES = {"flexible": ["--pipeline-schedule", "flexible"], "default": []}
 
 
-@pytest.fixture(scope="module")
-def launches(request):
-    """Both launcher runs (each a fresh interpreter importing Megatron-Core on one core), started together."""
-    def launch(flag):
-        return run_command([sys.executable, "-m", "l3plugin.megatron.launch", str(SCRIPT), "--lr", "0.1", *flag],
-                           timeout=120, check=True).stdout
+def launch_fresh(flag):
+    """`python -m l3plugin.megatron.launch` as a user types it: a fresh interpreter (seconds of Megatron-Core
+    imports on one core)."""
+    return run_command([sys.executable, "-m", "l3plugin.megatron.launch", str(SCRIPT), "--lr", "0.1", *LAUNCHES[flag]],
+                       timeout=120, check=True).stdout
 
-    runs = {name: functools.partial(launch, flag) for name, flag in LAUNCHES.items()}
-    with RunsAhead(request, runs, {name: ("test_launcher_runs_a_script_with_the_plugin",) for name in runs}) as ahead:
-        yield ahead
+
+def launch_here(flag, capsys, monkeypatch):
+    """The launcher's main() in this process (its argv handling, install() and runpy of the script), install()
+    undone after."""
+    from l3plugin.megatron.launch import main
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # main() sets the script's argv
+    capsys.readouterr()
+    try:
+        assert main([str(SCRIPT), "--lr", "0.1", *LAUNCHES[flag]]) == 0
+    finally:
+        l3m.uninstall()
+    return capsys.readouterr().out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron.training") is not None,
                     reason="the launcher's megatron-core-only path: with Megatron-LM importable (a source checkout) "
                            "Megatron-LM's parser takes the flags, which this plain script never calls")
-@pytest.mark.parametrize("flag,expected", [("flexible", "forward_backward_pipelining_flexible"),
-                                           ("default", "forward_backward_pipelining_with_interleaving")])
-def test_launcher_runs_a_script_with_the_plugin(launches, flag, expected):
-    out = launches.result(flag)
+# One true command-line run (the flag, what the launcher is for); the default in this process: the same main(),
+# without a second interpreter importing Megatron-Core.
+@pytest.mark.parametrize("flag,expected,fresh", [("flexible", "forward_backward_pipelining_flexible", True),
+                                                 ("default", "forward_backward_pipelining_with_interleaving", False)])
+def test_launcher_runs_a_script_with_the_plugin(flag, expected, fresh, capsys, monkeypatch):
+    out = launch_fresh(flag) if fresh else launch_here(flag, capsys, monkeypatch)
     assert f"selected: {expected}" in out
     assert "selected-pp1: forward_backward_no_pipelining" in out
     assert "argv: ['--lr', '0.1']" in out  # our flag is consumed when Megatron-LM is not installed
