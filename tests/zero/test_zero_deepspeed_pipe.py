@@ -1,6 +1,7 @@
 """PipelineEngine (pp=2 x dp=2, a weight tied across the two stages) with the FP32-reducing ZeRO, stage 1 and 2."""
 
 import copy
+import os
 import re
 
 import pytest
@@ -103,8 +104,9 @@ def snapshot(engine):
 
 def between_engines():
     """What the rank pool does after each call (DeepSpeed's global mpu dropped): the next engine in this call
-    starts as the first of a call would. Two engines per call: every PipelineEngine leaves 6 process groups,
-    and past 16 the pool restarts its workers, which then import DeepSpeed again (seconds per rank)."""
+    starts as the first of a call would. This module's engines all run in one call (every_pipeline_run): each
+    PipelineEngine leaves 6 process groups, and the pool replaces workers that keep more than 16 after a call,
+    whose next call imports DeepSpeed again (seconds per rank)."""
     from l3plugin.ranks.worker import _reset_framework_state
 
     dist.barrier()
@@ -134,28 +136,51 @@ def relative(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+# (stage, reduce_every, options) of test_pipeline_overlap_is_bit_identical. reduce_every > 1 (ZeRO-2 reducing every
+# N micro-batches: the optimizer's epilogue counts them, whichever engine calls it) is test_zero_overlap.py's
+# test_overlap_is_bit_identical_and_starts_reductions_during_backward with reduce_every 2 and 3; (2, 1, {}) here is
+# PipelineEngine calling that epilogue.
+OVERLAP_CASES = [(1, 1, {}), (2, 1, {}), (2, 1, {"overlap_param_gather": False})]
+# ZeRO-2 only: l3plugin's checkpoint layout has no stage branch (the stage is a recorded field); ZeRO-1's resume
+# is test_zero_deepspeed.py's test_checkpoint_resume_is_bit_exact[1].
+CHECKPOINT_STAGES = [2]
+
+
+def every_pipeline_run(overlap_cases, checkpoint_stages, folder):
+    """Every engine of this module, in one call (see between_engines): per overlap case (blocking, overlapped),
+    per checkpoint stage (straight, resumed), saved under folder/zero<stage>."""
+    out = {"overlap": [], "checkpoint": []}
+    for stage, reduce_every, options in overlap_cases:
+        out["overlap"].append(blocking_and_overlapped(stage, reduce_every, options))
+        between_engines()
+    for stage in checkpoint_stages:
+        out["checkpoint"].append(checkpoint_and_resume(stage, os.path.join(folder, f"zero{stage}")))
+        between_engines()
+    return out
+
+
 @pytest.fixture(scope="module")
-def overlap_runs(ranks):
-    """(blocking, overlapped) pipeline_overlap results per rank, each configuration run once: the tied-weights
-    test reads the runs of the bit-identity test."""
-    done = {}
+def pipeline_runs(ranks, tmp_path_factory):
+    """every_pipeline_run on 4 ranks: ({overlap case: [(blocking, overlapped) per rank]}, checkpoint folder,
+    {stage: [(straight, resumed) per rank]})."""
+    folder = tmp_path_factory.mktemp("pipeline")
+    per_rank = ranks.run(4, every_pipeline_run, OVERLAP_CASES, CHECKPOINT_STAGES, str(folder), timeout=480)
+    overlap = {_case_key(*case): [r["overlap"][i] for r in per_rank] for i, case in enumerate(OVERLAP_CASES)}
+    checkpoint = {stage: [r["checkpoint"][i] for r in per_rank] for i, stage in enumerate(CHECKPOINT_STAGES)}
+    return overlap, folder, checkpoint
 
-    def run(stage, reduce_every, options):
-        key = (stage, reduce_every, tuple(sorted(options.items())))
-        if key not in done:
-            done[key] = ranks.run(4, blocking_and_overlapped, stage, reduce_every, options, timeout=240)
-        return done[key]
 
-    return run
+def _case_key(stage, reduce_every, options):
+    return stage, reduce_every, tuple(sorted(options.items()))
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_pipeline_engine_with_tied_weights(overlap_runs, stage):
+def test_pipeline_engine_with_tied_weights(pipeline_runs, stage):
     """fp32 masters within 1e-5 of the fp64 reference on every stage (DeepSpeed 0.18 divides the earlier stages'
     gradients by the accumulation steps twice unless l3plugin's _backward_prologue_per_tensor row is applied).
     The engines: those of test_pipeline_overlap_is_bit_identical (several buckets per stage), blocking and
     overlapped, which that test finds bit-identical; the blocking one is checked here."""
-    results = [blocking for blocking, _ in overlap_runs(stage, 1, {})]
+    results = [blocking for blocking, _ in pipeline_runs[0][_case_key(stage, 1, {})]]
     assert {r["optimizer"] for r in results} == {"DeepSpeedFP32ReduceZero"}
     by_stage = {0: [r for r in results if r["stage_id"] == 0], 1: [r for r in results if r["stage_id"] == 1]}
     assert len(by_stage[0]) == len(by_stage[1]) == 2
@@ -172,23 +197,22 @@ def test_pipeline_engine_with_tied_weights(overlap_runs, stage):
     assert torch.equal(first["fp32"][tied], last["fp32"][tied]) and torch.equal(first["bf16"][tied], last["bf16"][tied])
 
 
-# ZeRO-2 only: l3plugin's checkpoint layout has no stage branch (the stage is a recorded field); ZeRO-1's resume
-# is test_zero_deepspeed.py's test_checkpoint_resume_is_bit_exact[1]. Each PipelineEngine costs more than its
-# call: see between_engines.
-@pytest.mark.parametrize("stage", [2])
-def test_pipeline_checkpoint_resume_is_bit_exact(ranks, tmp_path, stage):
-    straight, resumed = zip(*ranks.run(4, checkpoint_and_resume, stage, str(tmp_path), timeout=240))
+@pytest.mark.parametrize("stage", CHECKPOINT_STAGES)
+def test_pipeline_checkpoint_resume_is_bit_exact(pipeline_runs, stage):
+    _, folder, checkpoint = pipeline_runs
+    saved = folder / f"zero{stage}"
+    straight, resumed = zip(*checkpoint[stage])
     # Crash-consistent save under PipelineEngine too: every rank's manifest lists its layer files, all verify.
     import glob
     import json
 
     from l3plugin.checkpoint.commit import verify_tag
 
-    manifests = sorted(glob.glob(str(tmp_path / "t" / "l3plugin-manifest-rank*.json")))
+    manifests = sorted(glob.glob(str(saved / "t" / "l3plugin-manifest-rank*.json")))
     assert len(manifests) == 4, manifests
     recorded = {name for m in manifests for name in json.load(open(m))["files"]}
     assert any(name.startswith("layer_") for name in recorded) and any("optim_states" in n for n in recorded)
-    verify_tag(str(tmp_path), "t")
+    verify_tag(str(saved), "t")
     for a, b in zip(straight, resumed):
         assert a.keys() == b.keys()
         assert all(len(a[n]) == len(b[n]) == 4 and all(torch.equal(x, y) for x, y in zip(a[n], b[n])) for n in a)
@@ -246,15 +270,11 @@ def blocking_and_overlapped(stage, reduce_every, options):
     return blocking, pipeline_overlap(stage, True, reduce_every, **options)
 
 
-# reduce_every > 1 (ZeRO-2 reducing every N micro-batches: the optimizer's epilogue counts them, whichever engine
-# calls it) is test_zero_overlap.py's test_overlap_is_bit_identical_and_starts_reductions_during_backward with
-# reduce_every 2 and 3; (2, 1, {}) here is PipelineEngine calling that epilogue.
-@pytest.mark.parametrize("stage,reduce_every,options", [(1, 1, {}), (2, 1, {}),
-                                                        (2, 1, {"overlap_param_gather": False})])
-def test_pipeline_overlap_is_bit_identical(overlap_runs, stage, reduce_every, options):
+@pytest.mark.parametrize("stage,reduce_every,options", OVERLAP_CASES)
+def test_pipeline_overlap_is_bit_identical(pipeline_runs, stage, reduce_every, options):
     """With overlap_param_gather (the default) the tied weight's second use goes through a forward_fn (outside
     its module's forward, no pre-hook): the guard must complete it there, so it sees the gathered values."""
-    for b, o in overlap_runs(stage, reduce_every, options):
+    for b, o in pipeline_runs[0][_case_key(stage, reduce_every, options)]:
         assert all(torch.equal(b[k][n], o[k][n]) for k in ("fp32", "bf16") for n in b[k])
         if stage == 2 and reduce_every == 1:  # the first backward's buckets went out during that backward
             assert o["first_count"] == o["buckets"] > 1 and b["first_count"] == 0
