@@ -26,8 +26,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
 import harness  # noqa: E402
 
 from l3plugin.planner.costs import Layout, LayoutCosts  # noqa: E402
@@ -39,6 +37,7 @@ MIB = 2**20
 
 def saved_per_layer(seq_len, heads_q, heads_kv, head_dim, doc_len):
     """On every rank: {cp_kv: bytes the saved tensors of one attention call hold after its forward}."""
+    import torch  # here, not at the top: the bench process itself needs no torch (the ranks have it loaded)
     import torch.distributed as dist
 
     from l3plugin.cp import CP_KV_MODES, all_gather_attention

@@ -147,6 +147,8 @@ DOC_FIGURES = (
      "Megatron-DeepSpeed's losses printed by examples/megatron_deepspeed/check.py, by hand"),
     ("docs/verified.md", "| tokens | documents | unmasked / dense causal pairs |", (),
      "bench/gpu_check.py on a GPU, by hand from its JSON (docs/runs/gpu_check_h200.json); no renderer yet"),
+    ("docs/verified.md", "| torch setting | fused vs fused | split (B then W) vs fused |", (),
+     "bench/gpu_check.py on a GPU, by hand from its JSON (docs/runs/gpu_check_h200_split.json); no renderer yet"),
     ("docs/zero.md", "| | reduce-scatter | gradient memory between micro-batches |", (), "what each stage does"),
     ("docs/zero.md", "| option | what it does | cost |", (), "the options (the measured cost: zero-wire)"),
     ("docs/zero.md", "| Megatron-Core does | l3plugin's ZeRO |", (), "a feature comparison, no figures"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -149,11 +150,14 @@ def add_json_argument(parser) -> None:
 
 
 def machine_facts() -> dict:
-    """What a figure depends on besides the code: the machine and its load when the run ended."""
-    import torch
-
+    """What a figure depends on besides the code: the machine and its load when the run ended. torch_threads:
+    this process's, None where it never loaded torch (a simulated bench; one whose ranks did all the torch work,
+    one thread each): importing torch only to ask would cost such a run seconds."""
+    torch = sys.modules.get("torch")
     return {"cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+            "python": platform.python_version(),
+            "torch": torch.__version__ if torch else importlib.metadata.version("torch"),
+            "torch_threads": torch.get_num_threads() if torch else None}
 
 
 def run_record(bench: str, figures: dict, argv=None) -> dict:

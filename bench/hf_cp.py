@@ -36,8 +36,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
 import harness  # noqa: E402
 
 MIB = 2**20
@@ -45,6 +43,7 @@ _MODELS = {}  # per worker: cp -> the model with CP enabled (built once, reused 
 
 
 def _model(cp):
+    import torch  # in the functions the ranks run: the bench process itself needs no torch
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -63,6 +62,8 @@ def _model(cp):
 def packed_row(seq_len, seed=0):
     """input_ids and position_ids [1, S]: documents of log-normal length (median ~600 tokens), positions
     restarting at 0 per document (HF's packed convention)."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     lengths, total = [], 0
     while total < seq_len:
@@ -78,12 +79,14 @@ def packed_row(seq_len, seed=0):
 def step(cp, seq_len, census=False):
     """One forward + backward on this rank: {"wall", "busy"} seconds (wall: this rank's own, from a barrier;
     busy: this process's CPU time, which other processes on the machine hardly stretch; time blocked in a
-    collective is not busy) or, with census, the saved-tensor bytes."""
+    collective is not busy) or, with census, the saved-tensor bytes and the row's documents."""
+    import torch
+
     from l3plugin.debug.saved_tensors import SavedTensorCensus
 
     torch.set_num_threads(1)
     model = _model(cp)
-    ids, positions, _ = packed_row(seq_len)
+    ids, positions, documents = packed_row(seq_len)
     model.zero_grad(set_to_none=True)
     if census:
         tally = SavedTensorCensus()
@@ -91,7 +94,7 @@ def step(cp, seq_len, census=False):
             loss = model(input_ids=ids, position_ids=positions, labels=ids).loss
         held, peak = tally.held_bytes(), tally.peak
         del loss
-        return {"held": held, "peak": peak}
+        return {"held": held, "peak": peak, "documents": documents}
     timing, _ = harness.barrier_timed(lambda: model(input_ids=ids, position_ids=positions, labels=ids).loss.backward())
     return {"wall": timing["own"], "busy": timing["busy"]}
 
@@ -118,10 +121,11 @@ def table(args):
               f"{'peak MiB cp1':>12} {'cp2':>7} {'ratio':>6} | {'held MiB cp1':>12} {'cp2':>7} {'ratio':>6}")
     print(header)
     print("-" * len(header))
-    with RankPool(2) as pool:
+    # The model's modules imported once, in the pool's fork server, not in every rank (seconds each)
+    with RankPool(2, preload=("transformers.models.llama.modeling_llama",)) as pool:
         for seq_len in args.seq:
-            docs = packed_row(seq_len)[2]
             memory = {cp: pool.run(step, cp, seq_len, True, timeout=3600) for cp in (1, 2)}
+            docs = memory[1][0]["documents"]
             runs = harness.interleaved_rounds((1, 2), lambda cp: pool.run(step, cp, seq_len, timeout=3600),
                                               args.rounds)  # a warm-up round first, not counted
             walls, busy = {}, {}

@@ -49,11 +49,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' toy pipeline and CPU shim
 
-import torch  # noqa: E402
-
 import harness  # noqa: E402
 
-from l3plugin.debug.saved_tensors import SavedTensorCensus  # noqa: E402
+# torch is imported where the ranks (and the wire's gradient checks) use it: the simulation needs none, and the
+# bench process of a loopback run then starts seconds sooner.
 from l3plugin.schedule.plan import build_schedule  # noqa: E402
 from l3plugin.schedule.receives import agreed_order_posts, receive_posts  # noqa: E402
 from l3plugin.schedule.simulate import simulate, simulate_posted  # noqa: E402
@@ -123,6 +122,7 @@ def real_run(steps, hidden, seq, mbs):
 
 def toy_model(p, v, m, k, layers, hidden, seq, mbs, deallocate_outputs=True):
     """On every rank: (mesh, this rank's model chunks, m microbatches) of the toy pipeline model."""
+    import torch
     from megatron.core.transformer import TransformerConfig
 
     import toy_pipeline as toy
@@ -194,6 +194,7 @@ def _wire_step(v, m, k, kind, layers, hidden, seq, mbs):
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from l3plugin.debug.saved_tensors import SavedTensorCensus
     from l3plugin.megatron import forward_backward_pipelining_flexible
     import toy_pipeline as toy
     from megatron_cpu_shim import stock_schedules_on_cpu
@@ -231,6 +232,7 @@ def _chunk_forward_seconds(v, layers, hidden, seq, mbs, repeats=5):
 
 def _activation_send_alone(numel):
     """Wall/CPU seconds of one activation sent rank 0 -> rank 1 alone (wire.time_collectives_alone)."""
+    import torch
     import torch.distributed as dist
 
     import wire
@@ -246,6 +248,8 @@ def _activation_send_alone(numel):
 def wire_run(pool, link, args):
     """pp=2 on 2 ranks; per vpp, every contender with the wire on and off, interleaved, in one run. Returns the
     printed figures."""
+    import torch
+
     import wire
 
     figures = {}
@@ -385,6 +389,7 @@ def zb_plan(schedule, v, m, k):
 def _zb_step(v, m, k, schedule, layers, hidden, seq, mbs):
     """On every rank: one timed training step of the toy pipeline: wall, the executor's busy seconds and waits,
     its compute spans, the peak bytes autograd saved for backward (census), the gradients."""
+    from l3plugin.debug.saved_tensors import SavedTensorCensus
     from l3plugin.megatron import forward_backward_pipelining_flexible
     import toy_pipeline as toy
 
@@ -402,6 +407,8 @@ def _zb_step(v, m, k, schedule, layers, hidden, seq, mbs):
 
 def zb_run(pool, args):
     """Every configuration's contenders interleaved over rounds; returns the printed figures."""
+    import torch
+
     from l3plugin.schedule.simulate import simulate
 
     p, k = ZB_P, ZB_P

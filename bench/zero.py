@@ -433,7 +433,9 @@ def run(args, link, figures):
     figures.update(width=args.width, layers=args.layers, micro_batch=args.micro_batch, buckets=args.bucket,
                    rounds=args.rounds, rate_bits=link.rate, wire_mode=link.mode, gas={})
     began = time.perf_counter()
-    with RankPool(2, **link.pool_options(2)) as pool:
+    # DeepSpeed, and the compiler modules its first initialize imports (its Muon optimizer's torch.compile), once
+    # in the pool's fork server rather than in every rank: seconds each
+    with RankPool(2, preload=("deepspeed", "torch._inductor.compile_fx"), **link.pool_options(2)) as pool:
         compute = pool.run(measure_compute, args.width, args.layers, args.micro_batch, timeout=300)
         params = figures["params"] = compute[0][1]
         figures["forward_backward_ms"] = max(ms for ms, _ in compute)

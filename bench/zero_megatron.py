@@ -57,8 +57,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
 import harness  # noqa: E402
 import wire  # noqa: E402
 from zero import bucket_elements, checked_buckets  # noqa: E402  (bench/zero.py: --bucket's forms)
@@ -88,6 +86,8 @@ BATCHES: list = []  # this rank's micro-batches (the same data every step)
 
 def per_token_loss(loss_mask, per_token):
     """Megatron's calculate_per_token_loss contract: (sum of token losses, token count, stats)."""
+    import torch  # in the functions the ranks run: the bench process itself needs no torch
+
     total = (per_token.float() * loss_mask).sum()
     return total, loss_mask.sum().to(torch.int), {"loss_sum": total.detach()}
 
@@ -122,6 +122,7 @@ def build_model(args):
 
 
 def make_batches(gas, args):
+    import torch
     import torch.distributed as dist
 
     gen = torch.Generator().manual_seed(1000 * dist.get_rank() + gas)
@@ -177,6 +178,7 @@ def prepare(name, gas, args):
     """Build the contender and keep it; step 1 is recorded (reductions in backward), step 2 takes the census."""
     from unittest import mock
 
+    import torch
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import schedules
 

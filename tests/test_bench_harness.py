@@ -171,10 +171,10 @@ def json_run(tmp_path, *argv, timeout=120):
     return saved, json.loads(done.stdout)
 
 
-DOC_RUNS = {
+DOC_RUNS = {  # the longest first: the two simulated runs (no torch, no ranks) take about as long as it
+    "cp-memory": ["bench/cp_memory.py", "--cp", "2", "--seq", "4096"],  # one row of it (cp 2 and 4: ~2 min)
     "multimodal-simulated": ["bench/multimodal_pp.py", "simulated"],  # the docs' whole table, defaults
     "multimodal-splits": ["bench/multimodal_pp.py", "simulated", "--bandwidth-gbps", "0"],  # without P2P time
-    "cp-memory": ["bench/cp_memory.py", "--cp", "2", "--seq", "4096"],  # one row of it (cp 2 and 4: ~2 min)
 }  # pp-simulated: test_bench_smoke.py, from the run that also renders pp-real
 
 

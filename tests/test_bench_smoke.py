@@ -4,7 +4,10 @@ each docs table of the bench from it (the docs' header; the simulated pipeline t
 far too small for the timings to mean anything; no timing is asserted. (multimodal_pp simulated and cp_memory:
 test_bench_harness.py, against the docs.) On the per-rank wire (root, ip, tc; skipped otherwise), cp_attention,
 pp_schedule, a one-variant zero.py and a one-contender zero_megatron.py start their ranks on their own links,
-and their wire tables say so."""
+and their wire tables say so.
+
+Every run, the wire's too, starts when the module starts, two at a time (tests/runs_ahead.py): a run is mostly
+one core importing torch / DeepSpeed / Megatron-Core, or waiting for its shaped wire, so two overlap well."""
 
 import functools
 import json
@@ -50,30 +53,74 @@ def json_run(*argv, timeout=300):
     return record, done.stderr
 
 
-# The runs of the tests below (not the wire's), started two at a time when the module starts (tests/runs_ahead.py):
-# a bench spends seconds importing on one core before its ranks start.
-AHEAD = {
-    "test_cp_attention_timed_rows":
-        ("bench/cp_attention.py", "--seq", "512", "--rounds", "1", "--work-seq", "2048", "--draws", "1"),
-    "test_autoload_startup_rows":
-        ("bench/autoload_startup.py", "--rounds", "1", "--deepspeed-rounds", "0"),
-    "test_zero_table":
-        ("bench/zero.py", "--quick", "--gas", "2", "--rounds", "1", "--variants", "ours ZeRO-1"),
-    "test_hf_cp_table":
-        ("bench/hf_cp.py", "--seq", "1024", "--rounds", "1"),
+# The runs of the tests below on loopback: the test that checks each -> the bench command (without --json).
+LOOPBACK_RUNS = {
     "test_pp_schedule_real_run_and_simulated_tables":
         ("bench/pp_schedule.py", "--steps", "1", "--hidden", "32", "--seq", "16"),
+    "test_zero_table":
+        ("bench/zero.py", "--quick", "--gas", "2", "--rounds", "1", "--variants", "ours ZeRO-1"),
     "test_multimodal_real_section":
         ("bench/multimodal_pp.py", "real", "--hidden", "32", "--heads", "4", "--text-seq", "16", "--image-tokens",
          "16", "--encoder-width", "16", "--rounds", "1", "--microbatches", "4"),
+    "test_hf_cp_table":
+        ("bench/hf_cp.py", "--seq", "1024", "--rounds", "1"),
+    "test_cp_attention_timed_rows":
+        ("bench/cp_attention.py", "--seq", "512", "--rounds", "1", "--work-seq", "2048", "--draws", "1"),
     "test_idle_groups_rows":
         ("bench/idle_groups.py", "--groups", "0", "3", "--idle", "0.2", "--reduces", "10"),
+    "test_autoload_startup_rows":
+        ("bench/autoload_startup.py", "--rounds", "1", "--deepspeed-rounds", "0"),
 }
+
+# The per-rank wire runs: bench -> (its options after --wire 200mbit, where its figures sit in the record, the
+# docs tables that render them). zero.py runs one variant (stock ZeRO-1: its baseline only); the variants' table
+# columns are test_zero_table's, on loopback.
+WIRE_RUNS = {
+    "zero_megatron": (["--quick", "--gas", "2", "--contenders", "ZeRO-2 default"], (), ["zero-megatron"]),
+    "pp_schedule": (["--vpp", "2", "--layers", "4", "--microbatches", "4", "--rounds", "1", "--hidden", "32",
+                     "--seq", "16", "--mbs", "1", "--agreed-order"], ("wire",), ["pp-wire"]),
+    "zero": (["--quick", "--gas", "2", "--rounds", "1", "--variants", "stock ZeRO-1"], (), ["zero-wire", "zero"]),
+    "cp_attention": (["--seq", "512", "--rounds", "1", "--work-seq", "--masks", "causal"], (),
+                     ["cp-wire", "cp-regather"]),
+}
+WIRE_HERE = wire.why_not_here()  # None where the wire can be made (root, ip, tc)
+
+
+def wire_test(bench):
+    return f"test_bench_runs_on_the_per_rank_wire[{bench}]"
+
+
+def wire_run(bench):
+    """The bench's run on a per-rank wire at 200mbit: (its record, the wire namespaces it left behind: made
+    during the run, their owner gone). A bench deletes its namespaces before it exits, so a run beside it
+    leaves none of its own in this listing."""
+    before = wire.namespaces()
+    record, _ = json_run(f"bench/{bench}.py", "--wire", "200mbit", *WIRE_RUNS[bench][0], timeout=900)
+    left = {name for name, pid in wire.namespaces().items()
+            if name not in before and not os.path.exists(f"/proc/{pid}")}
+    return record, left
+
+
+# The order the runs start in: the longest first (in CPU seconds; pp_schedule, whose simulation and Megatron
+# import run one after the other, first of all), so that the last two end about together.
+RUN_ORDER = ("test_pp_schedule_real_run_and_simulated_tables", "test_multimodal_real_section", "test_zero_table",
+             wire_test("zero_megatron"), wire_test("pp_schedule"), "test_hf_cp_table", wire_test("zero"),
+             "test_cp_attention_timed_rows", wire_test("cp_attention"), "test_idle_groups_rows",
+             "test_autoload_startup_rows")
+
+
+def all_runs():
+    """{test: its run} of every run this module makes here (the wire's where it can be made), in RUN_ORDER."""
+    runs = {name: functools.partial(json_run, *argv) for name, argv in LOOPBACK_RUNS.items()}
+    if WIRE_HERE is None:
+        runs.update({wire_test(bench): functools.partial(wire_run, bench) for bench in WIRE_RUNS})
+    assert set(RUN_ORDER) == set(LOOPBACK_RUNS) | {wire_test(bench) for bench in WIRE_RUNS}
+    return {name: runs[name] for name in RUN_ORDER if name in runs}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def ahead(request):
-    with RunsAhead(request, {name: functools.partial(json_run, *argv) for name, argv in AHEAD.items()}) as runs:
+    with RunsAhead(request, all_runs()) as runs:
         yield runs
 
 
@@ -159,21 +206,14 @@ def test_idle_groups_rows(ahead):
 
 
 @pytest.mark.wire
-@pytest.mark.skipif(wire.why_not_here() is not None, reason=f"the wire needs namespaces: {wire.why_not_here()}")
-@pytest.mark.parametrize("bench, options, where, tables", [
-    ("cp_attention", ["--seq", "512", "--rounds", "1", "--work-seq", "--masks", "causal"], (),
-     ["cp-wire", "cp-regather"]),
-    ("pp_schedule", ["--vpp", "2", "--layers", "4", "--microbatches", "4", "--rounds", "1", "--hidden", "32",
-                     "--seq", "16", "--mbs", "1", "--agreed-order"], ("wire",), ["pp-wire"]),
-    ("zero", ["--quick", "--gas", "2", "--rounds", "1", "--variants", "ours ZeRO-1"], (), ["zero-wire", "zero"]),
-    ("zero_megatron", ["--quick", "--gas", "2", "--contenders", "ZeRO-2 default"], (), ["zero-megatron"]),
-])
-def test_bench_runs_on_the_per_rank_wire(bench, options, where, tables):
+@pytest.mark.skipif(WIRE_HERE is not None, reason=f"the wire needs namespaces: {WIRE_HERE}")
+@pytest.mark.parametrize("bench", list(WIRE_RUNS))
+def test_bench_runs_on_the_per_rank_wire(ahead, bench):
     """The bench's ranks ran on their own links (each rank's uplink and downlink carried its traffic: rank 0's
     up is rank 1's down, give or take the control messages), no namespace outlived the run, and its docs
     tables render from the record, stating the wire."""
-    before = wire.namespaces()
-    record, _ = json_run(f"bench/{bench}.py", "--wire", "200mbit", *options, timeout=900)
+    _, where, tables = WIRE_RUNS[bench]
+    record, left = ahead.result(wire_test(bench))
     figures = record["figures"]
     for key in where:
         figures = figures[key]
@@ -197,6 +237,4 @@ def test_bench_runs_on_the_per_rank_wire(bench, options, where, tables):
     for rank, peer in (("0", "1"), ("1", "0")):
         assert traffic[rank]["up"] > 100_000, traffic
         assert abs(traffic[rank]["up"] - traffic[peer]["down"]) < 0.1 * traffic[rank]["up"], traffic
-    leaked = {name for name, pid in wire.namespaces().items()
-              if name not in before and not os.path.exists(f"/proc/{pid}")}
-    assert not leaked, f"{bench} left namespaces behind: {leaked}"
+    assert not left, f"{bench} left namespaces behind: {left}"
