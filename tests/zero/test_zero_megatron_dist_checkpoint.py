@@ -22,7 +22,7 @@ def _setup():
     from tiny_gpt import build_gpt, gpt_config
 
     init_mesh(dp=dist.get_world_size())
-    model = build_gpt(gpt_config(num_layers=2, hidden=32))
+    model = build_gpt(gpt_config(num_layers=1, hidden=32))
     zero = megatron_zero([model], torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), stage=2,
                          bucket_numel=3000)
     return model, zero
