@@ -19,10 +19,33 @@ SEQ = MultimodalRun.seq_len
 
 
 def run_for(v, m, k, placement, **kwargs):
-    """Two layers per virtual stage; the first stage holds only (frozen) self-attention layers; micro-batches
-    with 2, 0, 1, 2, 1 images (one without images, totals not divisible by P)."""
-    return MultimodalRun(kinds="SS" + "SX" * (2 * v - 1), pp=2, vpp=v, microbatches=m, group_size=k,
-                         placement=placement, **kwargs)
+    """One layer per virtual stage, self-attention (frozen) and cross-attention in turn: the first stage holds only
+    a frozen self-attention layer, and at v = 2 a frozen stage sits between trainable ones (its backward carries
+    the input gradient through); micro-batches with 2, 0, 1, 2, 1 images (one without images, totals not
+    divisible by P). Chunks of several layers, self- and cross-attention mixed: the balanced split below."""
+    return MultimodalRun(kinds="SX" * v, pp=2, vpp=v, microbatches=m, group_size=k, placement=placement, **kwargs)
+
+
+def train_each(runs):
+    """``train`` for each (run, steps, pipelined) in turn on this rank (one call to the ranks for many runs)."""
+    return [train(run, steps, pipelined) for run, steps, pipelined in runs]
+
+
+@pytest.fixture(scope="module")
+def trained(ranks):
+    """``trained(world, [(run, steps, pipelined), ...])``: every rank's ``train`` result for each, each
+    configuration trained once per module and the ones not yet trained in one call to the ranks (the one-process
+    runs are shared: the data-parallel test reads the grid's)."""
+    done = {}
+
+    def get(world, wanted, timeout=300):
+        missing = [w for w in dict.fromkeys(wanted) if (world, w) not in done]
+        if missing:
+            for w, per_rank in zip(missing, zip(*ranks.run(world, train_each, missing, timeout=timeout))):
+                done[world, w] = list(per_rank)
+        return [done[world, w] for w in wanted]
+
+    return get
 
 
 def fp32_close(reference) -> dict:
@@ -61,36 +84,39 @@ def assert_matches_one_process(run, pipelined, serial):
 GRID = [(1, 4, 2), (1, 3, 1), (2, 4, 2), (2, 5, 3)]
 
 
+GRID_RUNS = [run_for(v, m, k, placement) for v, m, k in GRID for placement in PLACEMENTS]
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("v,m,k", GRID, ids=[f"p2v{v}m{m}k{k}" for v, m, k in GRID])
-def test_encoder_placements_match_one_process(ranks, v, m, k, placement):
+def test_encoder_placements_match_one_process(trained, v, m, k, placement):
     """Losses and the cross-attention gradients bit for bit (the text side sums in the same order); the
     encoder's gradients to fp32 rounding (1e-6) (its image-token gradients are summed per stage, then over stages,
-    where the one-process run sums them per micro-batch)."""
+    where the one-process run sums them per micro-batch). Every case of the grid runs in one call to the ranks
+    (and one to the single process); each case is checked here."""
     run = run_for(v, m, k, placement)
-    pipelined = ranks.run(2, train, run, timeout=180)
-    serial = ranks.run(1, train, run, 1, False, timeout=180)[0]
+    pipelined = trained(2, [(r, 1, True) for r in GRID_RUNS])[GRID_RUNS.index(run)]
+    serial = trained(1, [(r, 1, False) for r in GRID_RUNS])[GRID_RUNS.index(run)][0]
     assert_matches_one_process(run, pipelined, serial)
 
 
 @pytest.mark.parametrize("placement", ["replicated", "pipeline"])
-def test_balanced_uneven_split_matches_one_process(ranks, placement):
+def test_balanced_uneven_split_matches_one_process(trained, placement):
     """The split `l3plugin balance` picks (uneven layers per virtual stage, given to Megatron as its
-    pipeline layout) trains the same model."""
-    run = with_balanced_split(MultimodalRun(kinds="SSSX" * 3, pp=2, vpp=2, microbatches=5, group_size=3,
+    pipeline layout) trains the same model: here 3, 2, 2, 1 layers, self- and cross-attention layers mixed in a
+    chunk and a frozen chunk between trainable ones."""
+    run = with_balanced_split(MultimodalRun(kinds="SSSX" * 2, pp=2, vpp=2, microbatches=5, group_size=3,
                                             placement=placement))
-    assert len(set(run.counts)) > 1, run.counts  # uneven
-    pipelined = ranks.run(2, train, run, timeout=180)
-    serial = ranks.run(1, train, run, 1, False, timeout=180)[0]
+    assert len(set(run.counts)) > 1 and max(run.counts) > 1, run.counts  # uneven, chunks of several layers
+    [pipelined], [[serial]] = trained(2, [(run, 1, True)]), trained(1, [(run, 1, False)])
     assert_matches_one_process(run, pipelined, serial)
 
 
-def test_replicated_encoders_stay_identical_over_steps(ranks):
+def test_replicated_encoders_stay_identical_over_steps(trained):
     """Three SGD steps: each pipeline rank's encoder replica saw different images, yet the replicas stay bit
     for bit equal (their gradients are summed over PP), and equal the one-process run."""
     run, steps = dataclasses.replace(run_for(2, 5, 3, "replicated"), lr=0.5), 3
-    pipelined = ranks.run(2, train, run, steps, timeout=180)
-    serial = ranks.run(1, train, run, steps, False, timeout=180)[0]
+    [pipelined], [[serial]] = trained(2, [(run, steps, True)]), trained(1, [(run, steps, False)])
     first, second = (r["encoder_params"] for r in pipelined)
     initial = dict(run.encoder().named_parameters())
     for name in first:
@@ -146,12 +172,11 @@ def test_misuse_is_refused_with_the_fix(ranks):
         assert errors[name] is not None and errors[name].startswith(start), (name, errors[name])
 
 
-def test_replicated_encoder_gradients_are_summed_over_data_parallel_too(ranks):
+def test_replicated_encoder_gradients_are_summed_over_data_parallel_too(trained):
     """pp 2 x dp 2, both DP replicas seeing the same images: each encoder replica's gradient is the sum over
     PP and DP, twice the one-process gradient (doubling is exact in fp32)."""
     run = run_for(2, 5, 3, "replicated")
-    pipelined = ranks.run(4, train, run, timeout=240)
-    serial = ranks.run(1, train, run, 1, False, timeout=180)[0]
+    [pipelined], [[serial]] = trained(4, [(run, 1, True)]), trained(1, [(run, 1, False)])
     for rank, r in enumerate(pipelined):
         assert r["encoder"].keys() == serial["encoder"].keys(), f"rank {rank}"
         for name, g in r["encoder"].items():
