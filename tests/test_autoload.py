@@ -1,8 +1,12 @@
 """The "l3plugin" DeepSpeed config key works without `import l3plugin.deepspeed`: l3plugin-autoload.pth
-(installed into site-packages) watches for `import deepspeed` and installs then. Every check runs a fresh
+(installed into site-packages) watches for `import deepspeed` and installs then. Every check runs in a fresh
 interpreter of this venv, from an empty directory, so the hook is the installed .pth and nothing here has
-imported l3plugin for it; the l3plugin tree under test (the one this test imported) is first on its path.
-The last test builds a regular wheel (with build isolation) and checks it in a fresh virtualenv."""
+imported l3plugin for it; the l3plugin tree under test (the one this test imported) is first on its path. The
+cases with the hook on are forked from one such interpreter that has imported torch only (what `import
+deepspeed` imports first thing anyway), each child then importing deepspeed for itself: one interpreter start
+and torch import for them all (most of each case's seconds). The opt-out case starts its own interpreter (the
+hook is off from start-up). The last test builds a regular wheel (with build isolation) and checks it in a fresh
+virtualenv."""
 
 import functools
 import json
@@ -10,9 +14,11 @@ import os
 import re
 import shutil
 import socket
+import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 
@@ -75,21 +81,147 @@ def run(code, tmp_path, timeout=90, python=sys.executable, tree=TREE, **env):
 
 def engine_result(tmp_path, first="", python=sys.executable, tree=TREE, **env):
     out = run(f"FIRST = {first!r}\n" + ENGINE, tmp_path, python=python, tree=tree, **env)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return parse_engine(out.stdout, out.stderr)
+
+
+def parse_engine(stdout, stderr):
+    result = json.loads(stdout.strip().splitlines()[-1])
     assert result["before"] == [], "the script imported l3plugin itself"
-    return dict(result, stderr=out.stderr)
-
-
-def engine_optimizer(tmp_path, first="", **env):
-    return engine_result(tmp_path, first, **env)["optimizer"]
+    return dict(result, stderr=stderr)
 
 
 @functools.cache
-def plain_import_run(opt_out: bool) -> dict:
-    """ENGINE with nothing imported first, the hook on or opted out (L3PLUGIN_NO_AUTOLOAD=1): one fresh interpreter
-    each per session, shared by this module's tests and tests/test_import_cost.py."""
+def opt_out_run() -> dict:
+    """ENGINE with nothing imported first, the hook opted out (L3PLUGIN_NO_AUTOLOAD=1): an interpreter of its own."""
     with tempfile.TemporaryDirectory(prefix="l3plugin-autoload-") as empty:
-        return engine_result(Path(empty), **({"L3PLUGIN_NO_AUTOLOAD": "1"} if opt_out else {}))
+        return engine_result(Path(empty), L3PLUGIN_NO_AUTOLOAD="1")
+
+
+def plain_import_run(opt_out: bool) -> dict:
+    """ENGINE with nothing imported first (but torch, see FORKED), the hook on or opted out: run once per session,
+    shared by this module's tests and tests/test_import_cost.py."""
+    return opt_out_run() if opt_out else forked_result("plain")
+
+
+# The cases with the hook on, each the code one child runs (a fresh `import deepspeed` of its own).
+def half_built_code():
+    code = ENGINE.replace("print(json.dumps({", "print(json.dumps({'deferred': deferred, 'restored': "
+                          "deepspeed.initialize.__name__, ")
+    code = code.replace("deepspeed = quiet_deepspeed()", "deferred = [\"l3plugin.deepspeed\" in sys.modules, "
+                        "sys.modules[\"deepspeed\"].initialize.__name__]\ndeepspeed = quiet_deepspeed()")
+    join = f"import l3plugin\n    l3plugin.__path__.append({str(PACKAGE_EXTRA)!r})\n"
+    code = code.replace("if FIRST:\n", "if FIRST:\n    " + join)
+    return "FIRST = 'l3plugin.deepspeed_at_import'\n" + code
+
+
+# A stand-in `deepspeed` without the engine modules, first on the path (as PYTHONPATH would put it: before
+# site-packages): install() fails; `import deepspeed` must not.
+FAKE_DEEPSPEED = "import sys\nDONE = 'l3plugin.deepspeed' not in sys.modules\n"
+FAILED_INSTALL = """
+import sys
+sys.path.insert(0, FAKE)
+import deepspeed
+from l3plugin_autoload import DeepSpeedWatcher
+print(deepspeed.DONE, type(deepspeed.__spec__.loader).__name__, DeepSpeedWatcher in sys.meta_path)
+"""
+
+
+def case_code(name, fake):
+    return {"plain": lambda: "FIRST = ''\n" + ENGINE,
+            "inside": lambda: "FIRST = 'l3plugin.deepspeed.optimizer'\n" + ENGINE,
+            "half-built": half_built_code,
+            "fake": lambda: f"FAKE = {str(fake)!r}\n" + FAILED_INSTALL}[name]()
+
+
+# One fresh interpreter imports torch, then forks a child per case, all at once; each child writes its stdout and
+# stderr to files of its own (outside the empty working directory) and runs its case as a script would. Before the
+# cases of AFTER_DYNAMO it also imports torch._dynamo (seconds), which every deepspeed.initialize imports, stock or
+# ours: those cases check where and when the hook installs, not which modules `import deepspeed` loads (the plain
+# case's module list, read by tests/test_import_cost.py, is taken in a child forked before that import).
+FORKED = """
+import json, os, socket, sys, traceback
+import torch  # what `import deepspeed` imports first thing: once, for every child
+
+CASES, OUT, AFTER_DYNAMO = json.loads({cases!r}), {out!r}, {after_dynamo!r}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+children = {{}}
+for name, code in CASES.items():
+    if name in AFTER_DYNAMO:
+        import torch._dynamo
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            for fd, suffix in ((1, "out"), (2, "err")):
+                handle = os.open(os.path.join(OUT, name + "." + suffix), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(handle, fd)
+                os.close(handle)
+            os.environ["MASTER_PORT"] = str(free_port())
+            exec(compile(code, name, "exec"), {{"__name__": "__main__"}})
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    children[name] = pid
+print(json.dumps({{name: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for name, pid in children.items()}}))
+"""
+
+FORKED_CASES = ("plain", "fake", "inside", "half-built")  # forked in this order
+AFTER_DYNAMO = ("inside", "half-built")
+_forked_results = {}
+_forked_lock = threading.Lock()
+
+
+def forked_runs(*names) -> dict:
+    """{case: its result, or the exception to raise in its test} of the FORKED cases ``names`` (all of them when
+    none is given), each run once per session (the first call runs those not run yet, from one interpreter)."""
+    names = names or FORKED_CASES
+    with _forked_lock:
+        missing = [name for name in names if name not in _forked_results]
+        if missing:
+            _forked_results.update(_run_forked(missing))
+        return {name: _forked_results[name] for name in names}
+
+
+def _run_forked(names):
+    with tempfile.TemporaryDirectory(prefix="l3plugin-autoload-") as folder:
+        folder = Path(folder)
+        empty, out, fake = folder / "empty", folder / "out", folder / "fake" / "deepspeed"
+        for d in (empty, out, fake):
+            d.mkdir(parents=True)
+        (fake / "__init__.py").write_text(FAKE_DEEPSPEED)
+        cases = json.dumps({name: case_code(name, fake.parent) for name in FORKED_CASES if name in names})
+        script = FORKED.format(cases=cases, out=str(out), after_dynamo=AFTER_DYNAMO)
+        codes = json.loads(run(script, empty, timeout=300).stdout.splitlines()[-1])
+        results = {}
+        for name in names:
+            stdout, stderr = ((out / f"{name}.{suffix}").read_text() for suffix in ("out", "err"))
+            try:
+                assert codes[name] == 0, f"case {name} exited with {codes[name]}:\n{stderr[-3000:]}"
+                results[name] = (subprocess.CompletedProcess(name, 0, stdout, stderr) if name == "fake"
+                                 else parse_engine(stdout, stderr))
+            except Exception as exc:  # noqa: BLE001 - raised by the case's own test
+                results[name] = exc
+        return results
+
+
+def forked_result(name):
+    result = forked_runs(name)[name]
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def test_pth_is_installed_in_site_packages():
@@ -107,33 +239,17 @@ def test_startup_installs_only_the_watcher(tmp_path):
     assert off == [False, [], []]
 
 
-def half_built_result(tmp_path):
-    code = ENGINE.replace("print(json.dumps({", "print(json.dumps({'deferred': deferred, 'restored': "
-                          "deepspeed.initialize.__name__, ")
-    code = code.replace("deepspeed = quiet_deepspeed()", "deferred = [\"l3plugin.deepspeed\" in sys.modules, "
-                        "sys.modules[\"deepspeed\"].initialize.__name__]\ndeepspeed = quiet_deepspeed()")
-    join = f"import l3plugin\n    l3plugin.__path__.append({str(PACKAGE_EXTRA)!r})\n"
-    code = code.replace("if FIRST:\n", "if FIRST:\n    " + join)
-    out = run("FIRST = 'l3plugin.deepspeed_at_import'\n" + code, tmp_path)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module", autouse=True)
 def ahead(request, tmp_path_factory):
     """This module's fresh interpreters (each seconds of imports on one core), the wheel and its virtualenv, started
     two at a time when the module starts (tests/runs_ahead.py); the wheel's chain, the longest, first."""
-    def cwd(name):
-        return tmp_path_factory.mktemp(name)
-
-    runs = {"wheel": lambda: wheel_and_its_virtualenv(cwd("wheel")),
-            "test_config_key_works_without_import": lambda: plain_import_run(opt_out=False),
-            "test_opt_out_gives_stock_zero": lambda: plain_import_run(opt_out=True)["optimizer"],
-            "test_deepspeed_imported_from_inside_l3plugin":
-                lambda: engine_optimizer(cwd("inside"), first="l3plugin.deepspeed.optimizer"),
-            "test_deepspeed_imported_while_another_l3plugin_module_is_half_built":
-                lambda: half_built_result(cwd("half-built")),
-            "test_failed_install_warns_and_deepspeed_still_imports": lambda: failed_install_run(cwd("fake"))}
-    needed_by = {"wheel": ("test_wheel_holds_only_product_code", "test_wheel_in_a_fresh_virtualenv_installs_the_hook")}
+    runs = {"wheel": lambda: wheel_and_its_virtualenv(tmp_path_factory.mktemp("wheel")),
+            "forked": forked_runs,
+            "test_opt_out_gives_stock_zero": lambda: opt_out_run()["optimizer"]}
+    needed_by = {"wheel": ("test_wheel_holds_only_product_code", "test_wheel_in_a_fresh_virtualenv_installs_the_hook"),
+                 "forked": ("test_config_key_works_without_import", "test_deepspeed_imported_from_inside_l3plugin",
+                            "test_deepspeed_imported_while_another_l3plugin_module_is_half_built",
+                            "test_failed_install_warns_and_deepspeed_still_imports")}
     with RunsAhead(request, runs, needed_by) as runs_ahead:
         yield runs_ahead
 
@@ -141,7 +257,8 @@ def ahead(request, tmp_path_factory):
 def test_config_key_works_without_import(ahead):
     """... and a DeepSpeed run without context_parallel_size never imports the Hugging Face adapter, also when
     accelerate is imported (DeepSpeed 0.16 imports it itself; 0.19 does not)."""
-    result = ahead.result("test_config_key_works_without_import")
+    ahead.result("forked")
+    result = plain_import_run(opt_out=False)
     assert result["optimizer"] == "DeepSpeedFP32ReduceZero"
     assert result["hf_adapter"] is False
 
@@ -153,31 +270,24 @@ def test_opt_out_gives_stock_zero(ahead):
 def test_deepspeed_imported_from_inside_l3plugin(ahead):
     """deepspeed finishes importing while the l3plugin.deepspeed package is half-built (its optimizer module
     imports deepspeed at its top): the hook must not import the package again; the package installs itself."""
-    assert ahead.result("test_deepspeed_imported_from_inside_l3plugin") == "DeepSpeedFP32ReduceZero"
+    ahead.result("forked")
+    assert forked_result("inside")["optimizer"] == "DeepSpeedFP32ReduceZero"
 
 
 def test_deepspeed_imported_while_another_l3plugin_module_is_half_built(ahead):
     """deepspeed finishes importing while an l3plugin module outside the adapter is half-built: the hook does not
     install then; deepspeed.initialize installs at its first call (the registry's AUTOLOAD set) and is put back."""
-    result = ahead.result("test_deepspeed_imported_while_another_l3plugin_module_is_half_built")
+    ahead.result("forked")
+    result = forked_result("half-built")
     assert result["deferred"] == [False, "initialize_after_install"]
     assert result["optimizer"] == "DeepSpeedFP32ReduceZero"
     assert result["restored"] == "initialize_with_key"  # the trampoline gave way to l3plugin.deepspeed's install
 
 
-def failed_install_run(tmp_path):
-    fake = tmp_path / "fake" / "deepspeed"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("import sys\nDONE = 'l3plugin.deepspeed' not in sys.modules\n")
-    code = ("import sys, deepspeed\n"
-            "from l3plugin_autoload import DeepSpeedWatcher\n"
-            "print(deepspeed.DONE, type(deepspeed.__spec__.loader).__name__, DeepSpeedWatcher in sys.meta_path)")
-    return run(code, tmp_path, PYTHONPATH=str(tmp_path / "fake"))
-
-
 def test_failed_install_warns_and_deepspeed_still_imports(ahead):
     """A stand-in `deepspeed` without the engine modules: install() fails; `import deepspeed` must not."""
-    out = ahead.result("test_failed_install_warns_and_deepspeed_still_imports")
+    ahead.result("forked")
+    out = forked_result("fake")
     # The hook ran after deepspeed/__init__ finished, then gave the module its own loader back and left.
     assert out.stdout.split() == ["True", "SourceFileLoader", "False"]
     assert "l3plugin autoload: could not install the FP32-reducing ZeRO into DeepSpeed" in out.stderr

@@ -2,8 +2,9 @@
 adapter's light modules (config parsing, the patches). What only the key's paths need (the ZeRO optimizer, the
 parameter-gather guard and with it torch._dynamo, the checkpoint formats, CP, the Hugging Face adapter) is imported
 when first used. Checked by module names in a fresh interpreter of this venv (no timings; the figures are
-bench/autoload_startup.py's): the one tests/test_autoload.py's key test runs (`import deepspeed` first thing, the
-hook on, then an engine with the key), and for the stock modules the one of its opt-out test."""
+bench/autoload_startup.py's): the one tests/test_autoload.py's key test runs (a child forked from a fresh interpreter
+that has imported torch only, which `import deepspeed` imports first itself; then `import deepspeed`, the hook on,
+then an engine with the key), and for the stock modules the one of its opt-out test."""
 
 from test_autoload import plain_import_run  # tests/test_autoload.py: one interpreter per session for both files
 
