@@ -10,9 +10,10 @@ import toy_pipeline as toy
 HIDDEN, SEQ, MBS = 8, 4, 2
 
 
-def run_step(pp, vpp, m, k, early, jitter):
+def run_step(pp, vpp, m, k, early, jitter, mesh=None):
     """On every rank: one flexible step, receives posted early or in the agreed pair order; ``jitter``: each
-    forward sleeps up to that many seconds (seeded per rank and microbatch) so ranks drift apart."""
+    forward sleeps up to that many seconds (seeded per rank and microbatch) so ranks drift apart. ``mesh``: the
+    one already built for (pp, vpp), else built here."""
     import random
     import time
 
@@ -22,7 +23,7 @@ def run_step(pp, vpp, m, k, early, jitter):
     from l3plugin.schedule.plan import build_schedule
     from l3plugin.schedule.receives import receive_posts
 
-    mesh = init_mesh(pp=pp, vpp=vpp if vpp > 1 else None)
+    mesh = mesh or init_mesh(pp=pp, vpp=vpp if vpp > 1 else None)
     rank = mesh.coords["pp"]
     config = TransformerConfig(
         num_layers=2 * pp * vpp, hidden_size=HIDDEN, num_attention_heads=1, pipeline_model_parallel_size=pp,
@@ -59,10 +60,39 @@ GRID = [
 ]
 
 
+DRIFT = [(2, 2, 8, 3), (3, 2, 6, 3), (4, 2, 8, 6), (4, 2, 6, 2)]
+# Every step of the two tests below, (p, v, m, k, early, jitter): the first test runs them all, one call to the
+# ranks per p with the steps one after another (the mesh built once per (p, v)); each test checks its own.
+STEPS = ([(*case, early, 0.0) for case in GRID for early in (True, False)]
+         + [(*case, True, 0.02) for case in DRIFT])
+
+
+def run_steps(cases):
+    """``run_step(*case)`` for each case (all at one p) in turn on this rank."""
+    from l3plugin.mesh.groups import init_mesh
+
+    out, mesh, shape = [], None, None
+    for case in cases:
+        if tuple(case[:2]) != shape:
+            shape = tuple(case[:2])
+            mesh = init_mesh(pp=shape[0], vpp=shape[1] if shape[1] > 1 else None)
+        out.append(run_step(*case, mesh=mesh))
+    return out
+
+
+@pytest.fixture(scope="module")
+def steps(ranks):
+    """{case: every rank's run_step result} for STEPS."""
+    done = {}
+    for p in sorted({case[0] for case in STEPS}):
+        mine = sorted((case for case in STEPS if case[0] == p), key=lambda case: case[1])
+        done.update(zip(mine, zip(*ranks.run(p, run_steps, mine, timeout=300))))
+    return {case: list(results) for case, results in done.items()}
+
+
 @pytest.mark.parametrize("p,v,m,k", GRID, ids=[f"p{p}v{v}m{m}k{k}" for p, v, m, k in GRID])
-def test_early_receives_are_bit_identical_and_post_as_planned(ranks, p, v, m, k):
-    early = ranks.run(p, run_step, p, v, m, k, True, 0.0, timeout=180)
-    agreed = ranks.run(p, run_step, p, v, m, k, False, 0.0, timeout=180)
+def test_early_receives_are_bit_identical_and_post_as_planned(steps, p, v, m, k):
+    early, agreed = steps[p, v, m, k, True, 0.0], steps[p, v, m, k, False, 0.0]
     toy.assert_matches_serial(early, toy.make_microbatches(m, SEQ, MBS, HIDDEN), num_layers=2 * p * v,
                               hidden=HIDDEN)
     for a, b in zip(early, agreed):
@@ -79,10 +109,10 @@ def test_early_receives_are_bit_identical_and_post_as_planned(ranks, p, v, m, k)
     assert any(result["waits"]["recv_count"] > 0 for result in early)  # the later ranks wait for the pipeline fill
 
 
-@pytest.mark.parametrize("p,v,m,k", [(2, 2, 8, 3), (3, 2, 6, 3), (4, 2, 8, 6), (4, 2, 6, 2)])
-def test_early_receives_finish_when_ranks_drift(ranks, p, v, m, k):
+@pytest.mark.parametrize("p,v,m,k", DRIFT)
+def test_early_receives_finish_when_ranks_drift(steps, p, v, m, k):
     """Forwards sleeping 0-20 ms at random: other interleavings of posts, sends and waits, same results."""
-    drifting = ranks.run(p, run_step, p, v, m, k, True, 0.02, timeout=180)
+    drifting = steps[p, v, m, k, True, 0.02]
     toy.assert_matches_serial(drifting, toy.make_microbatches(m, SEQ, MBS, HIDDEN), num_layers=2 * p * v,
                               hidden=HIDDEN)
 

@@ -18,15 +18,29 @@ def toy_config(pp, vpp, num_layers, group_size):
         batch_p2p_comm=False, deallocate_pipeline_outputs=True)
 
 
-def run_pipeline(pp, vpp, m, k, num_layers, layers_per_stage=None, stock=False, forward_only=False):
-    """On every rank: one step of the flexible (or stock) schedule; this rank's grads and losses."""
+def meshes_for(cases):
+    """(case, mesh) for each case in turn, ``init_mesh(pp=case[0], vpp=case[1])`` built again only where the two
+    change: one call to the ranks runs many steps on fresh chunks, as a training job runs many steps."""
+    from l3plugin.mesh.groups import init_mesh
+
+    mesh, shape = None, None
+    for case in cases:
+        if tuple(case[:2]) != shape:
+            shape = tuple(case[:2])
+            mesh = init_mesh(pp=shape[0], vpp=shape[1] if shape[1] > 1 else None)
+        yield case, mesh
+
+
+def run_pipeline(pp, vpp, m, k, num_layers, layers_per_stage=None, stock=False, forward_only=False, mesh=None):
+    """On every rank: one step of the flexible (or stock) schedule; this rank's grads and losses. ``mesh``: the
+    one already built for (pp, vpp), else built here."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.mesh.groups import init_mesh
     from megatron_cpu_shim import stock_schedules_on_cpu
 
-    mesh = init_mesh(pp=pp, vpp=vpp if vpp > 1 else None)
+    mesh = mesh or init_mesh(pp=pp, vpp=vpp if vpp > 1 else None)
     config = toy_config(pp, vpp, num_layers, k)
     chunks = toy.build_chunks(config, num_layers=num_layers, hidden=HIDDEN, pp_rank=mesh.coords["pp"],
                               pp_size=pp, vpp_size=vpp, layers_per_stage=layers_per_stage)
@@ -44,6 +58,33 @@ def run_pipeline(pp, vpp, m, k, num_layers, layers_per_stage=None, stock=False, 
         for chunk in chunks:
             grads.update(chunk.grads())
     return {"losses": [d["loss"] for d in out], "grads": grads}
+
+
+def run_pipelines(cases):
+    """``run_pipeline(*case)`` for each case (all at one p) in turn on this rank."""
+    return [run_pipeline(*case, mesh=mesh) for case, mesh in meshes_for(cases)]
+
+
+def pipeline_case(p, v, m, k, num_layers=None, layers_per_stage=None, stock=False, forward_only=False):
+    """run_pipeline's arguments as a hashable key (2 layers per virtual stage unless given)."""
+    return (p, v, m, k, num_layers or 2 * p * v, tuple(layers_per_stage) if layers_per_stage else None, stock,
+            forward_only)
+
+
+@pytest.fixture(scope="module")
+def pipelines(ranks):
+    """``pipelines(cases)``: {case: every rank's run_pipeline result} for pipeline_case keys, each case run once per
+    module, the ones not yet run in one call to the ranks per p (sorted by v: the mesh is built once per (p, v))."""
+    done = {}
+
+    def get(cases):
+        missing = sorted({c for c in cases if c not in done}, key=lambda c: (c[0], c[1]))
+        for p in sorted({c[0] for c in missing}):
+            mine = [c for c in missing if c[0] == p]
+            done.update(zip(mine, zip(*ranks.run(p, run_pipelines, mine, timeout=240))))
+        return {c: list(done[c]) for c in cases}
+
+    return get
 
 
 def assert_matches_serial(results, m, num_layers):
@@ -66,29 +107,33 @@ GRID = [
 ]
 
 
+UNEVEN = [1, 2, 2, 2, 2, 2, 2, 1]  # one fewer layer on the first and the last stage, as the paper does
+STOCK_GRID = [(2, 1, 4, 2), (2, 2, 4, 2), (2, 2, 6, 3), (4, 2, 8, 4), (4, 2, 10, 5)]
+# Every step of the serial, uneven, stock and forward-only tests below: the first of them runs all (one call to the
+# ranks per p), each test checks its own. (2, 2, 4, 2) is in GRID and STOCK_GRID: one flexible run serves both.
+STEPS = ([pipeline_case(*case) for case in GRID] + [pipeline_case(4, 2, 6, 4, sum(UNEVEN), UNEVEN)]
+         + [pipeline_case(*case, stock=stock) for case in STOCK_GRID for stock in (False, True)]
+         + [pipeline_case(2, 2, 5, 2, 8, forward_only=True)])
+
+
 @pytest.mark.parametrize("p,v,m,k", GRID, ids=[f"p{p}v{v}m{m}k{k}" for p, v, m, k in GRID])
-def test_flexible_matches_serial_bitwise(ranks, p, v, m, k):
+def test_flexible_matches_serial_bitwise(pipelines, p, v, m, k):
     layers = 2 * p * v
-    results = ranks.run(p, run_pipeline, p, v, m, k, layers, timeout=120)
+    results = pipelines(STEPS)[pipeline_case(p, v, m, k)]
     assert_matches_serial(results, m, layers)
 
 
-def test_uneven_layers_per_stage(ranks):
+def test_uneven_layers_per_stage(pipelines):
     # One fewer layer on the first and the last stage, as the paper does for embedding and output.
     p, v, m, k = 4, 2, 6, 4
-    split = [1, 2, 2, 2, 2, 2, 2, 1]
-    results = ranks.run(p, run_pipeline, p, v, m, k, sum(split), split, timeout=120)
-    assert_matches_serial(results, m, sum(split))
-
-
-STOCK_GRID = [(2, 1, 4, 2), (2, 2, 4, 2), (2, 2, 6, 3), (4, 2, 8, 4), (4, 2, 10, 5)]
+    results = pipelines(STEPS)[pipeline_case(p, v, m, k, sum(UNEVEN), UNEVEN)]
+    assert_matches_serial(results, m, sum(UNEVEN))
 
 
 @pytest.mark.parametrize("p,v,m,k", STOCK_GRID, ids=[f"p{p}v{v}m{m}k{k}" for p, v, m, k in STOCK_GRID])
-def test_flexible_matches_stock_megatron_bitwise(ranks, p, v, m, k):
-    layers = 2 * p * v
-    ours = ranks.run(p, run_pipeline, p, v, m, k, layers, timeout=120)
-    stock = ranks.run(p, run_pipeline, p, v, m, k, layers, None, True, timeout=120)
+def test_flexible_matches_stock_megatron_bitwise(pipelines, p, v, m, k):
+    steps = pipelines(STEPS)
+    ours, stock = steps[pipeline_case(p, v, m, k)], steps[pipeline_case(p, v, m, k, stock=True)]
     for a, b in zip(ours, stock):
         assert a["grads"].keys() == b["grads"].keys()
         for lid in a["grads"]:
@@ -96,30 +141,44 @@ def test_flexible_matches_stock_megatron_bitwise(ranks, p, v, m, k):
         assert all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"]))
 
 
-def test_forward_only_returns_the_losses(ranks):
+def test_forward_only_returns_the_losses(pipelines):
     p, v, m, k = 2, 2, 5, 2
-    results = ranks.run(p, run_pipeline, p, v, m, k, 8, None, False, True, timeout=120)
+    results = pipelines(STEPS)[pipeline_case(p, v, m, k, 8, forward_only=True)]
     ref_losses, _ = toy.serial_reference(toy.make_microbatches(m, SEQ, MBS, HIDDEN), num_layers=8,
                                          hidden=HIDDEN)
     assert results[0]["losses"] == [] and all(torch.equal(a, b) for a, b in zip(results[-1]["losses"], ref_losses))
 
 
-def bad_input_message(num_microbatches, group_size):
-    """Returns the executor's error for bad input (raised before any communication, on every rank)."""
-    try:
-        run_pipeline(2, 2, num_microbatches, group_size, 8)
-    except ValueError as exc:
-        return str(exc)
-    return None
+def bad_input_messages(inputs):
+    """The executor's error for each bad (num_microbatches, group_size) (raised before any communication, on every
+    rank), one after another on one mesh."""
+    out = []
+    for (_, _, m, k), mesh in meshes_for([(2, 2, m, k) for m, k in inputs]):
+        try:
+            run_pipeline(2, 2, m, k, 8, mesh=mesh)
+            out.append(None)
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
 
 
-@pytest.mark.parametrize("m,k,message", [
+BAD_INPUTS = [
     (0, 2, "num_microbatches=0 is out of range: must be an integer >= 1"),
     (4, 5, "group_size=5 is out of range: must be an integer in 1..num_microbatches (=4)"),
     (4, 0, "group_size=0 is out of range: must be an integer in 1..num_microbatches (=4)"),
-])
-def test_bad_input_names_parameter_value_and_range(ranks, m, k, message):
-    for text in ranks.run(2, bad_input_message, m, k, timeout=60):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_texts(ranks):
+    """Every rank's message for each of BAD_INPUTS, all in one call to the ranks."""
+    per_rank = ranks.run(2, bad_input_messages, [(m, k) for m, k, _ in BAD_INPUTS], timeout=60)
+    return {(m, k): [texts[i] for texts in per_rank] for i, (m, k, _) in enumerate(BAD_INPUTS)}
+
+
+@pytest.mark.parametrize("m,k,message", BAD_INPUTS)
+def test_bad_input_names_parameter_value_and_range(bad_input_texts, m, k, message):
+    for text in bad_input_texts[m, k]:
         assert text is not None and message in text, text
 
 
@@ -218,7 +277,7 @@ def check_sync_record(results, p, v, m, k):
             assert all(torch.equal(w, ref[lid][0]) for lid, (w, _) in grads.items())
 
 
-def run_with_param_sync(p, v, m, k, stock):
+def run_with_param_sync(p, v, m, k, stock, mesh=None):
     """This rank's sequence of forwards and ``config.param_sync_func`` calls, as (kind, chunk)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -226,7 +285,7 @@ def run_with_param_sync(p, v, m, k, stock):
     from l3plugin.mesh.groups import init_mesh
     from megatron_cpu_shim import stock_schedules_on_cpu
 
-    mesh = init_mesh(pp=p, vpp=v if v > 1 else None)
+    mesh = mesh or init_mesh(pp=p, vpp=v if v > 1 else None)
     layers = 2 * p * v
     config = toy_config(p, v, layers, k)
     chunks = toy.build_chunks(config, num_layers=layers, hidden=HIDDEN, pp_rank=mesh.coords["pp"],
@@ -264,12 +323,26 @@ def run_with_param_sync(p, v, m, k, stock):
 PARAM_SYNC_GRID = [(2, 1, 4, 2), (2, 3, 4, 2), (2, 4, 6, 3), (4, 3, 8, 4)]
 
 
+def runs_with_param_sync(cases):
+    """``run_with_param_sync(*case)`` for each case (all at one p) in turn on this rank."""
+    return [run_with_param_sync(*case, mesh=mesh) for case, mesh in meshes_for(cases)]
+
+
+@pytest.fixture(scope="module")
+def param_sync_runs(ranks):
+    """{(p, v, m, k, stock): every rank's events} for PARAM_SYNC_GRID, ours and stock's: one call to the ranks per p."""
+    done = {}
+    for p in sorted({case[0] for case in PARAM_SYNC_GRID}):
+        cases = [(*case, stock) for case in PARAM_SYNC_GRID if case[0] == p for stock in (False, True)]
+        done.update(zip(cases, zip(*ranks.run(p, runs_with_param_sync, cases, timeout=240))))
+    return done
+
+
 @pytest.mark.parametrize("p,v,m,k", PARAM_SYNC_GRID, ids=[f"p{p}v{v}m{m}k{k}" for p, v, m, k in PARAM_SYNC_GRID])
-def test_param_sync_func_is_called_where_stock_calls_it(ranks, p, v, m, k):
+def test_param_sync_func_is_called_where_stock_calls_it(param_sync_runs, p, v, m, k):
     # Megatron-LM sets config.param_sync_func (--overlap-param-gather --align-param-gather) so that the
     # schedule starts each chunk's parameter all-gather ahead of its first forward.
-    ours = ranks.run(p, run_with_param_sync, p, v, m, k, False, timeout=120)
-    stock = ranks.run(p, run_with_param_sync, p, v, m, k, True, timeout=120)
+    ours, stock = param_sync_runs[p, v, m, k, False], param_sync_runs[p, v, m, k, True]
     for rank, (a, b) in enumerate(zip(ours, stock)):
         assert a == b, f"pipeline rank {rank}: ours {a}\nstock {b}"
         synced = [c for kind, c in a if kind == "param_sync"]

@@ -67,12 +67,26 @@ def run_frozen(p, v, m, k, model, skip=True):
 
 
 GRID = [(p, v, m, k) for p, v in [(2, 1), (2, 2)] for m, k in [(4, 2), (5, 3), (3, 1)]]
+MODELS = ["prefix", "middle"]
 
 
-@pytest.mark.parametrize("model", ["prefix", "middle"])
+def run_frozen_cases(cases):
+    """``run_frozen`` for each (p, v, m, k, model) in turn on this rank: one call to the ranks for the grid."""
+    return [run_frozen(*case) for case in cases]
+
+
+@pytest.fixture(scope="module")
+def frozen_grid(ranks):
+    """Every rank's ``run_frozen`` result for each case of GRID x MODELS (all at p 2), all run in one call to the
+    ranks."""
+    cases = [(*case, model) for case in GRID for model in MODELS]
+    return dict(zip(cases, zip(*ranks.run(2, run_frozen_cases, cases, timeout=240))))
+
+
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("p,v,m,k", GRID, ids=[f"p{p}v{v}m{m}k{k}" for p, v, m, k in GRID])
-def test_frozen_layers_match_serial_and_skip_the_frozen_prefix(ranks, p, v, m, k, model):
-    results = ranks.run(p, run_frozen, p, v, m, k, model, timeout=120)
+def test_frozen_layers_match_serial_and_skip_the_frozen_prefix(frozen_grid, p, v, m, k, model):
+    results = list(frozen_grid[p, v, m, k, model])
     layers, frozen = 2 * p * v, frozen_layers(model, p, v)
     toy.assert_matches_serial(results, toy.make_microbatches(m, SEQ, MBS, HIDDEN), num_layers=layers,
                               hidden=HIDDEN, frozen=frozen)
@@ -100,12 +114,12 @@ def test_every_layer_frozen_runs_no_backward(ranks):
         assert not any(r["layer_backwards"].values()) and not any(any(f) for f in r["inputs_need_grad"].values())
 
 
-def test_without_the_trainable_flags_the_frozen_prefix_ran_backward(ranks):
+def test_without_the_trainable_flags_the_frozen_prefix_ran_backward(ranks, frozen_grid):
     """The probe sees the difference: planned as if every stage trained (the executor before frozen layers were
     known), stage 1's frozen layers compute input gradients for every microbatch; the trainable gradients are
-    the same."""
+    the same (the run with the flags: the grid's p2v2m4k2-prefix case)."""
     p, v, m, k = 2, 2, 4, 2
-    skipped = ranks.run(p, run_frozen, p, v, m, k, "prefix", timeout=120)
+    skipped = frozen_grid[p, v, m, k, "prefix"]
     full = ranks.run(p, run_frozen, p, v, m, k, "prefix", False, timeout=120)
     assert full[1]["layer_backwards"][2] == full[1]["layer_backwards"][3] == m  # stage 1: layers 2, 3 (frozen)
     assert skipped[1]["layer_backwards"][2] == skipped[1]["layer_backwards"][3] == 0
@@ -214,7 +228,7 @@ def gpt_frozen_serial(m):
     from l3plugin.mesh.groups import init_mesh
     import tiny_gpt as gpt
 
-    init_mesh(dp=2)  # both ranks compute the same serial reference; no communication
+    init_mesh()  # one rank: no communication
     model = gpt.build_gpt(gpt.gpt_config(4), seq_len=16)
     gpt_frozen([model], GPT_FROZEN)
     losses = []
@@ -231,7 +245,7 @@ def test_gpt_model_with_a_frozen_prefix_matches_serial(ranks):
 
     p, v, m, k = 2, 2, 5, 3
     pipelined = ranks.run(p, gpt_frozen_step, p, v, m, k, timeout=180)
-    serial = ranks.run(2, gpt_frozen_serial, m, timeout=180)[0]
+    serial = ranks.run(1, gpt_frozen_serial, m, timeout=180)[0]
     grads = {name: g for r in pipelined for name, g in r["grads"].items()}
     assert grads.keys() == serial["grads"].keys() and not any(name.startswith(GPT_FROZEN) for name in grads)
 
