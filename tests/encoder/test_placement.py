@@ -47,30 +47,20 @@ def test_multimodal_demo_refuses_the_text_demo_flags(capsys):
     assert main(["demo", "--multimodal", "--dtype", "bf16"]) == 2
 
 
-def test_multimodal_demo_as_shipped_matches_one_process(ranks, tmp_path, capsys):
-    """`l3plugin demo --multimodal` with its defaults (30 steps): the pipelined run stays within the demo's
-    tolerance of one process and learns (a learning rate in the chaotic regime made it fail after 20 steps).
-    The command runs end to end for 2 steps (its ranks, its check, its summary); the run it reports (the shipped
-    model, split, placement and learning rate) then trains the command's default steps on the suite's warm
-    workers, pipelined and in one process side by side (the command runs them one after the other)."""
+def test_multimodal_demo_as_shipped_matches_one_process(tmp_path, capsys):
+    """`l3plugin demo --multimodal` as a user runs it, with its defaults (30 steps): the pipelined run stays within
+    the demo's tolerance of one process and learns (a learning rate in the chaotic regime made it fail after 20
+    steps). One run of the command end to end (its ranks, its one-process run, its check, its summary); the test
+    reads both loss curves back from the summary and checks them itself."""
     import json
-    from concurrent.futures import ThreadPoolExecutor
 
     from l3plugin.cli import build_parser, main
-    from l3plugin.demo.multimodal import MultimodalRun, train
 
-    assert main(["demo", "--multimodal", "--steps", "2", "--results", str(tmp_path)]) == 0, \
-        capsys.readouterr().out[-2000:]
+    # The run's ranks fork from the session's fork server (warm in the suite: the rank pools started it).
+    assert main(["demo", "--multimodal", "--results", str(tmp_path)]) == 0, capsys.readouterr().out[-2000:]
     summary = json.loads((tmp_path / "multimodal_summary.json").read_text())
-    assert len(summary["losses"]) == 2 and summary["max_abs_difference"] <= summary["tolerance"]
-    run = MultimodalRun(**dict(summary["run"], counts=tuple(summary["run"]["counts"])))
+    losses, reference = summary["losses"], summary["reference_losses"]
     steps = build_parser().parse_args(["demo", "--multimodal"]).steps
-    for world_size in (run.pp, 1):  # the pools started here, before the two threads use them
-        ranks.pool(world_size)
-    with ThreadPoolExecutor(2) as side_by_side:
-        pipelined = side_by_side.submit(ranks.run, run.pp, train, run, steps, True, timeout=300)
-        one_process = side_by_side.submit(ranks.run, 1, train, run, steps, False, timeout=300)
-        losses, reference = pipelined.result()[-1]["step_losses"], one_process.result()[0]["step_losses"]
     assert len(losses) == len(reference) == steps == 30
-    assert max(abs(a - b) for a, b in zip(losses, reference)) <= summary["tolerance"]
+    assert max(abs(a - b) for a, b in zip(losses, reference)) <= summary["tolerance"], summary
     assert losses[-1] < losses[0]  # learns
