@@ -29,7 +29,7 @@ def marking_backward(log, marked: set):
     return marked_backward_step
 
 
-def zero_step(stage, p, v, m, k, overlap=True, steps=1, reduce_in_backward=True, **settings):
+def zero_step(stage, p, v, m, k, overlap=True, steps=1, reduce_in_backward=True, mesh=None, **settings):
     from unittest import mock
 
     import torch.distributed as dist
@@ -41,7 +41,7 @@ def zero_step(stage, p, v, m, k, overlap=True, steps=1, reduce_in_backward=True,
     from l3plugin.mesh.groups import init_mesh
     from l3plugin.debug import record_collectives
 
-    mesh = init_mesh(pp=p, vpp=v, dp=dist.get_world_size() // p)
+    mesh = mesh or init_mesh(pp=p, vpp=v, dp=dist.get_world_size() // p)
     layers = 2 * p * v
     config = TransformerConfig(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=1,
                                pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v,
@@ -95,24 +95,42 @@ def zero_step(stage, p, v, m, k, overlap=True, steps=1, reduce_in_backward=True,
             "chunk_buckets": max(len(zero.buckets_of(list(c.parameters()))) for c in chunks)}
 
 
+def zero_step_cases(cases):
+    """``zero_step(*args, **settings)`` for each (args, settings items) in turn on this rank, on one mesh (every
+    case at the same p and v): each builds its own chunks and ZeRO."""
+    import torch.distributed as dist
+
+    from l3plugin.mesh.groups import init_mesh
+
+    p, v = cases[0][0][1:3]
+    assert all(args[1:3] == (p, v) for args, _ in cases), cases
+    mesh = init_mesh(pp=p, vpp=v, dp=dist.get_world_size() // p)
+    return [zero_step(*args, mesh=mesh, **dict(settings)) for args, settings in cases]
+
+
+ROUNDS = (2, 2, 7, 3)  # p, v, m, k of the round tests below: rounds per chunk ceil(7/3) = 3
+# (args, settings) of every zero_step the round tests read: blocking, overlapped, reductions after the backward,
+# carry_buckets=3, for ZeRO-1 and ZeRO-2.
+ROUND_RUNS = [((stage, *ROUNDS, *args), settings) for stage in (1, 2)
+              for args, settings in [((False,), ()), ((True,), ()), ((True, 1, False), ()),
+                                     ((True, 1, True), (("carry_buckets", 3),))]]
+
+
 @pytest.fixture(scope="module")
 def zero_steps(ranks):
-    """``zero_step`` on 4 ranks, each set of arguments run once: the round-timing test reads the overlapped run of
-    the bit-identity test below."""
-    done = {}
+    """``zero_step`` on 4 ranks for each of ROUND_RUNS, all in one call to the ranks: the round-timing test reads
+    the overlapped run of the bit-identity test below."""
+    done = dict(zip(ROUND_RUNS, zip(*ranks.run(4, zero_step_cases, ROUND_RUNS, timeout=300))))
 
     def run(*args, **settings):
-        key = (args, tuple(sorted(settings.items())))
-        if key not in done:
-            done[key] = ranks.run(4, zero_step, *args, **settings, timeout=120)
-        return done[key]
+        return list(done[args, tuple(sorted(settings.items()))])
 
     return run
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_reduce_scatter_timing_follows_the_rounds(zero_steps, stage):
-    p, v, m, k = 2, 2, 7, 3  # rounds per chunk: ceil(7/3) = 3
+    p, v, m, k = ROUNDS  # rounds per chunk: ceil(7/3) = 3
     results = zero_steps(stage, p, v, m, k, True)  # overlap (the default)
     for r in results:
         # On gloo a bucket's reduce-scatter is a point-to-point exchange in the DP group (l3plugin.collective.comm):
@@ -146,7 +164,7 @@ def test_overlapped_round_reductions_are_bit_identical(zero_steps, stage):
     (finish_grad_sync); the default lets run on only what fits in carry_bytes.
     reduce_in_backward=False starts them after the backward (none during one). Both give the blocking path's
     result bit for bit, with the same reductions in the same order."""
-    p, v, m, k = 2, 2, 7, 3  # pp 2 with virtual stages: rounds end at different times on the two stages
+    p, v, m, k = ROUNDS  # pp 2 with virtual stages: rounds end at different times on the two stages
     blocking = zero_steps(stage, p, v, m, k, False)
     overlapped = zero_steps(stage, p, v, m, k, True)
     round_end = zero_steps(stage, p, v, m, k, True, 1, False)
@@ -167,13 +185,23 @@ def test_overlapped_round_reductions_are_bit_identical(zero_steps, stage):
         assert n["most_in_flight_after_a_round_end"] == min(3, n["chunk_buckets"])
 
 
+GATHERS = (2, 2, 3, 2)  # p, v, m, k: two rounds per chunk (2 + 1 micro-batches)
+GATHER_RUNS = [((stage, *GATHERS, overlap, 3), ()) for stage in (1, 2) for overlap in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def gather_steps(ranks):
+    """{(stage, overlap): every rank's zero_step result over 3 steps}, ZeRO-1 and -2, blocking and overlapped: one
+    call to the ranks."""
+    results = ranks.run(4, zero_step_cases, GATHER_RUNS, timeout=300)
+    return {(args[0], args[5]): [r[i] for r in results] for i, (args, _) in enumerate(GATHER_RUNS)}
+
+
 @pytest.mark.parametrize("stage", [1, 2])
-def test_parameter_gathers_overlapped_with_the_next_forward_are_bit_identical(ranks, stage):
+def test_parameter_gathers_overlapped_with_the_next_forward_are_bit_identical(gather_steps, stage):
     """overlap_param_gather (the default): step() only starts the all-gathers, each layer waits for its bucket in
     its forward pre-hook; three steps (two forwards on gathered parameters) equal the blocking path bit for bit."""
-    p, v, m, k = 2, 2, 5, 2
-    blocking = ranks.run(4, zero_step, stage, p, v, m, k, False, 3, timeout=120)
-    overlapped = ranks.run(4, zero_step, stage, p, v, m, k, True, 3, timeout=120)
+    blocking, overlapped = gather_steps[stage, False], gather_steps[stage, True]
     for b, o in zip(blocking, overlapped):
         assert all(torch.equal(b["weights"][lid], o["weights"][lid]) for lid in b["weights"])
         assert b["pending"] == 0 and o["pending"] == o["buckets"]
@@ -190,7 +218,15 @@ def test_deepspeed_only_options_are_refused_under_megatron(name, value):
         megatron_zero([model], torch.optim.SGD(model.parameters(), lr=0.1), **{name: value})
 
 
-def gpt_zero_steps(pp, vpp, m, k, overlap, steps=2):
+def gpt_zero_steps_both(pp, vpp, m, k, steps=2):
+    """``gpt_zero_steps`` blocking, then overlapped, on one mesh: {overlap: result}."""
+    from l3plugin.mesh.groups import init_mesh
+
+    mesh = init_mesh(pp=pp, vpp=vpp)
+    return {overlap: gpt_zero_steps(pp, vpp, m, k, overlap, steps, mesh) for overlap in (False, True)}
+
+
+def gpt_zero_steps(pp, vpp, m, k, overlap, steps=2, mesh=None):
     """A tiny GPTModel (word embedding tied to the output layer; one layer per (virtual) pipeline stage, 2 at
     pp 1), dp 2, ZeRO-2 with small buckets, ``steps`` steps of the flexible schedule. Returns the parameters by
     name and whether each DP reduction of the last step started during a backward."""
@@ -206,7 +242,7 @@ def gpt_zero_steps(pp, vpp, m, k, overlap, steps=2):
     from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
     from l3plugin.mesh.groups import init_mesh
 
-    mesh = init_mesh(pp=pp, vpp=vpp)
+    mesh = mesh or init_mesh(pp=pp, vpp=vpp)
     r, v = mesh.coords["pp"], vpp or 1
     config = gpt.gpt_config(max(2, pp * v), pp=pp, vpp=vpp, k=k)
     chunks = [gpt.build_gpt(config, pre_process=r == 0 and c == 0, post_process=r == pp - 1 and c == v - 1,
@@ -233,15 +269,14 @@ def gpt_zero_steps(pp, vpp, m, k, overlap, steps=2):
             "during_backward": [i in in_backward for i, c in enumerate(log) if c.op == "isend" and c.group == dp_ranks]}
 
 
-@pytest.mark.parametrize("pp, vpp, m, k", [(1, None, 2, 1), (2, 2, 5, 3)], ids=["pp1", "pp2-vpp2"])
+@pytest.mark.parametrize("pp, vpp, m, k", [(1, None, 2, 1), (2, 2, 3, 2)], ids=["pp1", "pp2-vpp2"])
 def test_gpt_reductions_in_backward_are_bit_identical_to_blocking(ranks, pp, vpp, m, k):
     """GPTModel, dp 2, ZeRO-2 by default (reductions started from the gradient hooks of each round's last
     backward) equals the blocking path bit for bit over 2 steps: pp 1 with a round per micro-batch, and pp 2
-    with virtual stages (round ends at different times per stage; the tied embedding summed over the
-    embedding group in finish_grad_sync)."""
-    world = 2 * pp
-    blocking = ranks.run(world, gpt_zero_steps, pp, vpp, m, k, False, timeout=180)
-    overlapped = ranks.run(world, gpt_zero_steps, pp, vpp, m, k, True, timeout=180)
+    with virtual stages (two rounds per chunk, of 2 and 1 micro-batches; round ends at different times per
+    stage; the tied embedding summed over the embedding group in finish_grad_sync). Both paths in one call."""
+    both = ranks.run(2 * pp, gpt_zero_steps_both, pp, vpp, m, k, timeout=300)
+    blocking, overlapped = [r[False] for r in both], [r[True] for r in both]
     for rank, (b, o) in enumerate(zip(blocking, overlapped)):
         assert o["buckets"] > 2 and o["during_backward"] and all(o["during_backward"]), (rank, o["during_backward"])
         assert not any(b["during_backward"]) and len(b["during_backward"]) == len(o["during_backward"]), rank
