@@ -1,7 +1,10 @@
-"""The CPU multi-process harness: results in rank order, and clear failures for raise, hang and death."""
+"""The CPU multi-process harness: results in rank order, and clear failures for raise, hang and death. What the
+ranks run is in tests/ranks_harness_calls.py (no pytest import in every fresh worker)."""
 
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -11,46 +14,13 @@ from l3plugin.ranks.pool import RanksFailed, RankPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from idle_groups import keep_groups  # noqa: E402  (workers get this sys.path with every call)
-
-
-def rank_and_sum(offset):
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([float(dist.get_rank() + offset)])
-    dist.all_reduce(t)
-    return dist.get_rank(), t.item(), os.environ["OMP_NUM_THREADS"], torch.get_num_threads()
-
-
-def raise_on_rank(bad_rank):
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_rank() == bad_rank:
-        raise ValueError(f"deliberate failure on rank {bad_rank}")
-    dist.all_reduce(torch.ones(1))  # the healthy ranks block here, waiting for the failed one
-    return "unreachable"
-
-
-def sleep_on_rank(slow_rank, seconds):
-    import torch.distributed as dist
-
-    if dist.get_rank() == slow_rank:
-        time.sleep(seconds)
-    return dist.get_rank()
-
-
-def exit_on_rank(bad_rank):
-    import torch.distributed as dist
-
-    if dist.get_rank() == bad_rank:
-        os._exit(3)
-    return dist.get_rank()
+from ranks_harness_calls import (exit_on_rank, init_trace, mark_rank, raise_on_rank, rank_and_sum,  # noqa: E402
+                                 sleep_on_rank, stuck_in_collective)
 
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(3, grace=2.0) as p:  # its own pool: these tests restart it on purpose
+    with RankPool(3, grace=1.0) as p:  # its own pool: these tests restart it on purpose
         yield p
 
 
@@ -66,7 +36,7 @@ def test_workers_that_keep_many_process_groups_are_replaced_after_the_call(pool)
     GROUPS_LEFT_LIMIT groups, and only then; the call itself still returns its results."""
     from l3plugin.ranks.pool import GROUPS_LEFT_LIMIT
 
-    pool.restart()
+    assert all(n == 0 for n, _ in pool.run(keep_groups, 0))  # workers that kept no group yet (no restart needed)
     before = pool.pids
     pool.run(keep_groups, GROUPS_LEFT_LIMIT)  # exactly at the limit: kept
     assert pool.pids == before
@@ -129,14 +99,16 @@ def wait_gone(pids, seconds=15.0):
         time.sleep(0.1)
 
 
-def stuck_in_collective():
-    """Rank 0 blocks in an all-reduce with no bound of ours; rank 1 never joins it."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        dist.all_reduce(torch.ones(1))
-    time.sleep(600)
+def call_under_way(markers, world_size=2, seconds=120.0):
+    """Wait until every rank of stuck_in_collective has left its file, then a little more: rank 0 in all_reduce,
+    rank 1 asleep. False if they did not within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while len(list(Path(markers).glob("rank*"))) < world_size:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    time.sleep(0.5)  # from the file to the blocking call: a few lines of Python
+    return True
 
 
 PARENT = """
@@ -146,11 +118,11 @@ from l3plugin.ranks.pool import RankPool, RankPools, live_workers
 
 
 def bounded():  # the bounded-wait cases, each of which leaves a rank blocked, then a normal end
-    import test_ranks_harness
-    pools = RankPools(preload=("test_ranks_harness", "test_bounded_waits"))  # imported once, in the fork server
+    import ranks_harness_calls
+    pools = RankPools(preload=("ranks_harness_calls", "test_bounded_waits"))  # imported once, in the fork server
     for case in (("cp_peer_never_joins", "reduce-scatter"), ("p2p_peer_never_joins", "recv")):
         try:
-            pools.run(2, test_ranks_harness.bounded_wait_case, *case, timeout=60)
+            pools.run(2, ranks_harness_calls.bounded_wait_case, *case, timeout=60)
         except AssertionError:
             pass
         print("pids", *pools.pool(2).pids, flush=True)
@@ -158,27 +130,19 @@ def bounded():  # the bounded-wait cases, each of which leaves a rank blocked, t
     print("live after close", live_workers(), flush=True)
 
 
-def stuck():  # a parent interrupted or killed while its workers are stuck in a collective
-    import test_ranks_harness
-    # Ctrl-C raises KeyboardInterrupt, as in a terminal (a shell's background job inherits SIGINT ignored)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    pool = RankPool(2, preload=("test_ranks_harness",))
-    print("stuck", time.monotonic(), *pool.pids, flush=True)  # CLOCK_MONOTONIC: the same in every process
-    pool.run(test_ranks_harness.stuck_in_collective, timeout=600)
+def stuck():  # a parent killed while its workers are stuck in a collective
+    import ranks_harness_calls
+    pool = RankPool(2, preload=("ranks_harness_calls",))
+    markers = os.path.join(os.path.dirname(os.path.abspath(__file__)), "markers")
+    os.mkdir(markers)
+    print("stuck", markers, *pool.pids, flush=True)
+    pool.run(ranks_harness_calls.stuck_in_collective, markers, timeout=600)
 
 
 if __name__ == "__main__":  # spawned workers import this file too
     for mode in sys.argv[1:]:
         {{"bounded": bounded, "stuck": stuck}}[mode]()
 """
-
-
-def bounded_wait_case(fn_name, operation):
-    """A case of test_bounded_waits.py by name (rank 0 gives up on a peer that never joins), so that the parent
-    running it need not import that module, nor torch with it."""
-    import test_bounded_waits as bw
-
-    return getattr(bw, fn_name)(operation, bw.TIMEOUT)
 
 
 def start_parent(tmp_path, *modes):
@@ -192,20 +156,19 @@ def start_parent(tmp_path, *modes):
 
 
 SIGNALS = ("SIGKILL", "SIGINT", "SIGTERM")
+ENDING = ("SIGKILL", "SIGTERM")  # the signals that end a parent of its own; SIGINT interrupts this process's call
 BOUNDED_IN = "SIGTERM"  # the parent that runs the bounded-wait cases first (test_bounded_wait_cases_leave_no_process)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def parents(tmp_path_factory):
-    """One parent per signal of the test below, all started at once and before the module's first test: each pays
-    its own imports and pool, which leave a core idle; started together, and while the tests above wait out their
-    grace periods and timeouts, they overlap (a fourth parent for the bounded-wait cases would pay them again: the
-    SIGTERM one runs them before its stuck call). ``parents(signal)``: (parent, its stuck call's worker pids, when
-    that call began, the lines it printed before), read on first use."""
-    import signal
-
+    """One parent per ending signal of the test below, both started at once and before the module's first test:
+    each pays its own imports and pool, which leave a core idle; started together, and while the tests above wait
+    out their grace periods and timeouts, they overlap (a third parent for the bounded-wait cases would pay them
+    again: the SIGTERM one runs them before its stuck call). ``parents(signal)``: (parent, its stuck call's worker
+    pids, the folder its ranks mark when the call is under way, the lines it printed before), read on first use."""
     started = {how: start_parent(tmp_path_factory.mktemp(how), *(["bounded"] if how == BOUNDED_IN else []), "stuck")
-               for how in SIGNALS}
+               for how in ENDING}
     read = {}
 
     def get(how):
@@ -217,7 +180,7 @@ def parents(tmp_path_factory):
                 line = parent.stdout.readline()
             pids = ([int(x) for x in line.split()[2:]] if line else
                     f"no stuck call: exit code {parent.poll()}, printed {before}")
-            read[how] = (parent, pids, float(line.split()[1]) if line else None, before)
+            read[how] = (parent, pids, line.split()[1] if line else None, before)
         return read[how]
     try:
         yield get
@@ -233,15 +196,41 @@ def parents(tmp_path_factory):
 
 
 @pytest.mark.parametrize("how", SIGNALS)
-def test_workers_die_with_a_parent_killed_or_interrupted_mid_call(parents, how):
-    import signal
-
-    parent, pids, began, _ = parents(how)
-    assert isinstance(pids, list), pids  # else what the parent printed instead of its workers' pids
-    time.sleep(max(0.0, began + 2 - time.monotonic()))  # the call is under way: rank 0 in all_reduce, rank 1 asleep
-    parent.send_signal(getattr(signal, how))
-    parent.wait(timeout=60)
+def test_workers_die_with_a_parent_killed_or_interrupted_mid_call(parents, how, tmp_path):
+    """SIGKILL and SIGTERM end a parent of its own (started before the module's first test). Ctrl-C (SIGINT)
+    interrupts a call of this process: KeyboardInterrupt leaves pool.run, with the call's workers killed."""
+    if how == "SIGINT":
+        pids = interrupted_mid_call(tmp_path / "markers")
+    else:
+        parent, pids, markers, _ = parents(how)
+        assert isinstance(pids, list), pids  # else what the parent printed instead of its workers' pids
+        assert call_under_way(markers), "the parent's stuck call never reached its ranks"
+        parent.send_signal(getattr(signal, how))
+        parent.wait(timeout=60)
     assert wait_gone(pids) == [], f"workers {pids} of a parent ended by {how} are still running"
+
+
+def interrupted_mid_call(markers):
+    """Ctrl-C while this process waits for a stuck call of a pool of its own (from this process's fork server):
+    the call's worker pids, once KeyboardInterrupt has left pool.run."""
+    markers.mkdir()
+    main = threading.get_ident()
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal (a shell's background job inherits SIGINT ignored)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with RankPool(2) as pool:
+            pids = pool.pids
+
+            def interrupt():
+                if call_under_way(markers):  # else the call below times out and fails the test
+                    signal.pthread_kill(main, signal.SIGINT)  # KeyboardInterrupt in the main thread
+
+            threading.Thread(target=interrupt, daemon=True).start()
+            with pytest.raises(KeyboardInterrupt):
+                pool.run(stuck_in_collective, str(markers), timeout=150)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    return pids
 
 
 def test_bounded_wait_cases_leave_no_process(parents):
@@ -266,19 +255,6 @@ def test_run_command_leaves_no_process_of_the_tree():
     assert wait_gone([int(err.value.stdout or err.value.output)], 5) == []
     with pytest.raises(subprocess.CalledProcessError):
         run_command(["sh", "-c", "exit 3"], timeout=30, check=True)
-
-
-def mark_rank(rank, world_size, fail_on=None):
-    """A worker_init: leaves a trace the call can read, or fails on one rank."""
-    if rank == fail_on:
-        raise OSError(f"deliberate worker_init failure on rank {rank}")
-    os.environ["L3PLUGIN_TEST_INIT"] = f"{rank}/{world_size}"
-
-
-def init_trace():
-    import torch.distributed as dist
-
-    return os.environ.get("L3PLUGIN_TEST_INIT"), dist.get_rank()
 
 
 def test_worker_init_runs_in_every_worker_before_the_group_and_its_failure_is_named():
