@@ -37,9 +37,10 @@ def layers_of(pp, vpp):
     return pp * (vpp or 1)
 
 
-def tied_zero_train(pp, vpp, tp, sp, per_token, stage, m, k, keep_invariants=True, steps=STEPS):
+def tied_zero_train(pp, vpp, tp, sp, per_token, stage, m, k, keep_invariants=True, steps=STEPS, mesh=None):
     """Train STEPS steps on this rank's part; returns its parameters by name (the last stage's copy of the
-    embedding under TIED_COPY) with their TP split, and the tied copy's gradient norms counted."""
+    embedding under TIED_COPY) with their TP split, and the tied copy's gradient norms counted. ``mesh``: the one
+    already built for (tp, pp, vpp), else built here."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -49,7 +50,7 @@ def tied_zero_train(pp, vpp, tp, sp, per_token, stage, m, k, keep_invariants=Tru
     from l3plugin.mesh.groups import init_mesh
     from megatron_cpu_shim import sequence_parallel_on_cpu
 
-    mesh = init_mesh(tp=tp, pp=pp, vpp=vpp)
+    mesh = mesh or init_mesh(tp=tp, pp=pp, vpp=vpp)
     r, v = mesh.coords["pp"], vpp or 1
     config = gpt.gpt_config(layers_of(pp, vpp), pp=pp, vpp=vpp, k=k, tensor_model_parallel_size=tp,
                             sequence_parallel=sp, calculate_per_token_loss=per_token)
@@ -133,10 +134,55 @@ def assemble(results):
     return full, tied_pairs
 
 
-def run_and_compare(ranks, world, pp, vpp, tp, sp, per_token, stage, m, k):
-    results = ranks.run(world, tied_zero_train, pp, vpp, tp, sp, per_token, stage, m, k, timeout=300)
-    dp = world // (pp * tp)
-    reference = ranks.run(1, serial_train, dp, m, per_token, layers_of(pp, vpp), timeout=300)[0]
+def tied_zero_train_cases(cases):
+    """``tied_zero_train(*case)`` for each case in turn on this rank, the mesh built again only where (pp, vpp, tp)
+    change."""
+    from l3plugin.mesh.groups import init_mesh
+
+    out, mesh, shape = [], None, None
+    for case in cases:
+        if case[:3] != shape:
+            shape = case[:3]
+            mesh = init_mesh(tp=shape[2], pp=shape[0], vpp=shape[1])
+        out.append(tied_zero_train(*case, mesh=mesh))
+    return out
+
+
+def serial_train_cases(cases):
+    return [serial_train(*case) for case in cases]
+
+
+WORLD = 4
+# tied_zero_train's arguments (pp, vpp, tp, sp, per_token, stage, m, k[, keep_invariants, steps]) of every test below,
+# in mesh order. ZeRO-1 at pp 2 x dp 2: the per-token test; the tied-embedding test there is ZeRO-2 with two rounds
+# (m 4, k 2), the TP and per-token tests one round (m 2).
+TIED = (2, None, 1, False, False, 2, 4, 2)
+PER_TOKEN = (2, None, 1, False, True, 1, 2, 2)
+NO_SUMS = (2, None, 1, False, False, 1, 4, 2, False, 1)  # one step
+VIRTUAL = (2, 2, 1, False, False, 2, 3, 2)  # two rounds per chunk (2 + 1 micro-batches)
+TP_SP = (2, None, 2, True, False, 2, 2, 2)
+CASES = [TIED, PER_TOKEN, NO_SUMS, VIRTUAL, TP_SP]
+
+
+def serial_case(case):
+    """serial_train's arguments for the single-process run ``case`` is compared with."""
+    pp, vpp, tp, _, per_token, _, m, _ = case[:8]
+    return WORLD // (pp * tp), m, per_token, layers_of(pp, vpp)
+
+
+@pytest.fixture(scope="module")
+def trained(ranks):
+    """{case: every rank's tied_zero_train result} for CASES, and {("serial", case): the single-process run} for
+    the compared ones: one call to the ranks for all, one to the single process."""
+    done = dict(zip(CASES, zip(*ranks.run(WORLD, tied_zero_train_cases, CASES, timeout=300))))
+    compared = [case for case in CASES if case is not NO_SUMS]
+    serial = ranks.run(1, serial_train_cases, [serial_case(case) for case in compared], timeout=300)[0]
+    done.update({("serial", case): ref for case, ref in zip(compared, serial)})
+    return done
+
+
+def run_and_compare(trained, case):
+    results, reference = list(trained[case]), trained["serial", case]
     full, tied_pairs = assemble(results)
     assert tied_pairs and all(torch.equal(a, b) for a, b, _, _ in tied_pairs), [
         (last, first, float((a - b).abs().max())) for a, b, last, first in tied_pairs]
@@ -148,26 +194,25 @@ def run_and_compare(ranks, world, pp, vpp, tp, sp, per_token, stage, m, k):
     assert worst[0] < 1e-6, worst
 
 
-# ZeRO-1 on this layout (pp 2, dp 2, m 4, k 2): test_per_token_loss_pp2_dp2_matches_single_process.
-def test_tied_embedding_pp2_dp2_matches_single_process(ranks):
-    run_and_compare(ranks, 4, pp=2, vpp=None, tp=1, sp=False, per_token=False, stage=2, m=4, k=2)
+def test_tied_embedding_pp2_dp2_matches_single_process(trained):
+    run_and_compare(trained, TIED)
 
 
-def test_tied_embedding_pp2_virtual_stages_dp2_matches_single_process(ranks):
-    run_and_compare(ranks, 4, pp=2, vpp=2, tp=1, sp=False, per_token=False, stage=2, m=5, k=3)
+def test_tied_embedding_pp2_virtual_stages_dp2_matches_single_process(trained):
+    run_and_compare(trained, VIRTUAL)
 
 
-def test_tp2_sequence_parallel_pp2_matches_single_process(ranks):
-    run_and_compare(ranks, 4, pp=2, vpp=None, tp=2, sp=True, per_token=False, stage=2, m=4, k=2)
+def test_tp2_sequence_parallel_pp2_matches_single_process(trained):
+    run_and_compare(trained, TP_SP)
 
 
-def test_per_token_loss_pp2_dp2_matches_single_process(ranks):
-    run_and_compare(ranks, 4, pp=2, vpp=None, tp=1, sp=False, per_token=True, stage=1, m=4, k=2)
+def test_per_token_loss_pp2_dp2_matches_single_process(trained):
+    run_and_compare(trained, PER_TOKEN)
 
 
-def test_without_the_sums_the_tied_copies_drift_apart(ranks):
+def test_without_the_sums_the_tied_copies_drift_apart(trained):
     """What megatron_zero did before it kept finalize_model_grads' sums: the checks above can fail."""
-    results = ranks.run(4, tied_zero_train, 2, None, 1, False, False, 1, 4, 2, False, 1, timeout=300)  # one step
+    results = list(trained[NO_SUMS])  # ZeRO-1, one step
     _, tied_pairs = assemble(results)
     assert all(float((a - b).abs().max()) > 1e-3 for a, b, _, _ in tied_pairs)
 
