@@ -1,7 +1,7 @@
 """Stock DeepSpeed ZeRO-1/2 against l3plugin's FP32-reducing ZeRO-1/2, measured side by side on 2 CPU ranks (gloo).
 
     .venv/bin/python bench/zero.py            # ~25M-param bf16 model, gas 4 and 8, 5 rounds
-    .venv/bin/python bench/zero.py --quick    # tiny model, 2 rounds: a smoke run
+    .venv/bin/python bench/zero.py --quick    # tiny model, 2 rounds: a smoke run (--rounds 1: one)
     .venv/bin/python bench/zero.py --wire 4gbit   # on an emulated wire (root): traffic costs wall time, not CPU
 
 Every variant uses zero_optimization {reduce_bucket_size, allgather_bucket_size: --bucket, overlap_comm (true unless
@@ -378,14 +378,17 @@ def free_engines():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gas", type=int, nargs="+", default=[4, 8], help="gradient accumulation steps")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (every variant once per round)")
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--micro-batch", type=int, default=64, help="samples per micro-batch per rank")
+    # --quick's sizes, and the full run's: an option given explicitly wins over both.
+    sizes = {"rounds": (5, 2), "width": (2048, 256), "layers": (6, 2), "micro_batch": (64, 16)}
+    parser.add_argument("--rounds", type=int, help="timed rounds (every variant once per round; default 5, --quick 2)")
+    parser.add_argument("--width", type=int, help="default 2048 (--quick: 256)")
+    parser.add_argument("--layers", type=int, help="default 6 (--quick: 2)")
+    parser.add_argument("--micro-batch", type=int, help="samples per micro-batch per rank (default 64, --quick 16)")
     parser.add_argument("--bucket", nargs="+", help="reduce/allgather bucket sizes, each timed and "
                         "counted: elements, 1/N (of the model's parameters) or default (DeepSpeed's, 5e8: the keys "
                         "left out); default 1e6 (--quick: 2e4)")
-    parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds: a smoke run (the sizes given "
+                        "explicitly stay)")
     parser.add_argument("--census-detail", action="store_true", help="print what the gradient census counted")
     parser.add_argument("--variants", nargs="+", metavar="NAME", help="run only these variants (names as printed; "
                         "their baselines are added)")
@@ -401,8 +404,9 @@ def main(argv=None):
         wanted |= {STOCK_OF_STAGE[VARIANTS[n][0]] for n in args.variants} | {NO_OVERLAP_TWIN.get(n) for n in args.variants}
         for name in [n for n in VARIANTS if n not in wanted]:
             del VARIANTS[name]
-    if args.quick:
-        args.width, args.layers, args.micro_batch, args.rounds = 256, 2, 16, 2
+    for name, (full, quick) in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     args.bucket = checked_buckets(parser, args.bucket or (["2e4"] if args.quick else ["1e6"]))
     with harness.json_output(args.json, "zero", argv) as figures:
         run(args, link, figures)

@@ -259,20 +259,25 @@ def free():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gas", type=int, nargs="+", default=[4, 8], help="micro-batches per step")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (every contender once per round)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
+    # The full run's sizes and --quick's: an option given explicitly wins over both.
+    sizes = {"rounds": (5, 1), "layers": (4, 2), "hidden": (256, 64), "ffn": (704, 176), "vocab": (2048, 256),
+             "seq": (256, 32)}
+    parser.add_argument("--rounds", type=int, help="timed rounds (every contender once per round; default 5, "
+                        "--quick 1)")
+    parser.add_argument("--layers", type=int, help="default 4 (--quick: 2)")
+    parser.add_argument("--hidden", type=int, help="default 256 (--quick: 64)")
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--ffn", type=int, default=704)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--ffn", type=int, help="default 704 (--quick: 176)")
+    parser.add_argument("--vocab", type=int, help="default 2048 (--quick: 256)")
+    parser.add_argument("--seq", type=int, help="default 256 (--quick: 32)")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch per rank")
     parser.add_argument("--bucket", nargs="+", help="bucket sizes, each timed and counted: bucket_numel in "
                         "elements, 1/N (of the model's parameters) or default (bucket_numel left out); default 5e5 "
                         "(--quick: 1e4)")
     parser.add_argument("--comm-share", type=float, default=0.5, help="--wire auto: the share of one "
                         "micro-batch's forward+backward that one round's reduce-scatters alone should take")
-    parser.add_argument("--quick", action="store_true", help="tiny model, 1 round: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1 round: a smoke run (the sizes given "
+                        "explicitly stay)")
     parser.add_argument("--contenders", nargs="+", metavar="NAME", help="run only these (names as printed; their "
                         "blocking twin is added)")
     wire.add_argument(parser)
@@ -285,8 +290,9 @@ def main(argv=None):
         wanted = set(args.contenders) | {BLOCKING[CONTENDERS[n][0]] for n in args.contenders}
         for name in [n for n in CONTENDERS if n not in wanted]:
             del CONTENDERS[name]
-    if args.quick:
-        args.layers, args.hidden, args.ffn, args.vocab, args.seq, args.rounds = 2, 64, 176, 256, 32, 1
+    for name, (full, quick) in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     args.bucket = checked_buckets(parser, args.bucket or (["1e4"] if args.quick else ["5e5"]))
     link = harness.enter_wire(args.wire, "bfloat16", args.wire_mode)
     with harness.json_output(args.json, "zero_megatron", argv) as figures:

@@ -6,10 +6,12 @@ test_bench_harness.py, against the docs.) On the per-rank wire (root, ip, tc; sk
 pp_schedule, a one-variant zero.py and a one-contender zero_megatron.py start their ranks on their own links,
 and their wire tables say so.
 
-Every run, the wire's too, starts when the module starts, two at a time (tests/runs_ahead.py): a run is mostly
-one core importing torch / DeepSpeed / Megatron-Core, or waiting for its shaped wire, so two overlap well."""
+A run costs mostly imports: torch in some bench processes, and in every RankPool's fork server torch and
+Megatron-Core, DeepSpeed or transformers. So the runs go in two groups, each group's benches one after the other
+in one interpreter (tests/bench_driver.py: each bench executed as `python bench/X.py ... --json` would, its
+stdout and stderr its own), whose fork server, started once, imports the group's preloads once for all of its
+pools. Both groups start when the module starts (tests/runs_ahead.py), side by side on the two cores."""
 
-import functools
 import json
 import os
 import subprocess
@@ -38,19 +40,6 @@ def rendered_rows(table, record):
     width = lines[0].count("|")
     assert all(line.count("|") == width for line in lines), text
     return [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[2:]]
-
-
-def json_run(*argv, timeout=300):
-    """Run ``bench/<argv>`` with --json; its record (stdout must be exactly one JSON line) and its stderr."""
-    done = subprocess.run([sys.executable, *map(str, argv), "--json"], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
-    assert done.returncode == 0, f"{argv}: exit {done.returncode}\n{done.stderr[-3000:]}"
-    lines = done.stdout.splitlines()
-    assert len(lines) == 1, f"{argv}: stdout holds more than the JSON record: {done.stdout[:2000]}"
-    record = json.loads(lines[0])
-    assert record["command"] == [str(argv[0]), *map(str, argv[1:]), "--json"]
-    assert record["machine"]["cpu_count"] == os.cpu_count()
-    return record, done.stderr
 
 
 # The runs of the tests below on loopback: the test that checks each -> the bench command (without --json).
@@ -90,42 +79,99 @@ def wire_test(bench):
     return f"test_bench_runs_on_the_per_rank_wire[{bench}]"
 
 
-def wire_run(bench):
-    """The bench's run on a per-rank wire at 200mbit: (its record, the wire namespaces it left behind: made
-    during the run, their owner gone). A bench deletes its namespaces before it exits, so a run beside it
-    leaves none of its own in this listing."""
-    before = wire.namespaces()
-    record, _ = json_run(f"bench/{bench}.py", "--wire", "200mbit", *WIRE_RUNS[bench][0], timeout=900)
-    left = {name for name, pid in wire.namespaces().items()
-            if name not in before and not os.path.exists(f"/proc/{pid}")}
-    return record, left
+def command(test):
+    """The bench command (without --json) of a test's run."""
+    if test in LOOPBACK_RUNS:
+        return LOOPBACK_RUNS[test]
+    bench = test[test.index("[") + 1:-1]
+    return (f"bench/{bench}.py", "--wire", "200mbit", *WIRE_RUNS[bench][0])
 
 
-# The order the runs start in: the longest first (in CPU seconds; pp_schedule, whose simulation and Megatron
-# import run one after the other, first of all), so that the last two end about together.
-RUN_ORDER = ("test_pp_schedule_real_run_and_simulated_tables", "test_multimodal_real_section", "test_zero_table",
-             wire_test("zero_megatron"), wire_test("pp_schedule"), "test_hf_cp_table", wire_test("zero"),
-             "test_cp_attention_timed_rows", wire_test("cp_attention"), "test_idle_groups_rows",
-             "test_autoload_startup_rows")
+# The two groups: the fork server's preload (every RankPool preload of the group's benches), then the tests whose
+# runs it makes, in the order they run. Megatron-Core's: the pipeline simulation, which needs no fork server, runs
+# first, while the server imports. The other: DeepSpeed's and transformers' benches and the torch-only ones.
+# Each group is about half of the CPU seconds.
+GROUPS = {
+    "megatron": (["megatron.core"],
+                 ["test_pp_schedule_real_run_and_simulated_tables", "test_multimodal_real_section",
+                  wire_test("pp_schedule"), wire_test("zero_megatron")]),
+    "others": (["transformers.models.llama.modeling_llama", "deepspeed", "torch._inductor.compile_fx"],
+               ["test_autoload_startup_rows", "test_cp_attention_timed_rows", wire_test("cp_attention"),
+                "test_idle_groups_rows", "test_hf_cp_table", "test_zero_table", wire_test("zero")]),
+}
 
 
-def all_runs():
-    """{test: its run} of every run this module makes here (the wire's where it can be made), in RUN_ORDER."""
-    runs = {name: functools.partial(json_run, *argv) for name, argv in LOOPBACK_RUNS.items()}
-    if WIRE_HERE is None:
-        runs.update({wire_test(bench): functools.partial(wire_run, bench) for bench in WIRE_RUNS})
-    assert set(RUN_ORDER) == set(LOOPBACK_RUNS) | {wire_test(bench) for bench in WIRE_RUNS}
-    return {name: runs[name] for name in RUN_ORDER if name in runs}
+def group_run(folder, preload, tests, timeout=1800):
+    """The tests' bench runs, one after the other in one interpreter (tests/bench_driver.py): {test: (exit status,
+    stdout, stderr) of its run}, and the wire namespaces the group left behind (named after the driver's pid; each
+    bench's wire goes when the driver exits, as when a bench exits)."""
+    spec = folder / "spec.json"
+    spec.write_text(json.dumps({"preload": preload, "runs": [[str(i), [*command(test), "--json"]]
+                                                             for i, test in enumerate(tests)]}))
+    driver = subprocess.Popen([sys.executable, str(ROOT / "tests/bench_driver.py"), str(folder), str(spec)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    try:
+        out, err = driver.communicate(timeout=timeout)
+    finally:
+        driver.kill()
+        driver.wait()
+    driver_err = (folder / "driver.err").read_text() if (folder / "driver.err").exists() else ""
+    assert driver.returncode == 0, f"bench driver: exit {driver.returncode}\n{err[-3000:]}\n{driver_err[-3000:]}"
+    left = {name for name, pid in wire.namespaces().items() if pid == driver.pid}
+    return {test: (int((folder / f"{i}.rc").read_text()), (folder / f"{i}.out").read_text(),
+                   (folder / f"{i}.err").read_text()) for i, test in enumerate(tests)}, left
+
+
+def json_record(test, runs):
+    """The record of a test's run (its stdout must be exactly one JSON line) and its stderr."""
+    argv = command(test)
+    rc, stdout, stderr = runs[test]
+    assert rc == 0, f"{argv}: exit {rc}\n{stderr[-3000:]}"
+    lines = stdout.splitlines()
+    assert len(lines) == 1, f"{argv}: stdout holds more than the JSON record: {stdout[:2000]}"
+    record = json.loads(lines[0])
+    assert record["command"] == [str(argv[0]), *map(str, argv[1:]), "--json"]
+    assert record["machine"]["cpu_count"] == os.cpu_count()
+    return record, stderr
+
+
+assert set(sum((tests for _, tests in GROUPS.values()), [])) == set(LOOPBACK_RUNS) | {wire_test(b) for b in WIRE_RUNS}
+GROUP_OF = {test: group for group, (_, tests) in GROUPS.items() for test in tests}
+
+
+class Runs:
+    """What the tests take their runs from: ``record(test)``, ``wire_left(test)``."""
+
+    def __init__(self, request, tmp_path_factory):
+        selected = {item.name for item in request.session.items if item.module is request.module}
+        if WIRE_HERE is not None:
+            selected -= {wire_test(bench) for bench in WIRE_RUNS}
+        runs, needed_by = {}, {}
+        for group, (preload, tests) in GROUPS.items():
+            tests = [test for test in tests if test in selected]
+            if tests:
+                folder = tmp_path_factory.mktemp(group)
+                runs[group] = lambda f=folder, p=preload, t=tests: group_run(f, p, t)
+                needed_by[group] = tuple(tests)
+        self.ahead = RunsAhead(request, runs, needed_by)
+
+    def record(self, test):
+        return json_record(test, self.ahead.result(GROUP_OF[test])[0])
+
+    def wire_left(self, test):
+        return self.ahead.result(GROUP_OF[test])[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ahead(request):
-    with RunsAhead(request, all_runs()) as runs:
+def ahead(request, tmp_path_factory):
+    runs = Runs(request, tmp_path_factory)
+    with runs.ahead:
         yield runs
 
 
 def test_cp_attention_timed_rows(ahead):
-    record, _ = ahead.result("test_cp_attention_timed_rows")
+    record, _ = ahead.record("test_cp_attention_timed_rows")
     figures = record["figures"]
     assert [row["seq"] for row in figures["work"]] == [2048] * 3
     (timed,) = figures["timed"]
@@ -144,7 +190,7 @@ def test_cp_attention_timed_rows(ahead):
 
 
 def test_autoload_startup_rows(ahead):
-    record, _ = ahead.result("test_autoload_startup_rows")
+    record, _ = ahead.record("test_autoload_startup_rows")
     rows = record["figures"]["startup"]
     assert [r["label"] for r in rows] == ["installed", "copy, compiled", "copy, cached"]
     assert all(r["with_s"] > 0 and r["without_s"] > 0 for r in rows)
@@ -156,7 +202,7 @@ def test_autoload_startup_rows(ahead):
 
 
 def test_zero_table(ahead):
-    record, _ = ahead.result("test_zero_table")
+    record, _ = ahead.record("test_zero_table")
     assert docs_tables.render("zero", record).startswith("gas 2:\n")  # on loopback: no wire line
     rows = {row[0]: row for row in rendered_rows("zero", record)}
     assert list(rows) == ["stock ZeRO-1", "ours ZeRO-1", "ours ZeRO-1 no overlap"]
@@ -167,7 +213,7 @@ def test_zero_table(ahead):
 
 
 def test_hf_cp_table(ahead):
-    record, _ = ahead.result("test_hf_cp_table")
+    record, _ = ahead.record("test_hf_cp_table")
     (row,) = rendered_rows("hf-cp", record)
     assert row[:2] == ["1024", str(record["figures"]["rows"][0]["documents"])] and row[2].endswith(" s")
 
@@ -175,7 +221,7 @@ def test_hf_cp_table(ahead):
 def test_pp_schedule_real_run_and_simulated_tables(ahead):
     """One run of both parts: the simulated tables (schedules, receive posting) are the docs' ones; the real
     run's row renders."""
-    record, _ = ahead.result("test_pp_schedule_real_run_and_simulated_tables")
+    record, _ = ahead.record("test_pp_schedule_real_run_and_simulated_tables")
     assert docs_tables.missing_lines(docs_tables.render("pp-simulated", record),
                                      (ROOT / "docs/benchmarks.md").read_text()) == []
     assert docs_tables.missing_lines(docs_tables.render("pp-posting-simulated", record),
@@ -185,7 +231,7 @@ def test_pp_schedule_real_run_and_simulated_tables(ahead):
 
 
 def test_multimodal_real_section(ahead):
-    record, _ = ahead.result("test_multimodal_real_section")
+    record, _ = ahead.record("test_multimodal_real_section")
     rows = {row["contender"]: row for row in record["figures"]["rows"]}
     assert set(rows) == {f"{p} depth {d}" for p in ("pipeline", "broadcast", "replicated") for d in (2, 8)} | {
         "count split", "measured split"}
@@ -195,7 +241,7 @@ def test_multimodal_real_section(ahead):
 
 
 def test_idle_groups_rows(ahead):
-    record, _ = ahead.result("test_idle_groups_rows")
+    record, _ = ahead.record("test_idle_groups_rows")
     rows = record["figures"]["rows"]
     assert [row["groups"] for row in rows] == [0, 3]
     assert all(b > a for a, b in zip(rows[0]["threads"], rows[1]["threads"]))  # every kept group has its threads
@@ -210,10 +256,11 @@ def test_idle_groups_rows(ahead):
 @pytest.mark.parametrize("bench", list(WIRE_RUNS))
 def test_bench_runs_on_the_per_rank_wire(ahead, bench):
     """The bench's ranks ran on their own links (each rank's uplink and downlink carried its traffic: rank 0's
-    up is rank 1's down, give or take the control messages), no namespace outlived the run, and its docs
-    tables render from the record, stating the wire."""
+    up is rank 1's down, give or take the control messages), none of its namespaces outlived the interpreter it
+    ran in (tests/bench_driver.py, whose exit ends every wire of the group, as a bench's exit ends its own), and
+    its docs tables render from the record, stating the wire."""
     _, where, tables = WIRE_RUNS[bench]
-    record, left = ahead.result(wire_test(bench))
+    (record, _), left = ahead.record(wire_test(bench)), ahead.wire_left(wire_test(bench))
     figures = record["figures"]
     for key in where:
         figures = figures[key]
