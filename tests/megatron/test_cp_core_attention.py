@@ -17,7 +17,7 @@ def gpt_step(cp, cu, dtype, cp_layout="2cp", position_embedding_type="learned_ab
     from l3plugin.demo.model import build_chunk
     from l3plugin.mesh.groups import init_mesh
 
-    mesh = init_mesh(cp=cp, dp=2 // cp)
+    mesh = init_mesh(cp=cp)  # cp 2 on two ranks, cp 1 (the reference) on one
     config = gpt.gpt_config(2, cp=cp, params_dtype=dtype)
     model = build_chunk(config, vocab=gpt.VOCAB, seq_len=SEQ, pre_process=True, post_process=True,
                         position_embedding_type=position_embedding_type, cp_layout=cp_layout).to(dtype)
@@ -34,28 +34,9 @@ def gpt_step(cp, cu, dtype, cp_layout="2cp", position_embedding_type="learned_ab
     return gpt.cp_loss_and_grads(model, per_token, batch["loss_mask"], den, dtype, mesh.cp_group)
 
 
-# Megatron's RoPE moves its frequencies to torch.cuda.current_device() (rotary_pos_embedding.py:162),
-# so on CPU the model uses learned absolute positions; on GPUs RoPE's CP slicing uses the same layout.
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gpt_cp2_matches_cp1(ranks, layout):
-    dtype = torch.float64
-    cp2 = ranks.run(2, gpt_step, 2, LAYOUTS[layout], dtype, timeout=120)
-    cp1 = ranks.run(2, gpt_step, 1, LAYOUTS[layout], dtype, timeout=120)[0]
-    gpt.assert_equal_to_cp1(cp2, cp1)
-
-
-# The balanced layout with RoPE: rope_follows_cp_layout must give each rank its own positions' rotary
-# embedding (the demo's CPU RoPE, wrapped). The documents make the balanced layout differ from the paper's.
-@pytest.mark.parametrize("layout", ["paper-3-3-8-2", "tiny-docs"])
-@pytest.mark.parametrize("embedding", ["rope", "learned_absolute"])
-def test_gpt_cp2_balanced_layout_matches_cp1(ranks, layout, embedding):
-    from l3plugin.cp.layout import balanced_layout, two_chunk_layout
-
-    assert balanced_layout(LAYOUTS[layout], SEQ, 2).ranges != two_chunk_layout(SEQ, 2).ranges
-    dtype = torch.float64
-    cp2 = ranks.run(2, gpt_step, 2, LAYOUTS[layout], dtype, "balanced", embedding, timeout=120)
-    cp1 = ranks.run(2, gpt_step, 1, LAYOUTS[layout], dtype, "2cp", embedding, timeout=120)[0]
-    gpt.assert_equal_to_cp1(cp2, cp1)
+def gpt_steps(cases):
+    """``fn(*args)`` for each (fn, args) in turn on this rank: every run of a world size in one call."""
+    return [fn(*args) for fn, args in cases]
 
 
 def gpt_step_without_rope_fix(*args):
@@ -69,11 +50,57 @@ def gpt_step_without_rope_fix(*args):
         attention.rope_follows_cp_layout = keep
 
 
-def test_balanced_layout_needs_the_rope_fix(ranks):
+def cp2_run(layout, cp_layout="2cp", embedding="learned_absolute", fix=True):
+    return (gpt_step if fix else gpt_step_without_rope_fix,
+            (2, tuple(LAYOUTS[layout]), torch.float64, cp_layout, embedding))
+
+
+def cp1_run(layout, embedding="learned_absolute"):
+    return gpt_step, (1, tuple(LAYOUTS[layout]), torch.float64, "2cp", embedding)
+
+
+BALANCED = ["paper-3-3-8-2", "tiny-docs"]
+EMBEDDINGS = ["rope", "learned_absolute"]
+# Every run of the tests below: the cp 2 ones in one call to two ranks, their cp 1 references (each once) in one
+# call to one rank.
+CP2_RUNS = ([cp2_run(layout) for layout in LAYOUTS]
+            + [cp2_run(layout, "balanced", embedding) for layout in BALANCED for embedding in EMBEDDINGS]
+            + [cp2_run("paper-3-3-8-2", "balanced", "rope", fix=False)])
+CP1_RUNS = list(dict.fromkeys([cp1_run(layout) for layout in LAYOUTS]
+                              + [cp1_run(layout, embedding) for layout in BALANCED for embedding in EMBEDDINGS]))
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(ranks):
+    """{(fn, args) of CP2_RUNS: both ranks' results} and {CP1_RUNS: the one rank's result}."""
+    done = dict(zip(CP2_RUNS, zip(*ranks.run(2, gpt_steps, CP2_RUNS, timeout=240))))
+    done.update(zip(CP1_RUNS, ranks.run(1, gpt_steps, CP1_RUNS, timeout=240)[0]))
+    return done
+
+
+# Megatron's RoPE moves its frequencies to torch.cuda.current_device() (rotary_pos_embedding.py:162),
+# so on CPU the model uses learned absolute positions; on GPUs RoPE's CP slicing uses the same layout.
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gpt_cp2_matches_cp1(gpt_runs, layout):
+    gpt.assert_equal_to_cp1(list(gpt_runs[cp2_run(layout)]), gpt_runs[cp1_run(layout)])
+
+
+# The balanced layout with RoPE: rope_follows_cp_layout must give each rank its own positions' rotary
+# embedding (the demo's CPU RoPE, wrapped). The documents make the balanced layout differ from the paper's.
+@pytest.mark.parametrize("layout", BALANCED)
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_gpt_cp2_balanced_layout_matches_cp1(gpt_runs, layout, embedding):
+    from l3plugin.cp.layout import balanced_layout, two_chunk_layout
+
+    assert balanced_layout(LAYOUTS[layout], SEQ, 2).ranges != two_chunk_layout(SEQ, 2).ranges
+    cp2 = list(gpt_runs[cp2_run(layout, "balanced", embedding)])
+    gpt.assert_equal_to_cp1(cp2, gpt_runs[cp1_run(layout, embedding)])
+
+
+def test_balanced_layout_needs_the_rope_fix(gpt_runs):
     """Control for the test above: without rope_follows_cp_layout the loss differs from cp=1."""
-    args = (LAYOUTS["paper-3-3-8-2"], torch.float64)
-    wrong = ranks.run(2, gpt_step_without_rope_fix, 2, *args, "balanced", "rope", timeout=120)[0]
-    cp1 = ranks.run(2, gpt_step, 1, *args, "2cp", "rope", timeout=120)[0]
+    wrong = gpt_runs[cp2_run("paper-3-3-8-2", "balanced", "rope", fix=False)][0]
+    cp1 = gpt_runs[cp1_run("paper-3-3-8-2", "rope")]
     assert abs(float(wrong["loss"] - cp1["loss"])) > 1e-6
 
 
