@@ -6,9 +6,10 @@ different n every call (token-balanced batches, n not a multiple of p) and micro
 log-prob passes (forward-only, under no_grad) and for training. Here: every such call on real gloo ranks equals a
 serial run bit for bit, for p in {2, 3, 4}, v in {1, 2, 3}, m from 1 to 2p + 1 and k below, at and above p, with
 both receive postings (early: gloo's; agreed: the pair order NCCL needs), in one pool of workers that keeps its
-model chunks' configuration and changes m and k from call to call as an RL loop does.
+model chunks' configuration and changes m and k (and the posting) from call to call as an RL loop does.
 
-Which (v, m, k) run where (``RL_RUNS``): at p = 2 every one, under one posting or the other; at p = 3 (early) and
+Which (v, m, k) run where (``RL_RUNS``; the calls of both postings at one p run in one call to the ranks): at p = 2
+every one, under one posting or the other; at p = 3 (early) and
 at p = 4 (under each posting) every v and every k, each v with one m, the m in three of the classes of m against p
 (1, below p, p, between p and 2p, 2p, above 2p); the two postings at p = 4 together in five. Every class of m meets
 each posting at some p. The plans themselves, and both postings' orders, are checked for every configuration
@@ -48,10 +49,10 @@ def varlen_config(p, v, k, num_layers):
         deallocate_pipeline_outputs=True)
 
 
-def run_rl_calls(p, cases, receive_posting):
-    """On every rank: for each (v, m, k), a forward-only log-prob pass under no_grad, then a training pass, both
-    through ``get_forward_backward_func()`` as verl calls it. Returns this rank's losses and gradients per case,
-    and the activations the forward-only passes kept (must be none)."""
+def run_rl_calls(p, calls):
+    """On every rank: for each (v, m, k, receive posting, seed), a forward-only log-prob pass under no_grad, then a
+    training pass, both through ``get_forward_backward_func()`` as verl calls it. Returns this rank's losses and
+    gradients per call, and the activations the forward-only passes kept (must be none)."""
     from megatron.core import pipeline_parallel
 
     import l3plugin.megatron as l3m
@@ -60,7 +61,7 @@ def run_rl_calls(p, cases, receive_posting):
     out, v_now = [], None
     l3m.install("flexible")
     try:
-        for case, (v, m, k) in enumerate(cases):
+        for v, m, k, receive_posting, case in calls:
             if v != v_now:
                 mesh, v_now = init_mesh(pp=p, vpp=v if v > 1 else None), v
             layers = 2 * p * v
@@ -119,10 +120,25 @@ RL_RUNS = {
 }
 
 
-@pytest.mark.parametrize("p,receive_posting,cases", RL_RUNS.values(), ids=RL_RUNS.keys())
-def test_rl_call_pattern_matches_serial_bitwise(ranks, p, receive_posting, cases):
-    results = ranks.run(p, run_rl_calls, p, cases, receive_posting, timeout=300)
-    check_cases(p, cases, results)
+@pytest.fixture(scope="module")
+def rl_calls(ranks):
+    """{id of RL_RUNS: every rank's results per case}: at each p the calls of both postings in one call to the
+    ranks, ordered by v (the mesh is built once per v; m, k and the posting change from call to call)."""
+    done = {}
+    for p in sorted({p for p, _, _ in RL_RUNS.values()}):
+        calls = sorted(((*case, posting, i, name) for name, (q, posting, cases) in RL_RUNS.items() if q == p
+                        for i, case in enumerate(cases)), key=lambda call: call[0])
+        per_rank = ranks.run(p, run_rl_calls, p, [call[:5] for call in calls], timeout=300)
+        for j, call in enumerate(calls):
+            done.setdefault(call[-1], {})[call[-2]] = [results[j] for results in per_rank]
+    return {name: [[by_case[i][rank] for i in range(len(by_case))] for rank in range(RL_RUNS[name][0])]
+            for name, by_case in done.items()}
+
+
+@pytest.mark.parametrize("name", RL_RUNS)
+def test_rl_call_pattern_matches_serial_bitwise(rl_calls, name):
+    p, _, cases = RL_RUNS[name]
+    check_cases(p, cases, rl_calls[name])
 
 
 def test_grid_covers_the_issue():
@@ -137,6 +153,11 @@ def test_grid_covers_the_issue():
         for p in {p for p, *_ in cases}:  # at every p: every v, and k below, at and above p
             here = [(v, k) for q, v, _, k in cases if q == p]
             assert {v for v, _ in here} == {1, 2, 3} and {(k > p) - (k < p) for _, k in here} == {-1, 0, 1}, p
+
+
+def runs_stock_and_flexible(cases):
+    """``run_stock_and_flexible(*case)`` for each case (all at one p) in turn on this rank."""
+    return [run_stock_and_flexible(*case) for case in cases]
 
 
 def run_stock_and_flexible(p, v, m, k):
@@ -172,9 +193,19 @@ def run_stock_and_flexible(p, v, m, k):
 STOCK = [(2, 1, 5, 2), (4, 1, 6, 4), (4, 2, 8, 4)]
 
 
+@pytest.fixture(scope="module")
+def stock_steps(ranks):
+    """{case of STOCK: every rank's stock and flexible steps}: one call to the ranks per p."""
+    done = {}
+    for p in sorted({case[0] for case in STOCK}):
+        cases = [case for case in STOCK if case[0] == p]
+        done.update(zip(cases, zip(*ranks.run(p, runs_stock_and_flexible, cases, timeout=240))))
+    return done
+
+
 @pytest.mark.parametrize("p,v,m,k", STOCK, ids=[f"p{p}v{v}m{m}k{k}" for p, v, m, k in STOCK])
-def test_variable_lengths_match_stock_megatron_and_serial(ranks, p, v, m, k):
-    results = ranks.run(p, run_stock_and_flexible, p, v, m, k, timeout=120)
+def test_variable_lengths_match_stock_megatron_and_serial(stock_steps, p, v, m, k):
+    results = list(stock_steps[p, v, m, k])
     batches = varlen_microbatches(m, seed=99)
     for name in ("stock", "flexible"):
         toy.assert_matches_serial([r[name] for r in results], batches, num_layers=2 * p * v, hidden=HIDDEN)
@@ -304,22 +335,34 @@ def test_micro_batches_that_differ_across_tp_or_do_not_split_for_sp_are_named_on
     assert ranks.run(2, run_tp_inputs, [[4, 6, 8], [4, 6, 8]], True, timeout=60) == [None, None]
 
 
-def run_frozen_prefix(p, v, m, k, frozen, receive_posting):
-    """Variable lengths with a frozen prefix (no gradient messages into it): one training step on this rank."""
+def run_frozen_prefix(p, v, m, k, frozen, postings):
+    """Variable lengths with a frozen prefix (no gradient messages into it): one training step on this rank per
+    receive posting (on one mesh)."""
     from l3plugin.mesh.groups import init_mesh
 
     mesh = init_mesh(pp=p, vpp=v if v > 1 else None)
-    layers = 2 * p * v
-    config = varlen_config(p, v, k, layers)
-    chunks = toy.build_chunks(config, num_layers=layers, hidden=HIDDEN, pp_rank=mesh.coords["pp"], pp_size=p,
-                              vpp_size=v, frozen=frozen)
-    return toy.flexible_step(chunks, varlen_microbatches(m, seed=5), seq_length=1, micro_batch_size=1,
-                             receive_posting=receive_posting)
+    layers, out = 2 * p * v, {}
+    for receive_posting in postings:
+        config = varlen_config(p, v, k, layers)
+        chunks = toy.build_chunks(config, num_layers=layers, hidden=HIDDEN, pp_rank=mesh.coords["pp"], pp_size=p,
+                                  vpp_size=v, frozen=frozen)
+        out[receive_posting] = toy.flexible_step(chunks, varlen_microbatches(m, seed=5), seq_length=1,
+                                                 micro_batch_size=1, receive_posting=receive_posting)
+    return out
+
+
+FROZEN_PREFIX = (4, 2, 5, 4, tuple(range(6)))  # p, v, m, k, frozen layers: stages 0-2 of 8 frozen
+
+
+@pytest.fixture(scope="module")
+def frozen_prefix_steps(ranks):
+    """Every rank's step under each receive posting, both in one call to the ranks."""
+    return ranks.run(FROZEN_PREFIX[0], run_frozen_prefix, *FROZEN_PREFIX, ["early", "agreed"], timeout=120)
 
 
 @pytest.mark.parametrize("receive_posting", ["early", "agreed"])
-def test_variable_lengths_with_a_frozen_prefix_match_serial(ranks, receive_posting):
-    p, v, m, k, frozen = 4, 2, 5, 4, tuple(range(6))  # stages 0-2 of 8 frozen
-    results = ranks.run(p, run_frozen_prefix, p, v, m, k, frozen, receive_posting, timeout=120)
+def test_variable_lengths_with_a_frozen_prefix_match_serial(frozen_prefix_steps, receive_posting):
+    p, v, m, k, frozen = FROZEN_PREFIX
+    results = [r[receive_posting] for r in frozen_prefix_steps]
     toy.assert_matches_serial(results, varlen_microbatches(m, seed=5), num_layers=2 * p * v, hidden=HIDDEN,
                               frozen=frozen)
