@@ -50,11 +50,11 @@ LOOPBACK_RUNS = {
         ("bench/zero.py", "--quick", "--gas", "2", "--rounds", "1", "--variants", "ours ZeRO-1"),
     "test_multimodal_real_section":
         ("bench/multimodal_pp.py", "real", "--hidden", "32", "--heads", "4", "--text-seq", "16", "--image-tokens",
-         "16", "--encoder-width", "16", "--rounds", "1", "--microbatches", "4"),
+         "16", "--encoder-width", "16", "--rounds", "1", "--microbatches", "2"),
     "test_hf_cp_table":
-        ("bench/hf_cp.py", "--seq", "1024", "--rounds", "1"),
+        ("bench/hf_cp.py", "--seq", "256", "--rounds", "1"),
     "test_cp_attention_timed_rows":
-        ("bench/cp_attention.py", "--seq", "512", "--rounds", "1", "--work-seq", "2048", "--draws", "1"),
+        ("bench/cp_attention.py", "--seq", "256", "--rounds", "1", "--work-seq", "2048", "--draws", "1"),
     "test_idle_groups_rows":
         ("bench/idle_groups.py", "--groups", "0", "3", "--idle", "0.2", "--reduces", "10"),
     "test_autoload_startup_rows":
@@ -65,11 +65,12 @@ LOOPBACK_RUNS = {
 # docs tables that render them). zero.py runs one variant (stock ZeRO-1: its baseline only); the variants' table
 # columns are test_zero_table's, on loopback.
 WIRE_RUNS = {
-    "zero_megatron": (["--quick", "--gas", "2", "--contenders", "ZeRO-2 default"], (), ["zero-megatron"]),
+    "zero_megatron": (["--quick", "--gas", "2", "--layers", "1", "--contenders", "ZeRO-2 default"], (),
+                      ["zero-megatron"]),
     "pp_schedule": (["--vpp", "2", "--layers", "4", "--microbatches", "4", "--rounds", "1", "--hidden", "32",
                      "--seq", "16", "--mbs", "1", "--agreed-order"], ("wire",), ["pp-wire"]),
     "zero": (["--quick", "--gas", "2", "--rounds", "1", "--variants", "stock ZeRO-1"], (), ["zero-wire", "zero"]),
-    "cp_attention": (["--seq", "512", "--rounds", "1", "--work-seq", "--masks", "causal"], (),
+    "cp_attention": (["--seq", "256", "--rounds", "1", "--work-seq", "--masks", "causal"], (),
                      ["cp-wire", "cp-regather"]),
 }
 WIRE_HERE = wire.why_not_here()  # None where the wire can be made (root, ip, tc)
@@ -180,7 +181,7 @@ def test_cp_attention_timed_rows(ahead):
     assert timed["ring_vs_all_gather_max_abs_difference"] < 1e-4  # the ring baseline computes the same attention
     assert all(c["wall_s"] > 0 and len(c["busy_s"]) == 2 for c in timed["contenders"].values())
     (row,) = rendered_rows("cp-timed", record)
-    assert row[0] == "512" and row[2].endswith("(pairs 1.000)") and "work max/min" in row[6]
+    assert row[0] == "256" and row[2].endswith("(pairs 1.000)") and "work max/min" in row[6]
     (row,) = rendered_rows("cp-work", record)
     assert row[:2] == ["2K", "2 / 4 / 8"] and row[3].count(" / ") == 2
     (row,) = rendered_rows("torch-cp-work", record)  # torch's load balancers on the same documents (bench/torch_cp.py)
@@ -215,7 +216,7 @@ def test_zero_table(ahead):
 def test_hf_cp_table(ahead):
     record, _ = ahead.record("test_hf_cp_table")
     (row,) = rendered_rows("hf-cp", record)
-    assert row[:2] == ["1024", str(record["figures"]["rows"][0]["documents"])] and row[2].endswith(" s")
+    assert row[:2] == ["256", str(record["figures"]["rows"][0]["documents"])] and row[2].endswith(" s")
 
 
 def test_pp_schedule_real_run_and_simulated_tables(ahead):
