@@ -120,7 +120,7 @@ def test_layer_splits_include_the_paper_405b_split():
 
 def test_paper_405b_8k_setting():
     req = PlanRequest("llama3-405b", gpus=16384, seq_len=8192, global_batch_tokens=16 * 2**20)
-    best = plan(req, top=3)[0]
+    best = plan(req, top=1)[0]  # #1 of any longer ranking too: the search stops once it is known
     L = best.layout
     # Table 2 of the paper: TP 8 within the node, PP 16, DP 128, no CP at 8K, 2048 / 128 = 16 = p
     assert (L.tp, L.cp, L.pp, L.dp) == (8, 1, 16, 128)
