@@ -10,11 +10,11 @@
 
 Equality is checked through DeepSpeed's public accessors (safe_get_full_fp32_param /
 safe_get_full_optimizer_state), bit for bit. Each checkpoint is saved once and shared by the tests that read it
-(``saved``); DeepSpeed's converters run in one fresh interpreter, each from its own command line (``converted``).
+(``saved``); DeepSpeed's converters run in one rank of the pool, each as from its own command line
+(``converted``).
 """
 
 import importlib.util
-import json
 import os
 import shutil
 import sys
@@ -24,8 +24,6 @@ import torch
 
 from ds_models import ds_config, engine_for, train
 from stock_bugs import SKIP_IF_STOCK_ZERO_STEP_FAILS, STOCK_ZERO_STEP_FAILS
-
-from l3plugin.ranks.pool import run_command
 
 ON = {"fp32_reduce_zero": True}
 TIMEOUT = 180
@@ -110,14 +108,18 @@ def _stock():
 
 def save_leg(stage, save_dir, ours, steps=2):
     """Train ``steps`` optimizer steps with our engine (ours=True) or stock DeepSpeed, save, snapshot; ours also
-    exports its fp32 state dict (l3plugin.deepspeed.export_fp32_state_dict, what zero_to_fp32.py must rebuild)."""
+    exports its fp32 state dict (l3plugin.deepspeed.export_fp32_state_dict, what zero_to_fp32.py must rebuild) and
+    trains one step more: ``after``, the snapshot a resume of this checkpoint in our engine reaches (bit-exact:
+    test_zero_deepspeed.py's test_checkpoint_resume_is_bit_exact), which stock's continuation is compared with."""
     if ours:
         import l3plugin.deepspeed as l3ds
 
         engine = engine_for(_config(stage, ON))
         train(engine, steps)
         engine.save_checkpoint(save_dir, tag="t")
-        return _snapshot(engine) | {"exported": l3ds.export_fp32_state_dict(engine)}
+        saved = _snapshot(engine) | {"exported": l3ds.export_fp32_state_dict(engine)}
+        train(engine, 1, first_step=steps)
+        return saved | {"after": _snapshot(engine)}
     with _stock():
         engine = engine_for(_config(stage, None))
         train(engine, steps)
@@ -229,7 +231,7 @@ def test_stock_engine_resumes_our_checkpoint(ranks, saved, stage):
     stock = ranks.run(2, load_leg, stage, folder, False, timeout=TIMEOUT)
     _assert_resumed(ours_saved, stock, STOCK[stage])
     # The stock continuation and ours agree (not bit-exact: stock reduces in bf16).
-    ours = ranks.run(2, load_leg, stage, folder, True, timeout=TIMEOUT)[0]
+    ours = ours_saved
     assert ours["after"]["lr"] == stock[0]["after"]["lr"]
     agree = {name: torch.allclose(fp32, stock[0]["after"]["params"][name][0], rtol=0, atol=2e-3)
              for name, (fp32, *_rest) in ours["after"]["params"].items()}
@@ -251,19 +253,34 @@ def test_our_engine_resumes_stock_checkpoint_on_any_dp_size(ranks, saved, stage)
 
 
 # -- DeepSpeed's converters: ds_to_universal (module) and zero_to_fp32.py (the script saved with the checkpoint) ----
-TOOLS = """
-import json, runpy, sys
-for argv in json.loads(sys.argv[1]):  # each tool from its command line: `python -m MODULE ...`, `python SCRIPT ...`
-    if argv[0] == "-m":
-        sys.argv = argv[1:]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    elif argv[0] == "-c":  # the script's converter, unsharded (max_shard_size=None needs no huggingface_hub)
-        ns = runpy.run_path(argv[1])
-        ns["convert_zero_checkpoint_to_fp32_state_dict"](argv[2], argv[3], tag="t", max_shard_size=None)
-    else:
+def run_tools(runs):
+    """On a rank (torch and DeepSpeed imported there already, l3plugin's engine patches removed while the tools
+    run): each tool as from its command line, `python -m MODULE ...` or `python SCRIPT ...`, run as __main__.
+    None, or the error and where."""
+    import runpy
+    import traceback
+
+    argv = sys.argv
+    try:
+        with _stock():
+            for tool in runs:
+                if tool[0] == "-m":
+                    sys.argv = tool[1:]
+                    runpy.run_module(tool[1], run_name="__main__", alter_sys=True)
+                elif tool[0] == "-c":  # the script's converter, unsharded (max_shard_size=None needs no huggingface_hub)
+                    ns = runpy.run_path(tool[1])
+                    ns["convert_zero_checkpoint_to_fp32_state_dict"](tool[2], tool[3], tag="t", max_shard_size=None)
+                else:
+                    sys.argv = tool
+                    runpy.run_path(tool[0], run_name="__main__")
+    except SystemExit as exc:  # a tool's CLI ending with sys.exit(0) succeeded
+        if exc.code not in (None, 0):
+            return f"SystemExit({exc.code!r}) from {sys.argv}\n{traceback.format_exc()}"
+    except Exception as exc:  # noqa: BLE001 - _converted reports it
+        return f"{type(exc).__name__}: {exc} (running {sys.argv})\n{traceback.format_exc()}"
+    finally:
         sys.argv = argv
-        runpy.run_path(argv[0], run_name="__main__")
-"""
+    return None
 
 
 def _ds_to_universal_argv(folder):
@@ -280,24 +297,21 @@ def _zero_to_fp32_argv(folder):
 
 
 @pytest.fixture(scope="module")
-def converted(saved, tmp_path_factory):
-    """Copies of our stage-2 checkpoint and of stock's stage-1 one, converted by DeepSpeed's own tools in ONE fresh
-    interpreter (its imports of torch and deepspeed are most of a tool's time): ds_to_universal on both (folder /
-    t_universal) and zero_to_fp32.py on ours (folder / out). {"ours": folder, "stock": folder (absent where stock
-    cannot train), "done": the CompletedProcess}."""
+def converted(ranks, saved, tmp_path_factory):
+    """Copies of our stage-2 checkpoint and of stock's stage-1 one, converted by DeepSpeed's own tools in one rank of
+    the pool (a fresh interpreter would import torch and deepspeed again, most of a tool's time): ds_to_universal on
+    both (folder / t_universal) and zero_to_fp32.py on ours (folder / out). {"ours": folder, "stock": folder (absent
+    where stock cannot train), "error": None or what a tool raised}."""
     folders = {"ours": _copy(saved(2, True)[0], tmp_path_factory.mktemp("ours-converted"))}
     runs = [_ds_to_universal_argv(folders["ours"]), _zero_to_fp32_argv(folders["ours"])]
     if not STOCK_ZERO_STEP_FAILS:  # stock trains that checkpoint
         folders["stock"] = _copy(saved(1, False)[0], tmp_path_factory.mktemp("stock-converted"))
         runs.append(_ds_to_universal_argv(folders["stock"]))
-    cmd = [sys.executable, "-c", TOOLS, json.dumps(runs)]
-    done = run_command(cmd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return folders | {"done": done}
+    return folders | {"error": ranks.run(1, run_tools, runs, timeout=300)[0]}
 
 
 def _converted(converted):
-    done = converted["done"]
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert converted["error"] is None, converted["error"][-6000:]
     return converted
 
 
