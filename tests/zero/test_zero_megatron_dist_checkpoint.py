@@ -1,5 +1,6 @@
 """FP32-reducing ZeRO state through megatron.core.dist_checkpointing (torch_dist): saved next to a Megatron
-GPTModel's own sharded state dict, loaded back onto 1, 2 and 4 data-parallel ranks, bit for bit."""
+GPTModel's own sharded state dict by 2 data-parallel ranks, loaded back onto 4 and 1, bit for bit (and onto 2, with a
+NaN put in what was loaded, refused)."""
 
 import os
 
@@ -109,7 +110,9 @@ def test_dist_checkpointing_round_trip_and_dp_resharding(ranks, saved_checkpoint
     folder, saved = saved_checkpoint
     assert os.path.isfile(os.path.join(folder, "metadata.json"))  # a torch_dist checkpoint
     assert saved["step"] == 2.0
-    for world in (2, 4, 1):
+    # Onto 4 and 1 ranks (the reader copies each rank's ranges of the full tensors, whatever the DP size: the same
+    # path at 2, where the NaN test loads).
+    for world in (4, 1):
         for r in ranks.run(world, load_leg, folder, timeout=TIMEOUT):
             assert r["snapshot"].keys() == saved["snapshot"].keys()
             for name, tensors in saved["snapshot"].items():
