@@ -103,9 +103,9 @@ def test_encoder_placements_match_one_process(trained, v, m, k, placement):
 @pytest.mark.parametrize("placement", ["replicated", "pipeline"])
 def test_balanced_uneven_split_matches_one_process(trained, placement):
     """The split `l3plugin balance` picks (uneven layers per virtual stage, given to Megatron as its
-    pipeline layout) trains the same model: here 3, 2, 2, 1 layers, self- and cross-attention layers mixed in a
-    chunk and a frozen chunk between trainable ones."""
-    run = with_balanced_split(MultimodalRun(kinds="SSSX" * 2, pp=2, vpp=2, microbatches=5, group_size=3,
+    pipeline layout) trains the same model: here 1, 2, 2, 1 layers, S | SX | SX | X (a frozen self-attention
+    layer before a cross-attention layer in two chunks)."""
+    run = with_balanced_split(MultimodalRun(kinds="SSXSXX", pp=2, vpp=2, microbatches=5, group_size=3,
                                             placement=placement))
     assert len(set(run.counts)) > 1 and max(run.counts) > 1, run.counts  # uneven, chunks of several layers
     [pipelined], [[serial]] = trained(2, [(run, 1, True)]), trained(1, [(run, 1, False)])

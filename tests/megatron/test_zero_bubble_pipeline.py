@@ -13,11 +13,25 @@ from test_gpt_pipeline import assert_gpt_matches_serial, gpt_flexible_step, gpt_
 
 def grid(p):
     """(v, m, k, frozen model) for pp ``p``: v 1-2, m in {1, p, 2p+1}, k in {1, p, p+1} (k <= m); a frozen prefix
-    and frozen middle stages at m = 2p+1."""
-    cases = [(v, m, k, None) for v in (1, 2) for m in (1, p, 2 * p + 1) for k in sorted({1, p, p + 1}) if k <= m]
+    and frozen middle stages at m = 2p+1. k = p + 1 is left out at v = 1, where its plans (flexible and
+    zero-bubble) are those of k = p (test_v1_k_above_p_plans_as_k_equals_p)."""
+    cases = [(v, m, k, None) for v in (1, 2) for m in (1, p, 2 * p + 1) for k in sorted({1, p, p + 1})
+             if k <= m and not (v == 1 and k == p + 1)]
     if p > 2:  # v = 1 at m < 2p+1 only at pp 2 (the same (m, k) relations to p; pp 4 runs them at v = 2)
         cases = [c for c in cases if c[0] == 2 or c[1] == 2 * p + 1]
     return cases + [(2, 2 * p + 1, p, "prefix"), (2, 2 * p + 1, p + 1, "middle")]
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_v1_k_above_p_plans_as_k_equals_p(p):
+    """Without virtual stages k only picks 1F1B (k >= p) or all-forward-all-backward (k < p): the grid's k = p + 1
+    at v = 1 would run the very plans of k = p, on every rank."""
+    from l3plugin.schedule import build_zero_bubble_schedule
+    from l3plugin.schedule.plan import build_schedule
+
+    m = 2 * p + 1
+    assert build_schedule(p, 1, m, p + 1).ranks == build_schedule(p, 1, m, p).ranks
+    assert build_zero_bubble_schedule(p, 1, m, p + 1).ranks == build_zero_bubble_schedule(p, 1, m, p).ranks
 
 
 def run_both(p, cases):
