@@ -10,12 +10,15 @@ A run costs mostly imports: torch in some bench processes, and in every RankPool
 Megatron-Core, DeepSpeed or transformers. So the runs go in two groups, each group's benches one after the other
 in one interpreter (tests/bench_driver.py: each bench executed as `python bench/X.py ... --json` would, its
 stdout and stderr its own), whose fork server, started once, imports the group's preloads once for all of its
-pools. Both groups start when the module starts (tests/runs_ahead.py), side by side on the two cores."""
+pools. Both groups start when the module starts (tests/runs_ahead.py), side by side on the two cores; a test
+takes its run's record once that run has ended."""
 
+import functools
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,6 +105,14 @@ GROUPS = {
 }
 
 
+def outcome(folder, i, driver_err=""):
+    """(exit status, stdout, stderr) of run ``i`` of a group, from the driver's files; a run it has not finished
+    (yet, or ever) has no exit status, and its stderr is the driver's."""
+    if not (folder / f"{i}.rc").exists():  # written last
+        return None, "", driver_err
+    return tuple((folder / f"{i}.{part}").read_text() for part in ("rc", "out", "err"))
+
+
 def group_run(folder, preload, tests, timeout=900):
     """The tests' bench runs, one after the other in one interpreter (tests/bench_driver.py): {test: (exit status,
     stdout, stderr) of its run}, and the wire namespaces the group left behind (named after the driver's pid; each
@@ -120,19 +131,12 @@ def group_run(folder, preload, tests, timeout=900):
     driver_err = (folder / "driver.err").read_text() if (folder / "driver.err").exists() else ""
     assert driver.returncode == 0, f"bench driver: exit {driver.returncode}\n{err[-3000:]}\n{driver_err[-3000:]}"
     left = {name for name, pid in wire.namespaces().items() if pid == driver.pid}
-
-    def outcome(i):  # a run the driver never finished has no exit status: its stderr is the driver's
-        if not (folder / f"{i}.rc").exists():
-            return None, "", driver_err
-        return tuple((folder / f"{i}.{part}").read_text() for part in ("rc", "out", "err"))
-
-    return {test: outcome(i) for i, test in enumerate(tests)}, left
+    return {test: outcome(folder, i, driver_err) for i, test in enumerate(tests)}, left
 
 
-def json_record(test, runs):
+def json_record(test, rc, stdout, stderr):
     """The record of a test's run (its stdout must be exactly one JSON line) and its stderr."""
     argv = command(test)
-    rc, stdout, stderr = runs[test]
     assert rc == "0", f"{argv}: exit {rc}\n{stderr[-3000:]}"
     lines = stdout.splitlines()
     assert len(lines) == 1, f"{argv}: stdout holds more than the JSON record: {stdout[:2000]}"
@@ -143,30 +147,42 @@ def json_record(test, runs):
 
 
 assert set(sum((tests for _, tests in GROUPS.values()), [])) == set(LOOPBACK_RUNS) | {wire_test(b) for b in WIRE_RUNS}
-GROUP_OF = {test: group for group, (_, tests) in GROUPS.items() for test in tests}
 
 
 class Runs:
-    """What the tests take their runs from: ``record(test)``, ``wire_left(test)``."""
+    """The groups of the selected tests, started ahead (tests/runs_ahead.py); ``record(test)`` as soon as the
+    test's own run has ended (not its whole group), ``wire_left(test)`` once its group has."""
 
     def __init__(self, request, tmp_path_factory):
         selected = {item.name for item in request.session.items if item.module is request.module}
         if WIRE_HERE is not None:
             selected -= {wire_test(bench) for bench in WIRE_RUNS}
-        runs, needed_by = {}, {}
+        runs, needed_by, self.where, self.ended = {}, {}, {}, set()
         for group, (preload, tests) in GROUPS.items():
             tests = [test for test in tests if test in selected]
             if tests:
                 folder = tmp_path_factory.mktemp(group)
-                runs[group] = lambda f=folder, p=preload, t=tests: group_run(f, p, t)
+                runs[group] = functools.partial(self._group_run, group, folder, preload, tests)
                 needed_by[group] = tuple(tests)
+                self.where.update({test: (group, folder, i) for i, test in enumerate(tests)})
         self.ahead = RunsAhead(request, runs, needed_by)
 
+    def _group_run(self, group, *args):
+        try:
+            return group_run(*args)
+        finally:
+            self.ended.add(group)
+
     def record(self, test):
-        return json_record(test, self.ahead.result(GROUP_OF[test])[0])
+        group, folder, i = self.where[test]
+        while not (folder / f"{i}.rc").exists() and group not in self.ended:
+            time.sleep(0.2)
+        if (folder / f"{i}.rc").exists():
+            return json_record(test, *outcome(folder, i))
+        return json_record(test, *self.ahead.result(group)[0][test])  # the group's error, or the driver's stderr
 
     def wire_left(self, test):
-        return self.ahead.result(GROUP_OF[test])[1]
+        return self.ahead.result(self.where[test][0])[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
