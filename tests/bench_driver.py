@@ -6,7 +6,9 @@ exit status taken from its SystemExit (an exception: 1, its traceback on stderr)
     # SPEC: {"preload": [module, ...], "runs": [[key, [script, *args]], ...]}
 
 Writes OUTDIR/<key>.out (the run's stdout), <key>.err (its stderr: everything written to this process's
-stderr from the run's start to its end, RankPool workers' output included) and <key>.rc (its exit status).
+stderr from the run's start to its end, RankPool workers' output included) and, last, <key>.rc (its exit
+status). At the end it SIGKILLs its fork server (no pool is left) and freezes its own heap: both exits would
+spend seconds of CPU collecting the preloaded modules' objects.
 
 Why: a smoke run of a bench costs mostly imports. A bench process may import torch (cp_attention, multimodal_pp,
 pp_schedule on a wire), and its RankPool's fork server imports torch and Megatron-Core, DeepSpeed or

@@ -93,8 +93,9 @@ def command(test):
 
 # The two groups: the fork server's preload (every RankPool preload of the group's benches), then the tests whose
 # runs it makes, in the order they run. Megatron-Core's: the pipeline simulation, which needs no fork server, runs
-# first, while the server imports. The other: DeepSpeed's and transformers' benches and the torch-only ones.
-# Each group is about half of the CPU seconds.
+# first, while the server imports. The other: DeepSpeed's and transformers' benches and the torch-only ones (their
+# workers start with those imported too: more than they need, nothing they lack). Each group is about half of the
+# CPU seconds.
 GROUPS = {
     "megatron": (["megatron.core"],
                  ["test_pp_schedule_real_run_and_simulated_tables", "test_multimodal_real_section",
