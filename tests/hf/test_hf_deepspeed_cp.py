@@ -55,6 +55,9 @@ def _weights(engine):
 
 
 def run(cp, zero, steps=STEPS, family="llama", save=None, load=None, export=None):
+    """``steps`` steps (after loading ``load``), then saved to ``save``. ``export``: before the steps, the state
+    as loaded is saved again (to ``export``.ckpt) and exported there by zero_to_fp32 (rank 0 reads it back with
+    transformers: "exported", against "exported_from", the weights then)."""
     from l3plugin.deepspeed.sequence_parallel import release_groups
 
     deepspeed = quiet_deepspeed()
@@ -68,19 +71,23 @@ def run(cp, zero, steps=STEPS, family="llama", save=None, load=None, export=None
         if load:
             engine.load_checkpoint(load, tag="t")
             first = engine.global_steps
-        out = {"attn": model.config._attn_implementation, "sdp": dist.get_world_size(engine.seq_data_parallel_group),
-               "losses": _train(engine, cp, first, steps)}
+        out = {}
+        if export:
+            engine.save_checkpoint(export + ".ckpt", tag="t")
+            out["exported_from"] = _weights(engine)
+            if dist.get_rank() == 0:
+                from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+                from transformers import AutoModelForCausalLM
+
+                convert_zero_checkpoint_to_fp32_state_dict(export + ".ckpt", export, tag="t", safe_serialization=True)
+                model.config.save_pretrained(export)
+                loaded = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
+                out["exported"] = {n: p.detach().clone() for n, p in loaded.named_parameters()}
+        out.update(attn=model.config._attn_implementation, sdp=dist.get_world_size(engine.seq_data_parallel_group),
+                   losses=_train(engine, cp, first, steps))
         if save:
             engine.save_checkpoint(save, tag="t")
         out["weights"] = _weights(engine)
-        if export and dist.get_rank() == 0:
-            from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
-            from transformers import AutoModelForCausalLM
-
-            convert_zero_checkpoint_to_fp32_state_dict(save, export, tag="t", safe_serialization=True)
-            model.config.save_pretrained(export)
-            loaded = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
-            out["exported"] = {n: p.detach().clone() for n, p in loaded.named_parameters()}
         return out
     finally:
         release_groups()
@@ -112,13 +119,14 @@ def test_checkpoint_resume_also_to_cp1_and_zero_to_fp32_export(ranks, tmp_path):
     ckpt, export = str(tmp_path / "ckpt"), str(tmp_path / "export")
     straight = ranks.run(2, run, 2, "ours2", STEPS + 1)
     ranks.run(2, run, 2, "ours2", STEPS, save=ckpt)
-    resumed = ranks.run(2, run, 2, "ours2", 1, load=ckpt)
+    # resumed: the loaded state also saved again and exported before its step (the export checked against it)
+    resumed = ranks.run(2, run, 2, "ours2", 1, load=ckpt, export=export)
     to_cp1 = ranks.run(2, run, 1, "ours2", 1, load=ckpt)
-    exported = ranks.run(2, run, 2, "ours2", 0, load=ckpt, save=str(tmp_path / "again"), export=export)
     for r in range(2):
         assert all(torch.equal(resumed[r]["weights"][n], straight[r]["weights"][n]) for n in straight[r]["weights"])
         assert close(to_cp1[r]["weights"], straight[r]["weights"], 2e-2)
-    assert all(torch.equal(exported[0]["exported"][n], exported[0]["weights"][n]) for n in exported[0]["weights"])
+    exported, loaded = resumed[0]["exported"], resumed[0]["exported_from"]
+    assert all(torch.equal(exported[n], loaded[n]) for n in loaded)
 
 
 @pytest.mark.parametrize("block, message", [
