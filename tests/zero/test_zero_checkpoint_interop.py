@@ -269,7 +269,7 @@ def run_tools(runs):
                 if tool[0] == "-m":
                     sys.argv = tool[1:]
                     runpy.run_module(tool[1], run_name="__main__", alter_sys=True)
-                elif tool[0] == "-c":  # the script's converter, unsharded (max_shard_size=None needs no huggingface_hub)
+                elif tool[0] == "-c":  # the script's converter, unsharded (max_shard_size=None: no huggingface_hub)
                     ns = runpy.run_path(tool[1])
                     ns["convert_zero_checkpoint_to_fp32_state_dict"](tool[2], tool[3], tag="t", max_shard_size=None)
                 else:
