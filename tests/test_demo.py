@@ -63,3 +63,21 @@ def test_the_silenced_upstream_warnings_are_the_ones_megatron_says():
             warnings.warn(message + " for maximum speedup", UserWarning)
         warnings.warn("another warning", UserWarning)
     assert [str(w.message) for w in caught] == ["another warning"]
+
+
+def test_the_demo_bounds_its_ranks_waits_without_changing_the_callers_environment(monkeypatch):
+    """``l3plugin.demo.run`` called from Python: its ranks get half the step timeout as their wait bound, the caller's
+    environment stays as it was (its own waits keep their bound), and a bound the user set is kept."""
+    import os
+
+    from l3plugin.collective import waits
+    from l3plugin.demo import ranks_wait_bound
+
+    monkeypatch.delenv(waits.ENV_VAR, raising=False)
+    with ranks_wait_bound(30.0):
+        assert os.environ[waits.ENV_VAR] == "30.0"
+    assert waits.ENV_VAR not in os.environ
+    monkeypatch.setenv(waits.ENV_VAR, "7")
+    with ranks_wait_bound(30.0):
+        assert os.environ[waits.ENV_VAR] == "7"
+    assert os.environ[waits.ENV_VAR] == "7"

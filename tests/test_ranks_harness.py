@@ -265,3 +265,30 @@ def test_worker_init_runs_in_every_worker_before_the_group_and_its_failure_is_na
     # grace: how long rank 0, left waiting for rank 1 in init_process_group, is given before it is reported
     with pytest.raises(RanksFailed, match=r"(?s)could not start 2 gloo ranks.*rank 1.*deliberate worker_init"):
         RankPool(2, worker_init=functools.partial(mark_rank, fail_on=1), start_timeout=60, grace=1.0)
+
+
+def test_a_reused_worker_pid_is_neither_listed_nor_killed():
+    """A worker's pid (and so its process group id) is free again once the worker and its group are gone; the
+    next process given that number is not ours. Here a ``sleep`` in a group of its own stands for it, registered
+    as a worker that had the same pid but started one clock tick earlier."""
+    import subprocess
+
+    from l3plugin.ranks import pool as pool_module
+
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # its own group, led by its pid
+    try:
+        started = pool_module._start_time(other.pid)
+        if started is None:
+            pytest.skip("no /proc here: a reused pid cannot be told apart")
+        pool_module._STARTED_WORKERS[other.pid] = started - 1  # our "worker" of that pid: gone
+        assert other.pid not in pool_module.live_workers()
+        pool_module._kill_group(other.pid)
+        assert other.poll() is None  # still running: not ours to kill
+        pool_module._STARTED_WORKERS[other.pid] = started  # the worker it really is: listed and killed
+        assert other.pid in pool_module.live_workers()
+        pool_module._kill_group(other.pid)
+        assert other.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        pool_module._STARTED_WORKERS.pop(other.pid, None)
+        other.kill()
+        other.wait()

@@ -10,6 +10,7 @@ model, data and optimizer in one process and compare the losses. Results go to `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -90,7 +91,6 @@ def _pictures(opts, losses, reference, results: Path):
 
 
 def run_demo(args) -> int:
-    from l3plugin.collective import waits
     from l3plugin.demo import train
     from l3plugin.demo.mesh_check import check_reports, mesh_report
     from l3plugin.ranks.pool import RankPool
@@ -102,9 +102,6 @@ def run_demo(args) -> int:
     t0 = time.monotonic()
     print(f"[1/5] starting {shape.world_size} CPU ranks over gloo (tp={shape.tp} cp={shape.cp} pp={shape.pp} "
           f"dp={shape.dp}) ...", flush=True)
-    # Our pipeline and CP waits give a rank-named error at half a step's timeout, before the harness
-    # gives up on the step (the workers inherit this environment).
-    os.environ.setdefault(waits.ENV_VAR, str(args.timeout / 2))
     with RankPool(shape.world_size, preload=("megatron.core",), keep_state=True) as pool:
         print(f"[2/5] mesh: Megatron parallel_state in the order TP, CP, PP, DP "
               f"({time.monotonic() - t0:.0f} s)", flush=True)
@@ -165,7 +162,31 @@ TEXT_DEMO_DEFAULTS = {"tp": 2, "cp": 2, "dp": 1, "layers": MODEL["num_layers"], 
                       "dtype": "bf16"}  # flags of the text demo only (None when not given: --multimodal refuses them)
 
 
+@contextlib.contextmanager
+def ranks_wait_bound(seconds: float):
+    """$L3PLUGIN_WAIT_TIMEOUT = ``seconds`` for the ranks started inside (they copy this process's environment),
+    unless the user set it; this process's environment is as it was afterwards (a caller of ``run`` from Python
+    keeps its own waits' bound)."""
+    from l3plugin.collective import waits
+
+    if waits.ENV_VAR in os.environ:
+        yield
+        return
+    os.environ[waits.ENV_VAR] = str(seconds)
+    try:
+        yield
+    finally:
+        os.environ.pop(waits.ENV_VAR, None)
+
+
 def run(args) -> int:
+    # Our pipeline and CP waits give a rank-named error at half a step's timeout, before the harness gives up
+    # on the step.
+    with ranks_wait_bound(args.timeout / 2):
+        return _run(args)
+
+
+def _run(args) -> int:
     if args.multimodal:
         from l3plugin.demo.multimodal import run_multimodal_demo
 

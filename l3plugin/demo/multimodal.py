@@ -253,10 +253,8 @@ TOLERANCE = 1e-4  # max |mean loss - one-process mean loss| over the steps (fp32
 
 def run_multimodal_demo(args) -> int:
     """``l3plugin demo --multimodal``: train on --pp ranks with the balanced split, compare with one process."""
-    import os
     from pathlib import Path
 
-    from l3plugin.collective import waits
     from l3plugin.demo import _progress, finish, learned
     from l3plugin.ranks.pool import RankPool
 
@@ -268,7 +266,6 @@ def run_multimodal_demo(args) -> int:
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    os.environ.setdefault(waits.ENV_VAR, str(args.timeout / 2))
     print(f"[1/4] starting {run.pp} CPU ranks over gloo (pp={run.pp}) ...", flush=True)
     with RankPool(run.pp, preload=("megatron.core",), keep_state=True) as pool:
         pool.run(start, run, timeout=args.timeout)

@@ -57,7 +57,7 @@ def setup(opts: dict) -> dict:
     from l3plugin.mesh.groups import init_mesh
 
     # Process groups with an explicit timeout (the harness's world group has one too); ZeRO's waits are
-    # bounded below it (the pipeline's and CP's by $L3PLUGIN_WAIT_TIMEOUT, which run_demo sets).
+    # bounded below it (the pipeline's and CP's by $L3PLUGIN_WAIT_TIMEOUT, which demo.run sets).
     mesh = init_mesh(tp=opts["tp"], cp=opts["cp"], pp=opts["pp"], dp=opts["dp"], vpp=opts["vpp"],
                      distributed_timeout_minutes=opts["timeout_s"] / 60)
     c = mesh.coords

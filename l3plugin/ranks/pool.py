@@ -67,21 +67,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_STARTED_WORKERS: set[int] = set()  # pids of every worker this process started; each leads a process group
+# pid -> start time (clock ticks since boot, /proc/<pid>/stat field 22; None without /proc) of every worker this
+# process started; each leads a process group. The start time tells our worker from a later process that got the
+# same pid: the kernel reuses a pid once its process is reaped and no process group holds it any more.
+_STARTED_WORKERS: dict[int, int | None] = {}
+
+
+def _start_time(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None  # fields start at proc(5)'s field 3: [19] is field 22
+
+
+def _group_is_ours(pgid: int) -> bool:
+    """Whether process group ``pgid`` may still be the group of the worker we started with that pid: the worker
+    itself still exists (running or a zombie: the same start time), or no process holds its pid (its group, if
+    anything is left in it, keeps the pid from being reused). A process of that pid with another start time
+    means our worker and its whole group are gone and the number now names someone else's."""
+    started = _STARTED_WORKERS.get(pgid)
+    if started is None or not os.path.isdir("/proc/self"):
+        return True  # nothing to tell them apart by
+    now = _start_time(pgid)
+    return now is None or now == started
 
 
 def live_workers() -> list[int]:
     """Pids of the workers started by this process, and of anything they started, that still run."""
-    live = {pid for pid in _STARTED_WORKERS if _alive(pid)}
+    live = {pid for pid in _STARTED_WORKERS if _alive(pid) and _group_is_ours(pid)}
     if os.path.isdir("/proc/self"):
         for entry in os.listdir("/proc"):
             fields = _stat(entry) if entry.isdigit() else None
-            if fields and fields[0] not in ("Z", "X") and int(fields[2]) in _STARTED_WORKERS:  # [2]: pgrp
+            if (fields and fields[0] not in ("Z", "X") and int(fields[2]) in _STARTED_WORKERS  # [2]: pgrp
+                    and _group_is_ours(int(fields[2]))):
                 live.add(int(entry))
     return sorted(live)
 
 
 def _kill_group(pgid: int) -> None:
+    if not _group_is_ours(pgid):
+        return  # the pid was reused: that group is not ours to kill
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -181,7 +204,7 @@ class RankPool:
                       dict(os.environ), self.worker_init, self.master_addr),
             )
             p.start()
-            _STARTED_WORKERS.add(p.pid)
+            _STARTED_WORKERS[p.pid] = _start_time(p.pid)
             self._procs.append(p)
 
     def _stack_file(self, rank):

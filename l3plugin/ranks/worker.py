@@ -94,6 +94,16 @@ def _reset_framework_state():
         from l3plugin.mesh.groups import destroy_mesh
 
         destroy_mesh()
+    param_gather = sys.modules.get("l3plugin.zero.param_gather")
+    if param_gather is not None and param_gather.GUARD.pending:
+        # The call's optimizers are garbage now but held by their reference cycles: collect them, so that the
+        # guard forgets their pending gathers and leaves the torch-function stack (it costs every later torch
+        # call some Python while it stays). What a kept optimizer (keep_state) left pending stays guarded.
+        import gc
+
+        gc.collect()
+        param_gather.GUARD.drop_dead()
+        param_gather.GUARD.leave_if_done()
     groups = sys.modules.get("deepspeed.utils.groups")
     if groups is not None:  # a PipelineEngine leaves its grid as DeepSpeed's global mpu; later engines take it
         groups.mpu = None

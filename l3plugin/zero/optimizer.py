@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 import zlib
 
 import torch
@@ -160,7 +161,13 @@ class FP32ReduceZero(FullTensors, ParamGather):
         self._launch_order: list[int] = []  # armed buckets not started yet, in the order they must start
         self._launches = 0  # reduce-scatters started so far (GradBucket.started)
         self._gathers: dict = {}  # bucket index -> its started parameter all-gather (comm.InFlight)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in ordered]
+        # The hooks reach this optimizer through a weak reference: a tensor's hooks are where Python's garbage
+        # collector does not look, so a strong one would keep a dropped optimizer (its buffers, pending gathers,
+        # the model) alive for good. When it is collected, its hooks are removed.
+        accumulate = weakref.WeakMethod(self._accumulate)
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda param: _call_if_alive(accumulate, param))
+                       for p in ordered]
+        weakref.finalize(self, _remove_handles, self._hooks)
         self.grad_sums: list = []  # grad_sums.GradSum, applied in finish_grad_sync
         self._sums_applied = False
         shard_bytes = sum(b.spec.shard_numel for b in self.buckets) * settings.accumulate_dtype.itemsize
@@ -493,6 +500,16 @@ class FP32ReduceZero(FullTensors, ParamGather):
         return rows
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
+        _remove_handles(self._hooks)
         self._hooks = []
+
+
+def _call_if_alive(method_ref, *args) -> None:
+    method = method_ref()
+    if method is not None:
+        method(*args)
+
+
+def _remove_handles(handles) -> None:
+    for handle in handles:
+        handle.remove()

@@ -96,12 +96,13 @@ class StaleReadGuard(TorchFunctionMode):
 
     def _complete(self, tensor: torch.Tensor) -> None:
         entry = self.pending.get(id(tensor))
-        if entry is not None and entry[0]() is tensor:
-            owner = entry[1]()
-            if owner is None:
-                del self.pending[id(tensor)]
-            else:
-                owner.wait_param_gather([tensor])
+        if entry is None:
+            return
+        param, owner = entry[0](), entry[1]()
+        if param is None or owner is None:  # left by a parameter or an optimizer that is gone (the id is reused)
+            del self.pending[id(tensor)]
+        elif param is tensor:
+            owner.wait_param_gather([tensor])
 
     def hold(self, owner, params) -> bool:
         """Register ``params`` of ``owner`` as pending (once per step, before its gathers start); False when the
@@ -119,8 +120,7 @@ class StaleReadGuard(TorchFunctionMode):
             self.pending.clear()
             self.pushed = False
             return self.hold(owner, params)
-        for key in [k for k, (p, o) in self.pending.items() if p() is None or o() is None]:
-            del self.pending[key]  # left by optimizers or models that are gone
+        self.drop_dead()
         self.pending.update({id(p): (weakref.ref(p), weakref.ref(owner)) for p in params})
         return True
 
@@ -128,6 +128,11 @@ class StaleReadGuard(TorchFunctionMode):
         for p in params:
             self.pending.pop(id(p), None)
         self.leave_if_done()
+
+    def drop_dead(self) -> None:
+        """Forget what optimizers or models that are gone left pending (nobody can read it any more)."""
+        for key in [k for k, (p, o) in self.pending.items() if p() is None or o() is None]:
+            del self.pending[key]
 
     def finish_at_exit(self) -> None:
         """At the interpreter's exit (``at_exit``, after the gathers are waited): complete them into their

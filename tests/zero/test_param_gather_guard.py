@@ -92,6 +92,38 @@ def test_another_torch_function_mode_on_the_stack_means_no_deferral(ranks):
         assert r["depth"] == 1 and r["pending"] == [] and r["stack_after"] == 0
 
 
+DROPPED = []  # weak references to the optimizers step_and_drop_with_gathers_pending dropped, in this worker
+
+
+def step_and_drop_with_gathers_pending():
+    """A step that leaves its gathers pending, and the optimizer dropped (a test or a script that ends there)."""
+    import weakref
+
+    chunks = make_chunks()
+    zero = _zero(chunks)
+    for chunk in chunks:
+        zero.wait_params_in_forward(chunk)  # hooks: the model and the optimizer hold each other
+    run_rounds(chunks, zero, num_mb=4, k=2)
+    zero.step()
+    DROPPED.append(weakref.ref(zero))
+    return torch._C._len_torch_function_stack(), len(_pending(zero))
+
+
+def guard_state():
+    from l3plugin.zero.param_gather import GUARD
+
+    return torch._C._len_torch_function_stack(), len(GUARD.pending), DROPPED[-1]() is None
+
+
+def test_a_dropped_optimizer_is_freed_and_leaves_no_guard_for_the_next_call_on_the_ranks(ranks):
+    """An optimizer nobody holds is freed with its model (its gradient hooks hold it weakly: a tensor's hooks are
+    out of the garbage collector's sight), and its pending gathers are forgotten when the call ends: the guard
+    would otherwise stay on the torch-function stack and put Python in front of every later torch call."""
+    for depth, pending in ranks.run(2, step_and_drop_with_gathers_pending, timeout=120):
+        assert depth == 1 and pending > 3
+    assert ranks.run(2, guard_state, timeout=60) == [(0, 0, True), (0, 0, True)]
+
+
 def compiled_training(overlap_param_gather, hooks):
     """Three steps of a torch.compile'd model (backend "eager": no C++ toolchain needed); the parameters."""
     import torch.distributed as dist
