@@ -60,8 +60,11 @@ def live_storages(modules=(), older=()):
 
 
 def census(excluded, modules, older=()):
-    """Bytes of the live storages not in ``excluded`` (the bench's census, past the parameter-gather guard)."""
-    return sum(nbytes for ptr, (nbytes, _) in live_storages(modules, older).items() if ptr not in excluded)
+    """Bytes of the live storages not in ``excluded`` (the bench's census, past the parameter-gather guard), and
+    the three largest of them (bytes, shape, dtype), which a failed bound prints."""
+    counted = [(nbytes, tuple(t.shape), str(t.dtype)) for ptr, (nbytes, t) in live_storages(modules, older).items()
+               if ptr not in excluded]
+    return sum(c[0] for c in counted), sorted(counted, reverse=True)[:3]
 
 
 def deepspeed_run(plugin, bucket, overlap=True, steps=2, older=()):
@@ -75,7 +78,7 @@ def deepspeed_run(plugin, bucket, overlap=True, steps=2, older=()):
                                     | ({} if bucket is None else {"reduce_bucket_size": bucket}))
     before = live_storages(older=older)
     engine = engine_for(cfg, model=make_mlp(width=WIDTH))
-    rank, largest = dist.get_rank(), 0
+    rank, largest = dist.get_rank(), (0, [])
     for step in range(steps):
         data = [batch(rank, step, mb) for mb in range(GAS)]
         for mb, x in enumerate(data):
@@ -84,11 +87,12 @@ def deepspeed_run(plugin, bucket, overlap=True, steps=2, older=()):
             if step == steps - 1 and mb == 1:
                 excluded = set(before) | known_state(engine) | {x.untyped_storage().data_ptr() for x in data}
                 largest = max(largest, census(excluded, [engine.module], older))
+    largest, biggest = largest
     params = sum(p.numel() for p in engine.module.parameters())
     masters = [safe_get_full_fp32_param(p) for p in engine.module.parameters()] if plugin else []
     zero = getattr(engine.optimizer, "zero", None)
     return {"bytes_per_param": largest / params, "masters": masters, "buckets": len(zero.buckets) if zero else 0,
-            "bucket_numel": zero.bucket_numel if zero else None}
+            "bucket_numel": zero.bucket_numel if zero else None, "biggest": biggest}
 
 
 def megatron_run(bucket_numel, overlap=True, steps=2, m=3, older=()):
@@ -122,7 +126,7 @@ def megatron_run(bucket_numel, overlap=True, steps=2, m=3, older=()):
             excluded |= {t.untyped_storage().data_ptr() for b in batches for t in b.values()
                          if torch.is_tensor(t)}
             nonlocal largest
-            largest = max(largest, census(excluded, chunks, older))
+            largest = max(largest, census(excluded, chunks, older)[0])
         return toy.forward_step(data_iterator, model)
 
     for _ in range(steps):
@@ -169,12 +173,16 @@ def megatron_runs():
 def test_deepspeed_zero2_holds_at_most_stock_memory_and_is_bit_identical(ranks):
     results = ranks.run(2, deepspeed_runs, timeout=180)
     held = {name: max(r[name]["bytes_per_param"] for r in results) for name in results[0]}
-    for label in BUCKETS:
-        stock = held[f"stock, {label}"]
-        assert 1.0 < stock < 3.0, held  # the fp32 gradient partition (2 B/param at W = 2)
-        assert held["ours"] <= 1.05 * stock, (label, held)
-        # The opt-in count-based carry holds whole buckets: the census sees them.
-        assert held["carry_buckets 3"] > 1.05 * stock, (label, held)
+    biggest = {name: [r[name]["biggest"] for r in results] for name in results[0]}  # what a failed bound prints
+    # Stock's census is not the same in every run: 2.00 B/param (the fp32 partition) as a rule, but 2.33 and, in
+    # 3 of about 12 runs seen, 4.00 at DeepSpeed's default bucket size (something of stock's own, alive
+    # between micro-batches in some runs: its largest storages are printed). The bound holds ours to the smaller
+    # of the two stock runs, which is the stricter reading of "at most 1.05 x stock at both bucket sizes".
+    stock = min(held[f"stock, {label}"] for label in BUCKETS)
+    assert 1.0 < stock < 3.0, (held, biggest)  # the fp32 gradient partition (2 B/param at W = 2)
+    assert held["ours"] <= 1.05 * stock, (held, biggest)
+    # The opt-in count-based carry holds whole buckets: the census sees them.
+    assert held["carry_buckets 3"] > 1.05 * max(held[f"stock, {label}"] for label in BUCKETS), held
     for r in results:
         assert r["ours"]["bucket_numel"] == BUCKETS["1/16 of the model"] and r["ours"]["buckets"] >= 4
         assert all(torch.equal(x, y) for x, y in zip(r["ours"]["masters"], r["blocking"]["masters"]))
