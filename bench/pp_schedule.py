@@ -33,7 +33,11 @@ wire. Printed per configuration: the step (slowest rank, median), the median of 
 (range), each rank's busy time and idle share from the executor's own account (``waits["busy_s"]``: its compute
 spans, receives excluded; idle = (step - busy) / busy), the simulated idle (F = B = W) of both plans, the peak
 in flight of both plans, the peak bytes autograd saved for backward (census, larger rank) and whether the
-gradients were identical in every run. ``--png-dir``: measured
+gradients were identical in every run; below each row, both plans simulated with the step costs measured in the
+run (the median span of each step kind per virtual stage, the executor's own account: it includes the load
+imbalance between stages, e.g. the loss on the last, and no communication), their idle, the simulated step ratio
+zb / flexible (what the plan can give at these costs) and zb's B + W over flexible's backward per stage (the
+split's own cost). ``--png-dir``: measured
 timelines (the executor's spans, l3plugin.schedule.timeline) of one round at v 2, m 2p, where W fills the idle.
 """
 
@@ -442,13 +446,21 @@ def zb_run(pool, args):
             plans = {s: zb_plan(s, v, m, k) for s in ZB_CONTENDERS}
             simulated = {"flexible": simulate(plans["flexible"], 1.0, 2.0).bubble_ratio,
                          "flexible-zb": simulate(plans["flexible-zb"], 1.0, 1.0, weight_time=1.0).bubble_ratio}
+            costs = {s: measured_stage_costs(times[s], p, v) for s in ZB_CONTENDERS}
+            with_costs = {s: simulate(plans[s], stage_times=costs[s]) for s in ZB_CONTENDERS}
+            simulated_measured = {s: with_costs[s].bubble_ratio for s in ZB_CONTENDERS}
+            simulated_step_ratio = with_costs["flexible-zb"].makespan / with_costs["flexible"].makespan
+            split_cost = [sum(costs["flexible-zb"][st][1:]) / costs["flexible"][st][1] for st in range(p * v)]
             inflight = {s: max(plan.peak_inflight() for plan in plans[s].ranks) for s in ZB_CONTENDERS}
             saved = {s: max(r["peak"] for ranks in times[s] for r in ranks) / 1e6 for s in ZB_CONTENDERS}
             ratio = harness.ratio_stats(walls["flexible-zb"], walls["flexible"])
             row = {"v": v, "m": m, "k": k, "step_ms": {s: 1000 * step[s] for s in ZB_CONTENDERS},
                    "zb_over_flexible": ratio, "busy_ms": {s: [1000 * b for b in busy[s]] for s in ZB_CONTENDERS},
                    "idle": idle, "simulated_idle": simulated, "inflight": inflight, "saved_mb": saved,
-                   "identical_gradients": not differ}
+                   "identical_gradients": not differ, "measured_stage_costs_ms":
+                       {s: [[1000 * t for t in c] for c in costs[s]] for s in ZB_CONTENDERS},
+                   "simulated_idle_measured_costs": simulated_measured,
+                   "simulated_step_ratio_measured_costs": simulated_step_ratio, "split_over_fused_backward": split_cost}
             figures["rows"].append(row)
             print(f"  {v:>2} {m:>3} {1000 * step['flexible']:>11.1f} {1000 * step['flexible-zb']:>7.1f} "
                   f"{harness.ratio_text(ratio):>22} "
@@ -460,9 +472,34 @@ def zb_run(pool, args):
                   f"{inflight['flexible']:>4}/{inflight['flexible-zb']:<4} "
                   f"{saved['flexible']:>5.1f}/{saved['flexible-zb']:<5.1f} {'yes' if not differ else 'NO':>9}",
                   flush=True)
+            print(f"       with the measured per-stage costs: simulated idle flexible {simulated_measured['flexible']:.3f}"
+                  f", zb {simulated_measured['flexible-zb']:.3f}, step zb / flexible {simulated_step_ratio:.3f}; "
+                  f"zb's B + W over flexible's backward per stage "
+                  f"{' '.join(f'{x:.2f}' for x in split_cost)}", flush=True)
             if args.png_dir and v == 2 and m == 2 * p:
                 figures["png"] = zb_timelines(times, v, m, k, args.png_dir)
     return figures
+
+
+def measured_stage_costs(rounds, p, v):
+    """Per virtual stage (chunk * p + rank), the median seconds of each step kind the executor ran over every
+    round: (forward, backward) for the flexible schedule, (forward, B, W) for flexible-zb (B 0 where the stage's
+    input needs no gradient: its W is the whole backward), what ``simulate(stage_times=...)`` takes."""
+    spans = {}
+    for ranks in rounds:
+        for r in ranks:
+            for op, _mb, chunk, start, end in r["actions"]:
+                spans.setdefault((chunk * p + r["rank"], op), []).append(end - start)
+    split = any(op == "W" for _, op in spans)
+    costs = []
+    for stage in range(p * v):
+        forward = statistics.median(spans[(stage, "F")])
+        if split:
+            costs.append((forward, statistics.median(spans.get((stage, "B"), [0.0])),
+                          statistics.median(spans.get((stage, "W"), [0.0]))))
+        else:
+            costs.append((forward, statistics.median(spans[(stage, "B")])))
+    return costs
 
 
 def zb_timelines(times, v, m, k, png_dir):
