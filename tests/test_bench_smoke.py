@@ -51,6 +51,9 @@ LOOPBACK_RUNS = {
         ("bench/pp_schedule.py", "--steps", "1", "--hidden", "32", "--seq", "16"),
     "test_zero_table":
         ("bench/zero.py", "--quick", "--gas", "2", "--rounds", "1", "--variants", "ours ZeRO-1"),
+    "test_pp_zero_bubble_rows":
+        ("bench/pp_schedule.py", "--zero-bubble", "--zb-vpp", "1", "--layers", "2", "--hidden", "32", "--seq", "8",
+         "--mbs", "1", "--rounds", "1"),
     "test_multimodal_real_section":
         ("bench/multimodal_pp.py", "real", "--hidden", "32", "--heads", "4", "--text-seq", "16", "--image-tokens",
          "16", "--encoder-width", "16", "--rounds", "1", "--microbatches", "2"),
@@ -98,7 +101,8 @@ def command(test):
 # CPU seconds.
 GROUPS = {
     "megatron": (["megatron.core"],
-                 ["test_pp_schedule_real_run_and_simulated_tables", "test_multimodal_real_section",
+                 ["test_pp_schedule_real_run_and_simulated_tables", "test_pp_zero_bubble_rows",
+                  "test_multimodal_real_section",
                   wire_test("pp_schedule"), wire_test("zero_megatron")]),
     "others": (["transformers.models.llama.modeling_llama", "deepspeed", "torch._inductor.compile_fx"],
                ["test_autoload_startup_rows", "test_cp_attention_timed_rows", wire_test("cp_attention"),
@@ -251,6 +255,20 @@ def test_pp_schedule_real_run_and_simulated_tables(ahead):
                                      (ROOT / "docs/pipeline.md").read_text()) == []
     (row,) = rendered_rows("pp-real", record)
     assert row[:8] == ["4", "4", "2", "8", "4", "32", "16", "1"] and row[-1] == "yes"
+
+
+def test_pp_zero_bubble_rows(ahead):
+    """flexible vs flexible-zb at v 1, m p..4p: identical gradients, and both plans simulated with the step costs
+    the run measured (a forward, B and W per stage for zb; stage 0's B is empty: its input needs no gradient)."""
+    record, _ = ahead.record("test_pp_zero_bubble_rows")
+    rows = record["figures"]["zero_bubble"]["rows"]
+    assert [(row["v"], row["m"]) for row in rows] == [(1, 2), (1, 4), (1, 8)]
+    for row in rows:
+        assert row["identical_gradients"]
+        costs = row["measured_stage_costs_ms"]
+        assert [len(c) for c in costs["flexible"]] == [2, 2] and [len(c) for c in costs["flexible-zb"]] == [3, 3]
+        assert costs["flexible-zb"][0][1] < costs["flexible-zb"][0][2] and costs["flexible-zb"][1][1] > 0
+        assert row["simulated_step_ratio_measured_costs"] > 0 and len(row["split_over_fused_backward"]) == 2
 
 
 def test_multimodal_real_section(ahead):
