@@ -157,6 +157,15 @@ def _worker_context(preload: tuple[str, ...]):
     return ctx
 
 
+def start_fork_server(preload: tuple[str, ...] = ()) -> None:
+    """Start the workers' fork server now, without waiting for it: it imports torch and ``preload`` in its own
+    process (on another core) while this one goes on; pools started later fork from it."""
+    from multiprocessing import forkserver
+
+    _worker_context(tuple(preload))
+    forkserver.ensure_running()
+
+
 class RankPool:
     """``world_size`` worker processes joined in one gloo process group."""
 
