@@ -15,10 +15,20 @@ def pytest_configure(config):
     """The fork server starts importing SUITE_PRELOAD now, on the other core, while pytest collects (~13 s of one
     core: the test modules import torch, Megatron-Core and transformers), instead of after collection while the
     first test on ranks waits for it."""
-    if not config.option.collectonly:
-        from l3plugin.ranks.pool import start_fork_server
+    if config.option.collectonly:
+        return
+    from l3plugin.ranks.pool import start_fork_server
 
+    # Started with pytest's capture on (it is suspended during configure): the server, and the workers it forks,
+    # write into the captured output as they did when a test started the server, not to the terminal.
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.resume_global_capture()
+    try:
         start_fork_server(SUITE_PRELOAD)
+    finally:
+        if capture is not None:
+            capture.suspend_global_capture()
 
 
 @pytest.fixture(scope="session")
