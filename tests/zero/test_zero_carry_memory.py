@@ -78,7 +78,7 @@ def deepspeed_run(plugin, bucket, overlap=True, steps=2, older=()):
                                     | ({} if bucket is None else {"reduce_bucket_size": bucket}))
     before = live_storages(older=older)
     engine = engine_for(cfg, model=make_mlp(width=WIDTH))
-    rank, largest = dist.get_rank(), (0, [])
+    rank, largest, biggest = dist.get_rank(), 0, []
     for step in range(steps):
         data = [batch(rank, step, mb) for mb in range(GAS)]
         for mb, x in enumerate(data):
@@ -86,8 +86,9 @@ def deepspeed_run(plugin, bucket, overlap=True, steps=2, older=()):
             engine.step()
             if step == steps - 1 and mb == 1:
                 excluded = set(before) | known_state(engine) | {x.untyped_storage().data_ptr() for x in data}
-                largest = max(largest, census(excluded, [engine.module], older))
-    largest, biggest = largest
+                held, top = census(excluded, [engine.module], older)
+                if held > largest:
+                    largest, biggest = held, top
     params = sum(p.numel() for p in engine.module.parameters())
     masters = [safe_get_full_fp32_param(p) for p in engine.module.parameters()] if plugin else []
     zero = getattr(engine.optimizer, "zero", None)
