@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from l3plugin.ranks.pool import RankPools
+from runs_ahead import SESSION  # tests/runs_ahead.py
 
 # The suite's own process single-threaded, as the rank workers are: its ops are tiny, and on 2 cores shared with
 # the workers a second intra-op thread costs more in barriers than it computes (tests/cp/test_kernels.py: 5x).
@@ -29,6 +30,14 @@ def pytest_configure(config):
     finally:
         if capture is not None:
             capture.suspend_global_capture()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def runs_ahead(request, tmp_path_factory):
+    """The selected modules' subprocess runs, queued in the background at the lowest CPU priority (runs_ahead.py)."""
+    SESSION.start(request.session.items, tmp_path_factory)
+    yield SESSION
+    SESSION.close()
 
 
 @pytest.fixture(scope="session")

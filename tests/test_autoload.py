@@ -26,7 +26,7 @@ import pytest
 
 import l3plugin
 from l3plugin.ranks.pool import run_command
-from runs_ahead import RunsAhead
+from runs_ahead import SESSION, time_allowed
 
 ZERO_TESTS = Path(__file__).resolve().parent / "zero"
 # Joined to the l3plugin package's __path__ in a child: test-only modules of the package the wheel does not ship.
@@ -74,7 +74,7 @@ def run(code, tmp_path, timeout=90, python=sys.executable, tree=TREE, **env):
                      "PYTHONWARNINGS": "always::RuntimeWarning", **env})
     if tree is not None or path:
         full_env["PYTHONPATH"] = os.pathsep.join(path + ([str(tree)] if tree is not None else []))
-    out = run_command([python, "-c", code], cwd=tmp_path, env=full_env, timeout=timeout)
+    out = run_command([python, "-c", code], cwd=tmp_path, env=full_env, timeout=time_allowed(timeout))
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -239,10 +239,9 @@ def test_startup_installs_only_the_watcher(tmp_path):
     assert off == [False, [], []]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ahead(request, tmp_path_factory):
-    """This module's fresh interpreters (each seconds of imports on one core), the wheel and its virtualenv, started
-    two at a time when the module starts (tests/runs_ahead.py); the wheel's chain, the longest, first."""
+def ahead_runs(tmp_path_factory, selected):
+    """This module's fresh interpreters (each seconds of imports on one core), the wheel and its virtualenv, queued
+    in the background when the session starts (tests/runs_ahead.py); the wheel's chain, the longest, first."""
     runs = {"wheel": lambda: wheel_and_its_virtualenv(tmp_path_factory.mktemp("wheel")),
             "forked": forked_runs,
             "test_opt_out_gives_stock_zero": lambda: opt_out_run()["optimizer"]}
@@ -250,8 +249,12 @@ def ahead(request, tmp_path_factory):
                  "forked": ("test_config_key_works_without_import", "test_deepspeed_imported_from_inside_l3plugin",
                             "test_deepspeed_imported_while_another_l3plugin_module_is_half_built",
                             "test_failed_install_warns_and_deepspeed_still_imports")}
-    with RunsAhead(request, runs, needed_by) as runs_ahead:
-        yield runs_ahead
+    return runs, needed_by
+
+
+@pytest.fixture(scope="module")
+def ahead(request):
+    return SESSION.of_module(request.module)
 
 
 def test_config_key_works_without_import(ahead):
@@ -311,7 +314,8 @@ def build_wheel(tmp_path):
         copy = shutil.copytree if (TREE / name).is_dir() else shutil.copy
         copy(TREE / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
                                             if (TREE / name).is_dir() else {}))
-    run_command([*PIP, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(source)], timeout=300, check=True)
+    run_command([*PIP, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(source)], timeout=time_allowed(300),
+                check=True)
     built, = (tmp_path / "dist").glob("l3plugin-*.whl")
     return built
 
@@ -320,16 +324,16 @@ def install_in_a_fresh_virtualenv(wheel, tmp_path):
     """The wheel installed with pip into a fresh virtualenv, then ENGINE run by its interpreter: (its
     site-packages, ENGINE's result). torch and DeepSpeed come from this venv through a path entry."""
     venv = tmp_path / "venv"
-    run_command([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=120, check=True)
+    run_command([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=time_allowed(120), check=True)
     python = str(venv / "bin" / "python")
     site = Path(run_command([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                            timeout=60, check=True).stdout.strip())
+                            timeout=time_allowed(60), check=True).stdout.strip())
     # This venv's packages after the new venv's own (a plain path entry: its .pth files are not run).
     (site / "zz-packages-of-the-test-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     # Without PYTHONPATH: a checkout on it (the compat runs put it there) holds l3plugin.egg-info of the same
     # version, and pip would take that for an installed l3plugin and skip the wheel ("already installed").
     no_path = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run_command([*PIP, "--python", python, "install", "--no-deps", "--no-index", str(wheel)], timeout=300,
+    run_command([*PIP, "--python", python, "install", "--no-deps", "--no-index", str(wheel)], timeout=time_allowed(300),
                 check=True, env=no_path)
     return site, engine_result(tmp_path, python=python, tree=None)
 

@@ -15,7 +15,7 @@ sys.path.append(str(ROOT / "bench"))  # harness.py and wire.py, imported as the 
 
 import docs_tables  # noqa: E402
 import harness  # noqa: E402
-from runs_ahead import RunsAhead  # noqa: E402
+from runs_ahead import SESSION, time_allowed  # noqa: E402
 
 
 # ---- rounds and ratios -------------------------------------------------------------------------------------
@@ -156,8 +156,8 @@ def test_json_output_off_prints_tables_only_and_no_record_after_an_error(capsys)
 
 # ---- docs tables from a run made now -----------------------------------------------------------------------
 def run_bench(*argv, timeout=120):
-    done = subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    done = subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True,
+                          timeout=time_allowed(timeout), env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
     assert done.returncode == 0, f"{argv}: exit {done.returncode}\n{done.stderr[-3000:]}"
     return done
 
@@ -184,15 +184,18 @@ def run_and_check(folder, table, argv):
     return record, run_bench("bench/docs_tables.py", table, saved, "--check", docs_tables.TABLES[table].doc)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def doc_runs(request, tmp_path_factory):
-    """The three runs of the test below (each a single-process bench), started two at a time when the module
+def ahead_runs(tmp_path_factory, selected):
+    """The three runs of the test below (each a single-process bench), queued in the background when the session
     starts (tests/runs_ahead.py)."""
     runs = {table: functools.partial(run_and_check, tmp_path_factory.mktemp(table), table, argv)
             for table, argv in DOC_RUNS.items()}
     needed_by = {table: ("test_docs_table_is_what_a_run_made_now_renders",) for table in runs}
-    with RunsAhead(request, runs, needed_by) as ahead:
-        yield ahead
+    return runs, needed_by
+
+
+@pytest.fixture(scope="module")
+def doc_runs(request):
+    return SESSION.of_module(request.module)
 
 
 @pytest.mark.parametrize("table", DOC_RUNS)

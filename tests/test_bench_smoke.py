@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "bench"))
 import docs_tables  # noqa: E402
 import wire  # noqa: E402
-from runs_ahead import RunsAhead  # noqa: E402
+from runs_ahead import SESSION, time_allowed  # noqa: E402
 
 
 def rendered_rows(table, record):
@@ -129,7 +129,7 @@ def group_run(folder, preload, tests, timeout=900):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
     try:
-        out, err = driver.communicate(timeout=timeout)
+        out, err = driver.communicate(timeout=time_allowed(timeout))
     finally:
         driver.kill()
         driver.wait()
@@ -158,8 +158,8 @@ class Runs:
     """The groups of the selected tests, started ahead (tests/runs_ahead.py); ``record(test)`` as soon as the
     test's own run has ended (not its whole group), ``wire_left(test)`` once its group has."""
 
-    def __init__(self, request, tmp_path_factory):
-        selected = {item.name for item in request.session.items if item.module is request.module}
+    def __init__(self, tmp_path_factory, selected):
+        selected = set(selected)
         if WIRE_HERE is not None:
             selected -= {wire_test(bench) for bench in WIRE_RUNS}
         runs, needed_by, self.where, self.ended = {}, {}, {}, set()
@@ -170,7 +170,8 @@ class Runs:
                 runs[group] = functools.partial(self._group_run, group, folder, preload, tests)
                 needed_by[group] = tuple(tests)
                 self.where.update({test: (group, folder, i) for i, test in enumerate(tests)})
-        self.ahead = RunsAhead(request, runs, needed_by)
+        self.runs, self.needed_by = runs, needed_by
+        self.ahead = None  # this module's runs in the session's queue, once its tests start (the fixture below)
 
     def _group_run(self, group, *args):
         try:
@@ -190,11 +191,20 @@ class Runs:
         return self.ahead.result(self.where[test][0])[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ahead(request, tmp_path_factory):
-    runs = Runs(request, tmp_path_factory)
-    with runs.ahead:
-        yield runs
+RUNS: list = []  # this session's Runs (ahead_runs makes it)
+
+
+def ahead_runs(tmp_path_factory, selected):
+    """The groups of the selected tests, queued in the background when the session starts (tests/runs_ahead.py)."""
+    RUNS[:] = [Runs(tmp_path_factory, selected)]
+    return RUNS[0].runs, RUNS[0].needed_by
+
+
+@pytest.fixture(scope="module")
+def ahead(request):
+    (runs,) = RUNS
+    runs.ahead = SESSION.of_module(request.module)
+    return runs
 
 
 def test_cp_attention_timed_rows(ahead):

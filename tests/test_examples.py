@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from l3plugin.ranks.pool import run_command
-from runs_ahead import RunsAhead
+from runs_ahead import SESSION, time_allowed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,25 +16,26 @@ def run_torchrun(nproc, script, *args, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--standalone", str(ROOT / script), *args]
-    done = run_command(cmd, timeout=timeout, env=env, cwd=ROOT)
+    done = run_command(cmd, timeout=time_allowed(timeout), env=env, cwd=ROOT)
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return done.stdout
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ahead(request, tmp_path_factory):
+def ahead_runs(tmp_path_factory, selected):
     """The two torchrun examples (each a launcher and 2 ranks importing torch and Megatron-Core or DeepSpeed on
-    one core each), started together when the module starts; the post-training test, first in this file, runs on
-    the suite's warm workers meanwhile (tests/runs_ahead.py)."""
+    one core each), queued in the background when the session starts (tests/runs_ahead.py)."""
     export = tmp_path_factory.mktemp("deepspeed-example") / "fp32.pt"
-    runs = {"test_megatron_example_trains_with_the_flexible_schedule": lambda: run_torchrun(
+    return {"test_megatron_example_trains_with_the_flexible_schedule": lambda: run_torchrun(
                 2, "examples/megatron/train_flexible_pp.py", "--pp", "2", "--vpp", "2", "--microbatches", "5",
                 "--group-size", "3", "--steps", "2"),
             # 2 steps (a step on trained weights) of the config's 8 micro-batches each, then the export.
             "test_deepspeed_example_uses_the_plugin_with_the_key": lambda: (run_torchrun(
                 2, "examples/deepspeed/train.py", "--steps", "2", "--export", str(export)), export)}
-    with RunsAhead(request, runs) as runs_ahead:
-        yield runs_ahead
+
+
+@pytest.fixture(scope="module")
+def ahead(request):
+    return SESSION.of_module(request.module)
 
 
 def post_training_figures(out: str) -> dict:

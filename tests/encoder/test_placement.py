@@ -1,11 +1,15 @@
 """Who encodes which images: the plan alone (no processes)."""
 
+import sys
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from l3plugin.encoder import PLACEMENTS, check_placement, image_shares
 from l3plugin.encoder.placement import share_size
+from l3plugin.ranks.pool import run_command
+from runs_ahead import SESSION, time_allowed  # tests/runs_ahead.py
 
 
 @given(st.integers(0, 40), st.integers(1, 9))
@@ -47,18 +51,32 @@ def test_multimodal_demo_refuses_the_text_demo_flags(capsys):
     assert main(["demo", "--multimodal", "--dtype", "bf16"]) == 2
 
 
-def test_multimodal_demo_as_shipped_matches_one_process(tmp_path, capsys):
+def ahead_runs(tmp_path_factory, selected):
+    """The shipped multimodal demo as a user types it (a fresh interpreter, its own ranks and one-process run),
+    queued in the background when the session starts (tests/runs_ahead.py): most of its 30 s leave a core idle."""
+    results = tmp_path_factory.mktemp("multimodal-demo")
+    return {"test_multimodal_demo_as_shipped_matches_one_process": lambda: (results, run_command(
+        [sys.executable, "-m", "l3plugin", "demo", "--multimodal", "--results", str(results),
+         "--timeout", str(time_allowed(300))], timeout=time_allowed(600)))}
+
+
+@pytest.fixture(scope="module")
+def ahead(request):
+    return SESSION.of_module(request.module)
+
+
+def test_multimodal_demo_as_shipped_matches_one_process(ahead):
     """`l3plugin demo --multimodal` as a user runs it, with its defaults (30 steps): the pipelined run stays within
     the demo's tolerance of one process and learns (a learning rate in the chaotic regime made it fail after 20
     steps). One run of the command end to end (its ranks, its one-process run, its check, its summary); the test
     reads both loss curves back from the summary and checks them itself."""
     import json
 
-    from l3plugin.cli import build_parser, main
+    from l3plugin.cli import build_parser
 
-    # The run's ranks fork from the session's fork server (warm in the suite: the rank pools started it).
-    assert main(["demo", "--multimodal", "--results", str(tmp_path)]) == 0, capsys.readouterr().out[-2000:]
-    summary = json.loads((tmp_path / "multimodal_summary.json").read_text())
+    results, done = ahead.result("test_multimodal_demo_as_shipped_matches_one_process")
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    summary = json.loads((results / "multimodal_summary.json").read_text())
     losses, reference = summary["losses"], summary["reference_losses"]
     steps = build_parser().parse_args(["demo", "--multimodal"]).steps
     assert len(losses) == len(reference) == steps == 30

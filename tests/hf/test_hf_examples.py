@@ -7,7 +7,7 @@ import pytest
 
 import accelerate  # noqa: E402,F401 (the "hf" test extra, installed by make test: missing, it fails here, never skips)
 
-from runs_ahead import RunsAhead  # noqa: E402  (tests/runs_ahead.py)
+from runs_ahead import SESSION  # noqa: E402  (tests/runs_ahead.py)
 from test_examples import run_torchrun  # noqa: E402  (tests/test_examples.py)
 
 SCRIPTS = ("train_trainer.py", "train_accelerate.py")
@@ -19,15 +19,17 @@ def run_example(script, tmp_path):
                         timeout=300)
 
 
-@pytest.fixture(scope="module")
-def ahead(request, tmp_path_factory):
+def ahead_runs(tmp_path_factory, selected):
     """Both examples' torchruns (nearly all of each is its ranks importing torch, transformers and DeepSpeed, one
-    core each, and the launcher waiting), started together (tests/runs_ahead.py)."""
-    runs = {f"test_hf_example_trains_two_steps_with_cp[{script}]":
+    core each, and the launcher waiting), queued in the background when the session starts (tests/runs_ahead.py)."""
+    return {f"test_hf_example_trains_two_steps_with_cp[{script}]":
             (lambda script=script: run_example(script, tmp_path_factory.mktemp(script.removesuffix(".py"))))
             for script in SCRIPTS}
-    with RunsAhead(request, runs) as runs_ahead:
-        yield runs_ahead
+
+
+@pytest.fixture(scope="module")
+def ahead(request):
+    return SESSION.of_module(request.module)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

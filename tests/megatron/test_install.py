@@ -11,8 +11,10 @@ from megatron.core.pipeline_parallel import schedules
 
 import l3plugin.megatron as l3m
 from l3plugin.ranks.pool import run_command
+from runs_ahead import SESSION, time_allowed  # tests/runs_ahead.py
 
 SCRIPT = Path(__file__).parent.parent / "data" / "print_selected_schedule.py"
+MEGATRON_LM = importlib.util.find_spec("megatron.training") is not None  # a Megatron-LM source checkout
 
 
 def test_flag_and_chained_provider():
@@ -83,7 +85,21 @@ def launch_fresh(flag):
     """`python -m l3plugin.megatron.launch` as a user types it: a fresh interpreter (seconds of Megatron-Core
     imports on one core)."""
     return run_command([sys.executable, "-m", "l3plugin.megatron.launch", str(SCRIPT), "--lr", "0.1", *LAUNCHES[flag]],
-                       timeout=120, check=True).stdout
+                       timeout=time_allowed(120), check=True).stdout
+
+
+def ahead_runs(tmp_path_factory, selected):
+    """The fresh launch, queued in the background when the session starts (tests/runs_ahead.py); none where the
+    test skips."""
+    if MEGATRON_LM:
+        return {}
+    return {"test_launcher_runs_a_script_with_the_plugin[flexible-forward_backward_pipelining_flexible-True]":
+            lambda: launch_fresh("flexible")}
+
+
+@pytest.fixture(scope="module")
+def ahead(request):
+    return SESSION.of_module(request.module)
 
 
 def launch_here(flag, capsys, monkeypatch):
@@ -100,15 +116,15 @@ def launch_here(flag, capsys, monkeypatch):
     return capsys.readouterr().out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megatron.training") is not None,
+@pytest.mark.skipif(MEGATRON_LM,
                     reason="the launcher's megatron-core-only path: with Megatron-LM importable (a source checkout) "
                            "Megatron-LM's parser takes the flags, which this plain script never calls")
 # One true command-line run (the flag, what the launcher is for); the default in this process: the same main(),
 # without a second interpreter importing Megatron-Core.
 @pytest.mark.parametrize("flag,expected,fresh", [("flexible", "forward_backward_pipelining_flexible", True),
                                                  ("default", "forward_backward_pipelining_with_interleaving", False)])
-def test_launcher_runs_a_script_with_the_plugin(flag, expected, fresh, capsys, monkeypatch):
-    out = launch_fresh(flag) if fresh else launch_here(flag, capsys, monkeypatch)
+def test_launcher_runs_a_script_with_the_plugin(flag, expected, fresh, capsys, monkeypatch, ahead, request):
+    out = ahead.result(request.node.name) if fresh else launch_here(flag, capsys, monkeypatch)
     assert f"selected: {expected}" in out
     assert "selected-pp1: forward_backward_no_pipelining" in out
     assert "argv: ['--lr', '0.1']" in out  # our flag is consumed when Megatron-LM is not installed
