@@ -332,7 +332,10 @@ def zero_wire(figures: dict) -> str:
     alone = "; ".join(f"{name} {1000 * t['wall']:.0f} ms wall ({1000 * t['cpu']:.0f} ms CPU)"
                       for name, t in figures["collectives_alone_s"].items())
     after_step = ["B/param after step"] if len(rows[0]) > 8 else []  # runs since the deferred parameter all-gather
-    return (f"Forward+backward of one micro-batch: {figures['forward_backward_ms']:.0f} ms. Alone on this wire, no "
+    emulated = figures.get("emulated_compute_ms") or 0  # --emulated-compute (runs since 2026-11-28)
+    return (f"Forward+backward of one micro-batch: {figures['forward_backward_ms']:.0f} ms"
+            + (f" ({emulated:.0f} ms of it emulated accelerator compute: the ranks sleep, the CPU free)" if emulated
+               else "") + ". Alone on this wire, no "
             f"compute: {alone}.\n\n" + markdown(["gas", "variant", "step ms", "ratio to stock", "exposed ms",
                                                    "exp/coll", "CPU busy", "grad B/param"] + after_step, rows))
 

@@ -161,6 +161,8 @@ DOC_FIGURES = (
      "bench/zero.py --bucket default 1/16's wire rows, by hand (no renderer for the two-bucket run yet)"),
     ("docs/benchmarks.md", "| micro-batch | forward+backward / reduce-scatter per micro-batch |", (),
      "bench/zero.py --bucket default 1/16's printed rows at micro-batch 4, 8, 16, by hand (one run each)"),
+    ("docs/benchmarks.md", "| emulated compute per micro-batch | forward+backward / reduce-scatter", (),
+     "bench/zero.py --emulated-compute's printed rows, by hand (JSON: docs/runs/zero_emulated_compute_*ms.json)"),
     ("docs/pipeline.md", "| v | m | step flexible / zb (ms) | zb / flexible (range) |", (),
      "bench/pp_schedule.py --zero-bubble's printed rows, by hand (its JSON: docs/runs/pp_zero_bubble_h1024_quiet.json)"),
     ("docs/benchmarks.md", "| gas | contender | step ms | exposed ms | exp/coll | grad B/param | in bwd |",

@@ -47,6 +47,10 @@ on stdout, the tables on stderr. Columns:
 - where ours waits (a second table): per rank, the median ms per step blocked in the optimizer's waits (WAITS).
 --wire RATE runs everything on an emulated wire (bench/wire.py; --wire-mode per-rank, the default: each rank its
 own full-duplex link at RATE each way; shared: one loopback bus at RATE); --variants picks a subset.
+--emulated-compute MS adds MS of emulated accelerator compute per micro-batch: after every Linear the rank sleeps
+its share (a third in the forward, two thirds in the backward), so the CPU is free for the communication, as
+while a GPU computes. With a small --micro-batch (little CPU compute) it separates what the schedule hides from
+what gloo's CPU work (the exchange's sums and copies, the emulated link) takes from a CPU-bound compute on 2 cores.
 """
 
 from __future__ import annotations
@@ -121,12 +125,48 @@ def cached_comm_functions():
             (ds_comm.cdb, "reduce_scatter_function", "reduce_scatter_tensor")]
 
 
+EMULATED_COMPUTE_MS = [0.0]  # --emulated-compute: this worker's sleep per micro-batch (set_emulated_compute)
+
+
+def set_emulated_compute(ms):
+    EMULATED_COMPUTE_MS[0] = ms
+
+
 def make_model(width, layers):
+    """layers x (Linear + Tanh) + Linear(width, 1); with --emulated-compute a DeviceTime after every Linear
+    sleeps its share of the micro-batch's time (a third in the forward, two thirds in the backward)."""
     import torch
 
     torch.manual_seed(0)
-    mods = [m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.Tanh())]
-    return torch.nn.Sequential(*mods, torch.nn.Linear(width, 1))
+    share = EMULATED_COMPUTE_MS[0] / 1000 / (layers + 1)
+    mods = [m for _ in range(layers) for m in (torch.nn.Linear(width, width), DeviceTime(share), torch.nn.Tanh())]
+    mods += [torch.nn.Linear(width, 1), DeviceTime(share)]
+    return torch.nn.Sequential(*[m for m in mods if m is not None])
+
+
+def DeviceTime(seconds):
+    """A stand-in for compute on an accelerator: the host thread waits (sleeps: the CPU is free for the
+    communication, as it is while a GPU computes) seconds / 3 in the forward and 2 seconds / 3 in the backward.
+    None (no module) when seconds is 0."""
+    import torch
+
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            time.sleep(seconds / 3)
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            # Before the preceding Linear's backward: that layer's gradient hooks fire after its share of time.
+            time.sleep(2 * seconds / 3)
+            return grad
+
+    class DeviceTimeModule(torch.nn.Module):
+        def forward(self, x):
+            return Sleep.apply(x)
+
+    return DeviceTimeModule() if seconds > 0 else None
 
 
 def loss_of(out):
@@ -392,9 +432,15 @@ def main(argv=None):
     parser.add_argument("--census-detail", action="store_true", help="print what the gradient census counted")
     parser.add_argument("--variants", nargs="+", metavar="NAME", help="run only these variants (names as printed; "
                         "their baselines are added)")
+    parser.add_argument("--emulated-compute", type=float, default=0.0, metavar="MS",
+                        help="add MS of emulated accelerator compute per micro-batch (the ranks sleep: a third in "
+                        "the forward, two thirds in the backward, spread over the layers), keeping the CPU free for "
+                        "the communication as on a GPU; use it with a small --micro-batch (default 0: CPU compute only)")
     wire.add_argument(parser)
     harness.add_json_argument(parser)
     args = parser.parse_args(argv)
+    if not (args.emulated_compute >= 0 and args.emulated_compute < 1e6):
+        parser.error(f"--emulated-compute {args.emulated_compute}: give milliseconds >= 0 (0: none)")
     link = wire.enter(args.wire, "bfloat16", args.wire_mode)
     if args.variants:
         unknown = [n for n in args.variants if n not in VARIANTS]
@@ -435,11 +481,13 @@ def run(args, link, figures):
     """Every table, for every bucket size and gas; figures: what they print (bytes, seconds). With several bucket
     sizes the tables are keyed "gas, buckets SIZE"."""
     figures.update(width=args.width, layers=args.layers, micro_batch=args.micro_batch, buckets=args.bucket,
+                   emulated_compute_ms=args.emulated_compute,
                    rounds=args.rounds, rate_bits=link.rate, wire_mode=link.mode, gas={})
     began = time.perf_counter()
     # DeepSpeed, and the compiler modules its first initialize imports (its Muon optimizer's torch.compile), once
     # in the pool's fork server rather than in every rank: seconds each
     with RankPool(2, preload=("deepspeed", "torch._inductor.compile_fx"), **link.pool_options(2)) as pool:
+        pool.run(set_emulated_compute, args.emulated_compute, timeout=60)
         compute = pool.run(measure_compute, args.width, args.layers, args.micro_batch, timeout=300)
         params = figures["params"] = compute[0][1]
         figures["forward_backward_ms"] = max(ms for ms, _ in compute)
@@ -449,7 +497,9 @@ def run(args, link, figures):
               f"{params / 1e6:.1f}M bf16 params; AdamW (torch); 2 gloo ranks, 1 thread each; buckets "
               + ", ".join(f"{spec} ({n or DEEPSPEED_BUCKET:,} elements)" for spec, n in sizes.items())
               + f"; {args.rounds} rounds\nmicro-batch {args.micro_batch} samples per rank: forward+backward "
-              f"{max(ms for ms, _ in compute):.0f} ms (plain bf16 model, both ranks at once, slower rank); "
+              f"{max(ms for ms, _ in compute):.0f} ms (plain bf16 model, both ranks at once, slower rank"
+              + (f"; {args.emulated_compute:.0f} ms of it emulated accelerator compute, the CPU free"
+                 if args.emulated_compute else "") + "); "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
         print(link.describe())
         results = pool.run(collectives_alone, params, min(sizes[args.bucket[0]] or params, params), timeout=600)

@@ -68,14 +68,15 @@ LOOPBACK_RUNS = {
 }
 
 # The per-rank wire runs: bench -> (its options after --wire 200mbit, where its figures sit in the record, the
-# docs tables that render them). zero.py runs one variant (stock ZeRO-1: its baseline only); the variants' table
-# columns are test_zero_table's, on loopback.
+# docs tables that render them). zero.py runs one variant (stock ZeRO-1: its baseline only), with 20 ms of emulated
+# accelerator compute per micro-batch; the variants' table columns are test_zero_table's, on loopback.
 WIRE_RUNS = {
     "zero_megatron": (["--quick", "--gas", "2", "--layers", "1", "--contenders", "ZeRO-2 default"], (),
                       ["zero-megatron"]),
     "pp_schedule": (["--vpp", "2", "--layers", "4", "--microbatches", "4", "--rounds", "1", "--hidden", "32",
                      "--seq", "16", "--mbs", "1", "--agreed-order"], ("wire",), ["pp-wire"]),
-    "zero": (["--quick", "--gas", "2", "--rounds", "1", "--variants", "stock ZeRO-1"], (), ["zero-wire", "zero"]),
+    "zero": (["--quick", "--gas", "2", "--rounds", "1", "--variants", "stock ZeRO-1", "--emulated-compute", "20"], (),
+             ["zero-wire", "zero"]),
     "cp_attention": (["--seq", "256", "--rounds", "1", "--work-seq", "--masks", "causal"], (),
                      ["cp-wire", "cp-regather"]),
 }
@@ -325,6 +326,8 @@ def test_bench_runs_on_the_per_rank_wire(ahead, bench):
         default, blocking = rows["ZeRO-2 default"], rows["ZeRO-2 blocking"]
         assert default["reductions_in_backward"] == default["reductions"] > 0, default
         assert blocking["reductions_in_backward"] == 0 and default["identical_to_blocking"], rows
+    if bench == "zero":  # the emulated accelerator compute (the ranks sleep) is in the measured forward+backward
+        assert figures["emulated_compute_ms"] == 20 and figures["forward_backward_ms"] >= 20, figures
     for table in tables:  # each states the wire's mode, rate and the run's command above the table
         assert docs_tables.render(table, record).startswith(
             "Wire: per-rank links (each rank its own full-duplex link), 200mbit (25.0 MB/s) each way per rank; "
