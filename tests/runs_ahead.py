@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 STARVED_FACTOR = 8  # a queued run's timeouts are this many times its normal ones (at most STARVED_LIMIT s)
 STARVED_LIMIT = 1500.0
@@ -80,6 +80,9 @@ class SessionRuns:
 
     def result(self, key):
         """The run's result, or the exception it raised; a run not started yet runs now, in the caller."""
+        if key not in self._runs:
+            raise KeyError(f"{key[0]}.ahead_runs declares no run named {key[1]!r} (or the session did not start it: "
+                           "the runs_ahead fixture of tests/conftest.py)")
         future = self._futures.get(key)
         if future is None or future.cancel():
             self._futures[key] = future = _done_now(self._runs[key])
@@ -101,8 +104,6 @@ class ModuleRuns:
 
 
 def _done_now(run):
-    from concurrent.futures import Future
-
     future = Future()
     try:
         future.set_result(run())
