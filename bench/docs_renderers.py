@@ -373,7 +373,10 @@ def zero_megatron(figures: dict) -> str:
              f"{row['grad_bytes_per_param']:.2f}", f"{row['reductions_in_backward']}/{row['reductions']}",
              {True: "yes", False: "NO", None: "n/a (other buckets)"}[row["identical_to_blocking"]]]
             for gas, table in figures["gas"].items() for row in table["rows"]]
-    return (f"Forward+backward of one micro-batch: {figures['forward_backward_ms']:.0f} ms; one round's fp32 "
+    emulated = figures["model"].get("emulated_compute_ms") or 0  # --emulated-compute (runs since 2026-11-28)
+    return (f"Forward+backward of one micro-batch: {figures['forward_backward_ms']:.0f} ms"
+            + (f" ({emulated:.0f} ms of it emulated accelerator compute: the ranks sleep, the CPU free)" if emulated
+               else "") + "; one round's fp32 "
             f"reduce-scatters alone on this wire: {1000 * figures['round_reduce_scatter_alone_s']:.0f} ms.\n\n"
             + markdown(["gas", "contender", "step ms", "exposed ms", "exp/coll", "grad B/param", "in bwd",
                         "bit-identical to blocking"], rows))

@@ -161,6 +161,8 @@ DOC_FIGURES = (
      "bench/zero.py --bucket default 1/16's wire rows, by hand (no renderer for the two-bucket run yet)"),
     ("docs/benchmarks.md", "| micro-batch | forward+backward / reduce-scatter per micro-batch |", (),
      "bench/zero.py --bucket default 1/16's printed rows at micro-batch 4, 8, 16, by hand (one run each)"),
+    ("docs/benchmarks.md", "| wire | compute / communication per micro-batch | default: exp/coll gas 4 / gas 8 |", (),
+     "bench/zero_megatron.py runs' printed rows, by hand (JSON: docs/runs/zero_megatron_defaults_*.json)"),
     ("docs/benchmarks.md", "| emulated compute per micro-batch | forward+backward / reduce-scatter", (),
      "bench/zero.py --emulated-compute's printed rows, by hand (JSON: docs/runs/zero_emulated_compute_*ms.json)"),
     ("docs/pipeline.md", "| v | m | step flexible / zb (ms) | zb / flexible (range) |", (),

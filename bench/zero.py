@@ -144,27 +144,33 @@ def make_model(width, layers):
     return torch.nn.Sequential(*[m for m in mods if m is not None])
 
 
-def DeviceTime(seconds):
-    """A stand-in for compute on an accelerator: the host thread waits (sleeps: the CPU is free for the
-    communication, as it is while a GPU computes) seconds / 3 in the forward and 2 seconds / 3 in the backward.
-    None (no module) when seconds is 0."""
+def device_time(x, seconds):
+    """x, passed through a stand-in for compute on an accelerator: the host thread waits (sleeps: the CPU is free
+    for the communication, as it is while a GPU computes) seconds / 3 here and 2 seconds / 3 in the backward,
+    before the backward of what made x (that layer's gradient hooks fire after its share of time)."""
     import torch
 
     class Sleep(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
             time.sleep(seconds / 3)
-            return x.view_as(x)
+            return x.clone()  # not a view: a later in-place op on it (Megatron's residual adds) stays legal
 
         @staticmethod
         def backward(ctx, grad):
-            # Before the preceding Linear's backward: that layer's gradient hooks fire after its share of time.
             time.sleep(2 * seconds / 3)
             return grad
 
+    return Sleep.apply(x)
+
+
+def DeviceTime(seconds):
+    """A module applying ``device_time``; None (no module) when seconds is 0."""
+    import torch
+
     class DeviceTimeModule(torch.nn.Module):
         def forward(self, x):
-            return Sleep.apply(x)
+            return device_time(x, seconds)
 
     return DeviceTimeModule() if seconds > 0 else None
 

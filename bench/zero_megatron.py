@@ -42,6 +42,10 @@ stderr. Columns:
   at the next accumulation into it, at a round end, in finish_grad_sync), median of rounds; final ms: the
   time in finish_grad_sync (the finalize function: the step's last reductions started and waited).
 - identical: the fp32 master shards after the 3 warm-up steps equal the blocking contender's bit for bit.
+
+--emulated-compute MS: every transformer layer's output passes through bench/zero.py's device_time, which sleeps
+the layer's share of MS (a third in the forward, two thirds in the backward): compute that leaves the CPU free for
+the communication, as while a GPU computes (use a small --micro-batch / --seq so that the CPU's own is small).
 """
 
 from __future__ import annotations
@@ -117,8 +121,21 @@ def build_model(args):
     if not ps.model_parallel_is_initialized():
         init_mesh(dp=2)  # once: the contenders' optimizers keep its groups
     config = model_config(args)
-    return build_chunk(config, vocab=args["vocab"], seq_len=args["seq"], pre_process=True, post_process=True,
-                       position_embedding_type="rope", share_embeddings_and_output_weights=True), config
+    chunk = build_chunk(config, vocab=args["vocab"], seq_len=args["seq"], pre_process=True, post_process=True,
+                        position_embedding_type="rope", share_embeddings_and_output_weights=True)
+    if args.get("emulated_compute_ms"):  # --emulated-compute: each layer's share, on its output hidden states
+        share = args["emulated_compute_ms"] / 1000 / len(chunk.decoder.layers)
+        for layer in chunk.decoder.layers:
+            layer.register_forward_hook(functools.partial(_emulated_layer_time, seconds=share))
+    return chunk, config
+
+
+def _emulated_layer_time(module, inputs, output, seconds):
+    from zero import device_time  # bench/zero.py
+
+    if isinstance(output, tuple):  # a TransformerLayer returns (hidden states, context)
+        return (device_time(output[0], seconds), *output[1:])
+    return device_time(output, seconds)
 
 
 def make_batches(gas, args):
@@ -280,9 +297,15 @@ def main(argv=None):
                         "explicitly stay)")
     parser.add_argument("--contenders", nargs="+", metavar="NAME", help="run only these (names as printed; their "
                         "blocking twin is added)")
+    parser.add_argument("--emulated-compute", type=float, default=0.0, metavar="MS",
+                        help="add MS of emulated accelerator compute per micro-batch (every layer sleeps its share: a "
+                        "third in the forward, two thirds in the backward), keeping the CPU free for the "
+                        "communication as on a GPU; use it with a small --micro-batch / --seq (default 0: none)")
     wire.add_argument(parser)
     harness.add_json_argument(parser)
     args = parser.parse_args(argv)
+    if not (args.emulated_compute >= 0 and args.emulated_compute < 1e6):
+        parser.error(f"--emulated-compute {args.emulated_compute}: give milliseconds >= 0 (0: none)")
     if args.contenders:
         unknown = [n for n in args.contenders if n not in CONTENDERS]
         if unknown:
@@ -302,7 +325,8 @@ def main(argv=None):
 
 def run(args, link, figures):
     model = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
-             "vocab": args.vocab, "seq": args.seq, "micro_batch": args.micro_batch, "bucket": None}
+             "vocab": args.vocab, "seq": args.seq, "micro_batch": args.micro_batch, "bucket": None,
+             "emulated_compute_ms": args.emulated_compute}
     figures.update(model=model, rounds=args.rounds, gas={}, buckets=args.bucket)
     began = time.perf_counter()
     with RankPool(2, preload=("megatron.core",), keep_state=True, **link.pool_options(2)) as pool:
@@ -317,7 +341,9 @@ def run(args, link, figures):
               + ", ".join(f"{spec} ({n:,} elements)" if n else f"{spec} (bucket_numel left out)"
                           for spec, n in sizes.items())
               + f"; micro-batch "
-              f"{args.micro_batch} x {args.seq} tokens per rank: forward+backward {compute_ms:.0f} ms (slower rank); "
+              f"{args.micro_batch} x {args.seq} tokens per rank: forward+backward {compute_ms:.0f} ms (slower rank"
+              + (f"; {args.emulated_compute:.0f} ms of it emulated accelerator compute, the CPU free"
+                 if args.emulated_compute else "") + "); "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
 
         def round_alone():
