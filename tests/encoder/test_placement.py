@@ -1,4 +1,4 @@
-"""Who encodes which images: the plan alone (no processes)."""
+"""Who encodes which images: the plan alone (no processes); and the shipped multimodal demo, run as a user types it."""
 
 import sys
 
