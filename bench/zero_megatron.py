@@ -71,6 +71,7 @@ CONTENDERS = {
     "ZeRO-2 blocking": (2, {"overlap": False}, True),
     "ZeRO-2 round-end start": (2, {}, False),
     "ZeRO-2 carry_buckets 0": (2, {"carry_buckets": 0}, True),
+    "ZeRO-2 carry_buckets 1": (2, {"carry_buckets": 1}, True),  # opt-in: the last bucket carried, whatever its size
     "ZeRO-2 overlap_param_gather off (before)": (2, {"overlap_param_gather": False}, True),
     "ZeRO-2 default": (2, {}, True),
     # The default before: the 3 buckets started last carried whatever their size, buckets as given.
