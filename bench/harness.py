@@ -154,10 +154,30 @@ def machine_facts() -> dict:
     this process's, None where it never loaded torch (a simulated bench; one whose ranks did all the torch work,
     one thread each): importing torch only to ask would cost such a run seconds."""
     torch = sys.modules.get("torch")
-    return {"cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()), "platform": platform.platform(),
+    return {"cpu_count": os.cpu_count(), **cpu_model(), "load_average": list(os.getloadavg()),
+            "platform": platform.platform(),
             "python": platform.python_version(),
             "torch": torch.__version__ if torch else importlib.metadata.version("torch"),
             "torch_threads": torch.get_num_threads() if torch else None}
+
+
+# CPU features that change bf16 / fp32 compute speed by large factors (runs on machines with and without them
+# differ 20x for the bf16 Megatron model; 2026-11-28)
+CPU_FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_model() -> dict:
+    """{"cpu_model": the CPU's name, "cpu_flags": those of CPU_FLAGS_OF_NOTE it has} from /proc/cpuinfo; {} where
+    it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            text = info.read()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name"), "cpu_flags": [f for f in CPU_FLAGS_OF_NOTE if f in flags]}
 
 
 def run_record(bench: str, figures: dict, argv=None) -> dict:

@@ -289,3 +289,11 @@ def test_the_measured_per_rank_wire_tables_are_the_saved_runs_rendered(run, tabl
     rendered = docs_tables.render(table, record)
     assert rendered.startswith("Wire: per-rank links") and holds in rendered
     assert docs_tables.missing_lines(rendered, (ROOT / "docs/benchmarks.md").read_text()) == []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads /proc/cpuinfo (Linux)")
+def test_machine_facts_name_the_cpu_and_the_flags_that_change_compute_speed():
+    facts, lines = harness.machine_facts(), Path("/proc/cpuinfo").read_text().splitlines()
+    assert facts["cpu_model"] == next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    flags = set(next(line for line in lines if line.startswith("flags")).split(":", 1)[1].split())
+    assert facts["cpu_flags"] == [f for f in harness.CPU_FLAGS_OF_NOTE if f in flags]
