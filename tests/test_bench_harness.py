@@ -125,7 +125,26 @@ def test_calibrate_wire_finds_the_rate_at_which_the_transfer_takes_the_target():
     assert link.rates[:2] == [None, 2 * 10**9] and link.rate == picked["rate"]
     assert picked["unshaped"] == pytest.approx(0.01) and picked["probed"] == pytest.approx(0.014)
     assert link.transfer() == pytest.approx(0.05, rel=1e-6)  # 8 Mbit in 40 ms: 200 Mbit/s
+    assert picked["checks"] == [[picked["rate"], pytest.approx(0.05)]]  # timed once more there: on target
     assert harness.enter_wire("off").on is False
+
+
+class OverlappingLink(FakeLink):
+    """A transfer whose 10 ms of CPU overlap its wire time: max(CPU, bytes / rate), not their sum."""
+
+    def transfer(self):
+        return max(0.01, 8e6 / self.rate if self.rate else 0.0) + 0.001
+
+
+def test_calibrate_wire_corrects_a_rate_the_two_point_model_misses():
+    import wire
+
+    link = OverlappingLink(wire.parse_rate(harness.PROBE_RATE))
+    picked = harness.calibrate_wire(link, link.transfer, 0.05)
+    first_rate, first_time = picked["checks"][0]
+    assert first_rate == wire.rate_for_time(0.05, picked["unshaped"], picked["probed"], picked["probe_rate"])
+    assert abs(first_time - 0.05) > 0.5 * 0.05  # at the fast probe the transfer is CPU-bound: the model is far off
+    assert link.rate == picked["rate"] and abs(link.transfer() - 0.05) <= 0.1 * 0.05
 
 
 # ---- --json ------------------------------------------------------------------------------------------------
