@@ -319,6 +319,11 @@ def zero(figures: dict) -> str:
     return "\n".join(parts)
 
 
+def emulated_note(ms) -> str:
+    """The compute line's note for a run with --emulated-compute (runs since 2026-11-28; "" without)."""
+    return f" ({ms:.0f} ms of it emulated accelerator compute: the ranks sleep, the CPU free)" if ms else ""
+
+
 def zero_wire(figures: dict) -> str:
     """docs/benchmarks.md's ZeRO variants on a wire: every gas in one table."""
     if figures.get("wire_mode", "off") == "off":
@@ -332,10 +337,8 @@ def zero_wire(figures: dict) -> str:
     alone = "; ".join(f"{name} {1000 * t['wall']:.0f} ms wall ({1000 * t['cpu']:.0f} ms CPU)"
                       for name, t in figures["collectives_alone_s"].items())
     after_step = ["B/param after step"] if len(rows[0]) > 8 else []  # runs since the deferred parameter all-gather
-    emulated = figures.get("emulated_compute_ms") or 0  # --emulated-compute (runs since 2026-11-28)
     return (f"Forward+backward of one micro-batch: {figures['forward_backward_ms']:.0f} ms"
-            + (f" ({emulated:.0f} ms of it emulated accelerator compute: the ranks sleep, the CPU free)" if emulated
-               else "") + ". Alone on this wire, no "
+            + emulated_note(figures.get("emulated_compute_ms")) + ". Alone on this wire, no "
             f"compute: {alone}.\n\n" + markdown(["gas", "variant", "step ms", "ratio to stock", "exposed ms",
                                                    "exp/coll", "CPU busy", "grad B/param"] + after_step, rows))
 
@@ -373,10 +376,8 @@ def zero_megatron(figures: dict) -> str:
              f"{row['grad_bytes_per_param']:.2f}", f"{row['reductions_in_backward']}/{row['reductions']}",
              {True: "yes", False: "NO", None: "n/a (other buckets)"}[row["identical_to_blocking"]]]
             for gas, table in figures["gas"].items() for row in table["rows"]]
-    emulated = figures["model"].get("emulated_compute_ms") or 0  # --emulated-compute (runs since 2026-11-28)
     return (f"Forward+backward of one micro-batch: {figures['forward_backward_ms']:.0f} ms"
-            + (f" ({emulated:.0f} ms of it emulated accelerator compute: the ranks sleep, the CPU free)" if emulated
-               else "") + "; one round's fp32 "
+            + emulated_note(figures["model"].get("emulated_compute_ms")) + "; one round's fp32 "
             f"reduce-scatters alone on this wire: {1000 * figures['round_reduce_scatter_alone_s']:.0f} ms.\n\n"
             + markdown(["gas", "contender", "step ms", "exposed ms", "exp/coll", "grad B/param", "in bwd",
                         "bit-identical to blocking"], rows))

@@ -438,15 +438,10 @@ def main(argv=None):
     parser.add_argument("--census-detail", action="store_true", help="print what the gradient census counted")
     parser.add_argument("--variants", nargs="+", metavar="NAME", help="run only these variants (names as printed; "
                         "their baselines are added)")
-    parser.add_argument("--emulated-compute", type=float, default=0.0, metavar="MS",
-                        help="add MS of emulated accelerator compute per micro-batch (the ranks sleep: a third in "
-                        "the forward, two thirds in the backward, spread over the layers), keeping the CPU free for "
-                        "the communication as on a GPU; use it with a small --micro-batch (default 0: CPU compute only)")
+    add_emulated_compute_argument(parser, "after every Linear")
     wire.add_argument(parser)
     harness.add_json_argument(parser)
     args = parser.parse_args(argv)
-    if not (args.emulated_compute >= 0 and args.emulated_compute < 1e6):
-        parser.error(f"--emulated-compute {args.emulated_compute}: give milliseconds >= 0 (0: none)")
     link = wire.enter(args.wire, "bfloat16", args.wire_mode)
     if args.variants:
         unknown = [n for n in args.variants if n not in VARIANTS]
@@ -462,6 +457,25 @@ def main(argv=None):
     args.bucket = checked_buckets(parser, args.bucket or (["2e4"] if args.quick else ["1e6"]))
     with harness.json_output(args.json, "zero", argv) as figures:
         run(args, link, figures)
+
+
+def add_emulated_compute_argument(parser, where: str) -> None:
+    """--emulated-compute MS (this bench's and zero_megatron.py's): sleeps ``where``, checked >= 0."""
+    def milliseconds(text):
+        value = float(text)
+        if not 0 <= value < 1e6:
+            raise argparse.ArgumentTypeError(f"{text}: give milliseconds >= 0 (0: none)")
+        return value
+
+    parser.add_argument("--emulated-compute", type=milliseconds, default=0.0, metavar="MS",
+                        help=f"add MS of emulated accelerator compute per micro-batch ({where} the ranks sleep their "
+                        "share: a third in the forward, two thirds in the backward), keeping the CPU free for the "
+                        "communication as on a GPU; use it with a small micro-batch (default 0: CPU compute only)")
+
+
+def emulated_text(ms: float) -> str:
+    """What the compute line adds for --emulated-compute ("" without)."""
+    return f"; {ms:.0f} ms of it emulated accelerator compute, the CPU free" if ms else ""
 
 
 def bucket_elements(spec: str, params: int) -> int | None:
@@ -504,8 +518,7 @@ def run(args, link, figures):
               + ", ".join(f"{spec} ({n or DEEPSPEED_BUCKET:,} elements)" for spec, n in sizes.items())
               + f"; {args.rounds} rounds\nmicro-batch {args.micro_batch} samples per rank: forward+backward "
               f"{max(ms for ms, _ in compute):.0f} ms (plain bf16 model, both ranks at once, slower rank"
-              + (f"; {args.emulated_compute:.0f} ms of it emulated accelerator compute, the CPU free"
-                 if args.emulated_compute else "") + "); "
+              + emulated_text(args.emulated_compute) + "); "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
         print(link.describe())
         results = pool.run(collectives_alone, params, min(sizes[args.bucket[0]] or params, params), timeout=600)

@@ -63,7 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import harness  # noqa: E402
 import wire  # noqa: E402
-from zero import bucket_elements, checked_buckets  # noqa: E402  (bench/zero.py: --bucket's forms)
+from zero import (add_emulated_compute_argument, bucket_elements, checked_buckets,  # noqa: E402  (bench/zero.py)
+                  emulated_text)
 from l3plugin.ranks.pool import RankPool  # noqa: E402
 
 # name: (stage, megatron_zero settings, reduce_in_backward)
@@ -298,15 +299,10 @@ def main(argv=None):
                         "explicitly stay)")
     parser.add_argument("--contenders", nargs="+", metavar="NAME", help="run only these (names as printed; their "
                         "blocking twin is added)")
-    parser.add_argument("--emulated-compute", type=float, default=0.0, metavar="MS",
-                        help="add MS of emulated accelerator compute per micro-batch (every layer sleeps its share: a "
-                        "third in the forward, two thirds in the backward), keeping the CPU free for the "
-                        "communication as on a GPU; use it with a small --micro-batch / --seq (default 0: none)")
+    add_emulated_compute_argument(parser, "after every transformer layer")
     wire.add_argument(parser)
     harness.add_json_argument(parser)
     args = parser.parse_args(argv)
-    if not (args.emulated_compute >= 0 and args.emulated_compute < 1e6):
-        parser.error(f"--emulated-compute {args.emulated_compute}: give milliseconds >= 0 (0: none)")
     if args.contenders:
         unknown = [n for n in args.contenders if n not in CONTENDERS]
         if unknown:
@@ -343,8 +339,7 @@ def run(args, link, figures):
                           for spec, n in sizes.items())
               + f"; micro-batch "
               f"{args.micro_batch} x {args.seq} tokens per rank: forward+backward {compute_ms:.0f} ms (slower rank"
-              + (f"; {args.emulated_compute:.0f} ms of it emulated accelerator compute, the CPU free"
-                 if args.emulated_compute else "") + "); "
+              + emulated_text(args.emulated_compute) + "); "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
 
         def round_alone():

@@ -40,6 +40,12 @@ def runs_ahead(request, tmp_path_factory):
     SESSION.close()
 
 
+@pytest.fixture(scope="module")
+def ahead(request):
+    """This module's runs from the queue: ``ahead.result(name)`` (a module may override it, test_bench_smoke.py)."""
+    return SESSION.of_module(request.module)
+
+
 @pytest.fixture(scope="session")
 def ranks():
     """Run a function on N gloo CPU ranks: ``ranks.run(world_size, fn, *args, timeout=...)``.

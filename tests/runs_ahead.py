@@ -10,14 +10,10 @@ normal priority.
 
 A module declares its runs with a function of the session's ``tmp_path_factory`` and the names of its selected
 tests, returning ``{name: callable}`` (a name being the test, function or parametrized id, that checks the run) and
-optionally ``{name: tests that need it}``; its tests get the results through the ``ahead`` fixture:
+optionally ``{name: tests that need it}``; its tests get the results through conftest.py's ``ahead`` fixture:
 
     def ahead_runs(tmp_path_factory, selected):
         return {"test_a": lambda: run_a(tmp_path_factory.mktemp("a"), timeout=time_allowed(300))}
-
-    @pytest.fixture(scope="module")
-    def ahead(request):
-        return SESSION.of_module(request.module)
 
     def test_a(ahead):
         out = ahead.result("test_a")

@@ -26,7 +26,7 @@ import pytest
 
 import l3plugin
 from l3plugin.ranks.pool import run_command
-from runs_ahead import SESSION, time_allowed
+from runs_ahead import time_allowed
 
 ZERO_TESTS = Path(__file__).resolve().parent / "zero"
 # Joined to the l3plugin package's __path__ in a child: test-only modules of the package the wheel does not ship.
@@ -250,11 +250,6 @@ def ahead_runs(tmp_path_factory, selected):
                             "test_deepspeed_imported_while_another_l3plugin_module_is_half_built",
                             "test_failed_install_warns_and_deepspeed_still_imports")}
     return runs, needed_by
-
-
-@pytest.fixture(scope="module")
-def ahead(request):
-    return SESSION.of_module(request.module)
 
 
 def test_config_key_works_without_import(ahead):

@@ -15,7 +15,7 @@ sys.path.append(str(ROOT / "bench"))  # harness.py and wire.py, imported as the 
 
 import docs_tables  # noqa: E402
 import harness  # noqa: E402
-from runs_ahead import SESSION, time_allowed  # noqa: E402
+from runs_ahead import time_allowed  # noqa: E402
 
 
 # ---- rounds and ratios -------------------------------------------------------------------------------------
@@ -212,15 +212,10 @@ def ahead_runs(tmp_path_factory, selected):
     return runs, needed_by
 
 
-@pytest.fixture(scope="module")
-def doc_runs(request):
-    return SESSION.of_module(request.module)
-
-
 @pytest.mark.parametrize("table", DOC_RUNS)
-def test_docs_table_is_what_a_run_made_now_renders(doc_runs, table):
+def test_docs_table_is_what_a_run_made_now_renders(ahead, table):
     argv = DOC_RUNS[table]
-    record, checked = doc_runs.result(table)
+    record, checked = ahead.result(table)
     bench, doc = docs_tables.TABLES[table].bench, docs_tables.TABLES[table].doc
     assert record["bench"] == bench and record["command"] == [*argv, "--json"]
     rendered = docs_tables.render(table, record)

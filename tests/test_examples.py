@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from l3plugin.ranks.pool import run_command
-from runs_ahead import SESSION, time_allowed
+from runs_ahead import time_allowed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,11 +31,6 @@ def ahead_runs(tmp_path_factory, selected):
             # 2 steps (a step on trained weights) of the config's 8 micro-batches each, then the export.
             "test_deepspeed_example_uses_the_plugin_with_the_key": lambda: (run_torchrun(
                 2, "examples/deepspeed/train.py", "--steps", "2", "--export", str(export)), export)}
-
-
-@pytest.fixture(scope="module")
-def ahead(request):
-    return SESSION.of_module(request.module)
 
 
 def post_training_figures(out: str) -> dict:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from l3plugin.encoder import PLACEMENTS, check_placement, image_shares
 from l3plugin.encoder.placement import share_size
 from l3plugin.ranks.pool import run_command
-from runs_ahead import SESSION, time_allowed  # tests/runs_ahead.py
+from runs_ahead import time_allowed  # tests/runs_ahead.py
 
 
 @given(st.integers(0, 40), st.integers(1, 9))
@@ -58,11 +58,6 @@ def ahead_runs(tmp_path_factory, selected):
     return {"test_multimodal_demo_as_shipped_matches_one_process": lambda: (results, run_command(
         [sys.executable, "-m", "l3plugin", "demo", "--multimodal", "--results", str(results),
          "--timeout", str(time_allowed(300))], timeout=time_allowed(600)))}
-
-
-@pytest.fixture(scope="module")
-def ahead(request):
-    return SESSION.of_module(request.module)
 
 
 def test_multimodal_demo_as_shipped_matches_one_process(ahead):

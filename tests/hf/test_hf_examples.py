@@ -7,7 +7,6 @@ import pytest
 
 import accelerate  # noqa: E402,F401 (the "hf" test extra, installed by make test: missing, it fails here, never skips)
 
-from runs_ahead import SESSION  # noqa: E402  (tests/runs_ahead.py)
 from test_examples import run_torchrun  # noqa: E402  (tests/test_examples.py)
 
 SCRIPTS = ("train_trainer.py", "train_accelerate.py")
@@ -25,11 +24,6 @@ def ahead_runs(tmp_path_factory, selected):
     return {f"test_hf_example_trains_two_steps_with_cp[{script}]":
             (lambda script=script: run_example(script, tmp_path_factory.mktemp(script.removesuffix(".py"))))
             for script in SCRIPTS}
-
-
-@pytest.fixture(scope="module")
-def ahead(request):
-    return SESSION.of_module(request.module)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -11,7 +11,7 @@ from megatron.core.pipeline_parallel import schedules
 
 import l3plugin.megatron as l3m
 from l3plugin.ranks.pool import run_command
-from runs_ahead import SESSION, time_allowed  # tests/runs_ahead.py
+from runs_ahead import time_allowed  # tests/runs_ahead.py
 
 SCRIPT = Path(__file__).parent.parent / "data" / "print_selected_schedule.py"
 MEGATRON_LM = importlib.util.find_spec("megatron.training") is not None  # a Megatron-LM source checkout
@@ -95,11 +95,6 @@ def ahead_runs(tmp_path_factory, selected):
         return {}
     return {"test_launcher_runs_a_script_with_the_plugin[flexible-forward_backward_pipelining_flexible-True]":
             lambda: launch_fresh("flexible")}
-
-
-@pytest.fixture(scope="module")
-def ahead(request):
-    return SESSION.of_module(request.module)
 
 
 def launch_here(flag, capsys, monkeypatch):
