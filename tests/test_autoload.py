@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -48,6 +47,10 @@ import deepspeed
 imported = [sorted(sys.modules), deepspeed.initialize.__name__]
 sys.path.insert(0, {str(ZERO_TESTS)!r})
 from ds_models import ds_config, make_mlp, quiet_deepspeed
+import os, socket
+with socket.socket() as port:  # picked here, right before the store binds it (see run)
+    port.bind(("127.0.0.1", 0))
+    os.environ["MASTER_PORT"] = str(port.getsockname()[1])
 deepspeed = quiet_deepspeed()
 model = make_mlp()
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -60,17 +63,14 @@ print(json.dumps({{"before": before, "imported": imported, "optimizer": type(eng
 """
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(code, tmp_path, timeout=90, python=sys.executable, tree=TREE, **env):
+    # No MASTER_PORT here: ENGINE picks its own right before binding it. A port picked in this process could be
+    # taken by another test's connection while the child imports (minutes at nice 19 in the suite's queue: an
+    # EADDRINUSE seen on a clean clone, 2026-11-28).
     full_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "L3PLUGIN_NO_AUTOLOAD")}
     path = [env.pop("PYTHONPATH")] if "PYTHONPATH" in env else []
     full_env.update({"OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                     "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                     "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                      "PYTHONWARNINGS": "always::RuntimeWarning", **env})
     if tree is not None or path:
         full_env["PYTHONPATH"] = os.pathsep.join(path + ([str(tree)] if tree is not None else []))
