@@ -292,3 +292,18 @@ def test_a_reused_worker_pid_is_neither_listed_nor_killed():
         pool_module._STARTED_WORKERS.pop(other.pid, None)
         other.kill()
         other.wait()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/sys/net/ipv4/ip_local_port_range"), reason="reads Linux's port range")
+def test_the_store_port_is_free_and_below_the_ephemeral_range():
+    """Outgoing connections take ephemeral ports: one picked there could be gone before the workers bind it."""
+    import socket
+
+    from l3plugin.ranks.pool import _free_port
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for _ in range(5):
+        port = _free_port()
+        assert 1024 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

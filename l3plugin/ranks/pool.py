@@ -31,6 +31,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -62,9 +63,23 @@ class RankFailure:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now for the ranks' store, below the kernel's ephemeral range where one exists: the workers bind it
+    only after they start (seconds; longer on a loaded machine), and an ephemeral port could meanwhile go to any
+    process's outgoing connection (EADDRINUSE). Below the range only an explicit bind can take it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            low = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = random.sample(range(max(1024, low - 10000), low), min(20, max(0, low - 1024))) if low > 1024 else []
+    for port in [*candidates, 0]:  # 0: any free port, as before
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port for the ranks' store")
 
 
 # pid -> start time (clock ticks since boot, /proc/<pid>/stat field 22; None without /proc) of every worker this
