@@ -7,7 +7,10 @@
   round compares runs made under the same load).
 - ``barrier_timed``: one step on a rank between two barriers: wall (barrier to barrier, what the slowest rank
   sets), own (this rank's step alone) and busy (this process's CPU seconds in it).
-- ``timed_methods``: the seconds a step spends blocked in chosen methods (a pipeline receive, a collective's wait).
+- ``timed_methods``: the seconds a step spends blocked in chosen methods (a pipeline receive, a collective's wait),
+  and optionally when each call began.
+- ``exposure_bound``: the least time a step must wait at its round ends for reductions that share one link,
+  from when each gradient became final: what no bucket layout or wait policy can hide at a given memory.
 - ``enter_wire`` / ``calibrate_wire``: ``--wire auto`` (bench/wire.py) enters at PROBE_RATE, then picks the rate
   at which one transfer takes a target time, from its time unshaped and at the probe rate (in either
   ``--wire-mode``: the rate is set on the shared loopback or on every rank's link).
@@ -86,14 +89,17 @@ def barrier_timed(step, group=None):
 
 
 @contextlib.contextmanager
-def timed_methods(cls, methods, seconds: dict):
+def timed_methods(cls, methods, seconds: dict, began: list | None = None):
     """Within the block, add the seconds spent in each of ``cls``'s ``methods`` (every instance's calls) to
-    ``seconds[method]``: where a step blocks (a receive, a collective's wait). Yields ``seconds``."""
+    ``seconds[method]``: where a step blocks (a receive, a collective's wait); ``began``: append (method,
+    perf_counter at the call) for each call. Yields ``seconds``."""
     originals = {method: getattr(cls, method) for method in methods}
 
     def timed(method, original):
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
+            if began is not None:
+                began.append((method, start))
             try:
                 return original(*args, **kwargs)
             finally:
@@ -107,6 +113,33 @@ def timed_methods(cls, methods, seconds: dict):
     finally:
         for method, original in originals.items():
             setattr(cls, method, original)
+
+
+def exposure_bound(finals, round_ends, seconds_per_element: float, carry_seconds: float = 0.0) -> float:
+    """The least time (s) a step must wait at its round ends for its gradient reductions, whatever the bucket
+    layout: the reductions of a round share one link that moves ``seconds_per_element`` per gradient element,
+    and an element cannot go before its parameter's gradient is final (its last gradient hook in the round).
+
+    ``finals``: (time, parameter key, elements) per gradient hook of the step; ``round_ends``: the time of each
+    round end, in order. The link finishes a round's reductions no earlier than max over j of (t_j + the
+    elements final at or after t_j, times seconds_per_element); what is left at the round end is waited there,
+    less ``carry_seconds`` (what the memory allowed for carried reductions lets run on under the next round),
+    except at the step's last round end, which nothing follows. Ignores a carry's hold on the link (a lower
+    bound)."""
+    bound, start = 0.0, float("-inf")
+    for index, end in enumerate(round_ends):
+        last = {}  # parameter -> (time of its last hook in this round, elements)
+        for t, key, elements in sorted(finals):
+            if start < t <= end:
+                last[key] = (t, elements)
+        finish, tail = float("-inf"), 0
+        for t, elements in sorted(last.values(), reverse=True):
+            tail += elements
+            finish = max(finish, t + tail * seconds_per_element)
+        carry = carry_seconds if index < len(round_ends) - 1 else 0.0
+        bound += max(0.0, finish - end - carry)
+        start = end
+    return bound
 
 
 # ---- the wire --------------------------------------------------------------------------------------------

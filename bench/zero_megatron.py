@@ -33,6 +33,11 @@ stderr. Columns:
   l3plugin.debug.local_collectives(p2p=True) (every collective and point-to-point message a local copy); median.
 - exp/coll: per round, exposed ms / exposed ms of the blocking contender of the same stage (whose exposed time is
   the time spent in collectives); median (range). The share of the communication left exposed.
+- bound: the least exp/coll any bucket layout or wait policy could reach holding at most the fp32 shard + 5%
+  between rounds (harness.exposure_bound, median of rounds): each parameter's gradient goes on the link no
+  earlier than its last hook in the round, at the speed of a round's reduce-scatters started back to back
+  ("alone" above); what is left at a round end is waited, less what 5% of the shard (4 bytes per element carried)
+  lets run on. The JSON also has it at the emulated wire's own rate ("wire"), a looser bound. ZeRO-2 only.
 - grad B/param: live-tensor census (bench/zero.py's live_tensors) at the start of micro-batch 1's forward in
   step 2 (micro-batch 0's backward and its round end are done): storages not held before the contender was
   built, minus the parameters, the fp32 master shards, the optimizer state and the data; larger rank.
@@ -43,9 +48,13 @@ stderr. Columns:
   time in finish_grad_sync (the finalize function: the step's last reductions started and waited).
 - identical: the fp32 master shards after the 3 warm-up steps equal the blocking contender's bit for bit.
 
---emulated-compute MS: every transformer layer's output passes through bench/zero.py's device_time, which sleeps
-the layer's share of MS (a third in the forward, two thirds in the backward): compute that leaves the CPU free for
-the communication, as while a GPU computes (use a small --micro-batch / --seq so that the CPU's own is small).
+--emulated-compute MS: the output of every matmul module (each layer's attention and MLP, the output layer) passes
+through bench/zero.py's device_time, which sleeps the module's share of MS (by its weights' elements; a third in
+the forward, two thirds in the backward): compute that leaves the CPU free for the communication, as while a GPU
+computes (use a small --micro-batch / --seq so that the CPU's own is small). Earlier runs (docs/runs/
+zero_megatron_defaults_emulated_*.json, zero_megatron_emulated_200mbit_carry1.json) put a layer's whole share on
+its output and none on the output layer: a layer's weight gradients were final only after its whole backward
+time, later than on a GPU, and the output layer's backward took no time.
 """
 
 from __future__ import annotations
@@ -83,6 +92,8 @@ CONTENDERS = {
 }
 BLOCKING = {1: "ZeRO-1 blocking", 2: "ZeRO-2 blocking"}
 IDENTICAL = {True: "yes", False: "NO", None: "n/a"}  # None: other buckets than the blocking twin
+# The gradient memory the issue allows ZeRO-2 between rounds on this path: the fp32 shard + 5% (the bound's carry).
+ALLOWANCE = 0.05
 MEGATRON_BUCKET = 25_000_000  # megatron_zero's bucket size before its default was cut to 1/16 of the model
 
 # -- worker side: these run inside the RankPool processes --------------------------------------------------
@@ -125,17 +136,28 @@ def build_model(args):
     config = model_config(args)
     chunk = build_chunk(config, vocab=args["vocab"], seq_len=args["seq"], pre_process=True, post_process=True,
                         position_embedding_type="rope", share_embeddings_and_output_weights=True)
-    if args.get("emulated_compute_ms"):  # --emulated-compute: each layer's share, on its output hidden states
-        share = args["emulated_compute_ms"] / 1000 / len(chunk.decoder.layers)
-        for layer in chunk.decoder.layers:
-            layer.register_forward_hook(functools.partial(_emulated_layer_time, seconds=share))
+    if args.get("emulated_compute_ms"):
+        add_emulated_compute(chunk, args["emulated_compute_ms"] / 1000)
     return chunk, config
 
 
-def _emulated_layer_time(module, inputs, output, seconds):
+def add_emulated_compute(chunk, seconds):
+    """--emulated-compute: spread ``seconds`` per micro-batch over the chunk's matmuls in proportion to their
+    weights' elements (their FLOPs per token): every layer's attention and MLP, and the output layer (the tied
+    embedding, vocab x hidden). Each passes its output through device_time, so a module's weight gradients are
+    final after its own share of the backward, as on a GPU."""
+    modules = [(m, sum(p.numel() for p in m.parameters()))
+               for layer in chunk.decoder.layers for m in (layer.self_attention, layer.mlp)]
+    modules.append((chunk.output_layer, chunk.shared_embedding_or_output_weight().numel()))
+    total = sum(n for _, n in modules)
+    for module, n in modules:
+        module.register_forward_hook(functools.partial(_emulated_module_time, seconds=seconds * n / total))
+
+
+def _emulated_module_time(module, inputs, output, seconds):
     from zero import device_time  # bench/zero.py
 
-    if isinstance(output, tuple):  # a TransformerLayer returns (hidden states, context)
+    if isinstance(output, tuple):  # attention, MLP and output layer return (output, bias)
         return (device_time(output[0], seconds), *output[1:])
     return device_time(output, seconds)
 
@@ -248,22 +270,35 @@ def prepare(name, gas, args):
     del before, census
     train_step(name)
     return {"reductions": len(reductions), "in_backward": len(set(reductions) & marked),
-            "buckets": len(zero.buckets), "grad_bytes": grad_bytes, "digest": digest(zero)}
+            "buckets": len(zero.buckets), "elements": sum(b.spec.padded_numel for b in zero.buckets),
+            "grad_bytes": grad_bytes, "digest": digest(zero)}
 
 
 def timed_round(name):
-    """(step s, the same step with local collectives s, s blocked in _complete, s in finish_grad_sync) of one
-    contender, this rank."""
+    """(step s, the same step with local collectives s, s blocked in _complete, s in finish_grad_sync, when the
+    step's gradients became final and its rounds ended) of one contender, this rank. The last: {"finals":
+    (perf_counter, parameter index, elements) per gradient hook, "round_ends": perf_counter per end_of_round}."""
     from l3plugin.debug import local_collectives
     from l3plugin.zero.optimizer import FP32ReduceZero
 
-    with harness.timed_methods(FP32ReduceZero, ["_complete", "finish_grad_sync"], {}) as waits:
-        timing, _ = harness.barrier_timed(lambda: train_step(name))
+    chunk, _ = BUILT[name]
+    finals, began = [], []
+    hooks = [p.register_post_accumulate_grad_hook(
+        functools.partial(lambda index, param: finals.append((time.perf_counter(), index, param.numel())), i))
+        for i, p in enumerate(chunk.parameters()) if p.requires_grad]
+    methods = ["_complete", "finish_grad_sync", "end_of_round"]
+    try:
+        with harness.timed_methods(FP32ReduceZero, methods, {}, began) as waits:
+            timing, _ = harness.barrier_timed(lambda: train_step(name))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    record = {"finals": finals, "round_ends": [t for method, t in began if method == "end_of_round"]}
     with local_collectives(p2p=True):
         start = time.perf_counter()
         train_step(name)
         local = time.perf_counter() - start
-    return timing["own"], local, waits.get("_complete", 0.0), waits.get("finish_grad_sync", 0.0)
+    return timing["own"], local, waits.get("_complete", 0.0), waits.get("finish_grad_sync", 0.0), record
 
 
 def free():
@@ -299,7 +334,7 @@ def main(argv=None):
                         "explicitly stay)")
     parser.add_argument("--contenders", nargs="+", metavar="NAME", help="run only these (names as printed; their "
                         "blocking twin is added)")
-    add_emulated_compute_argument(parser, "after every transformer layer")
+    add_emulated_compute_argument(parser, "after every attention, MLP and the output layer")
     wire.add_argument(parser)
     harness.add_json_argument(parser)
     args = parser.parse_args(argv)
@@ -349,10 +384,15 @@ def run(args, link, figures):
         if link.on and args.wire == "auto":
             figures["calibration"] = harness.calibrate_wire(link, round_alone, args.comm_share * compute_ms / 1000)
         figures.update(rate_bits=link.rate, wire_mode=link.mode)
-        alone = figures["round_reduce_scatter_alone_s"] = round_alone()
+        alone = figures["round_reduce_scatter_alone_s"] = min(round_alone() for _ in range(3))  # the link's best
         print(link.describe())
-        print(f"  one round's fp32 reduce-scatters alone (every bucket, no compute): {1000 * alone:.0f} ms = "
-              f"{1000 * alone / compute_ms:.0%} of one micro-batch's forward+backward", flush=True)
+        print(f"  one round's fp32 reduce-scatters alone (every bucket, no compute; best of 3): {1000 * alone:.0f} ms "
+              f"= {1000 * alone / compute_ms:.0%} of one micro-batch's forward+backward", flush=True)
+        # The bound's link speeds: a round's reduce-scatters started back to back on this stack, and (per-rank
+        # wire) the rate alone, each rank sending its peer half of every fp32 element.
+        link_seconds = {"alone": alone / params}
+        if link.mode == "per-rank":
+            link_seconds["wire"] = 4 * 8 / 2 / link.rate
         for spec, bucket in sizes.items():
             model["bucket"] = bucket
             for gas in args.gas:
@@ -361,18 +401,35 @@ def run(args, link, figures):
                 rounds = harness.interleaved_rounds(CONTENDERS, lambda name: pool.run(timed_round, name, timeout=1800),
                                                     args.rounds, warmup=0)  # prepare's steps warmed up
                 pool.run(free, timeout=300)
-                figures["gas"][key] = {**print_table(key, params, info, rounds), "bucket": bucket}
+                figures["gas"][key] = {**print_table(key, params, info, rounds, link_seconds), "bucket": bucket}
         harness.report_wire_traffic(link, figures)
     figures["run_time_s"] = time.perf_counter() - began
     print(f"\ntotal run time {figures['run_time_s']:.0f} s")
 
 
-def print_table(gas, params, info, rounds):
+def bound_stats(name, info, rounds, exposed, link_seconds):
+    """ZeRO-2: the least exposed time at the memory the issue allows (the fp32 shard + ALLOWANCE), over the
+    blocking twin's exposed time, per round (harness.ratio_stats), for each link speed of ``link_seconds``
+    ({what: seconds per gradient element})."""
+    stage, twin, world = CONTENDERS[name][0], BLOCKING[CONTENDERS[name][0]], 2
+    if stage != 2 or name == twin:
+        return None
+    carried = ALLOWANCE * info[name][0]["elements"] / world  # elements whose 4 fp32 bytes the allowance holds
+    out = {}
+    for what, seconds in link_seconds.items():
+        bounds = [max(harness.exposure_bound(per_rank[r][4]["finals"], per_rank[r][4]["round_ends"], seconds,
+                                             carried * seconds) for r in range(world))
+                  for per_rank in rounds[name]]
+        out[what] = harness.ratio_stats(bounds, exposed[twin])
+    return out
+
+
+def print_table(gas, params, info, rounds, link_seconds):
     """Print one gas's table; return its rows."""
     step = {n: [max(r[0] for r in per_rank) for per_rank in results] for n, results in rounds.items()}
     exposed = {n: [t - max(r[1] for r in per_rank) for t, per_rank in zip(step[n], results)]
                for n, results in rounds.items()}
-    header = (f"{'gas ' + str(gas):<40} {'step ms':>7} {'exposed ms':>10} {'exp/coll (range)':>17} "
+    header = (f"{'gas ' + str(gas):<40} {'step ms':>7} {'exposed ms':>10} {'exp/coll (range)':>17} {'bound':>5} "
               f"{'grad B/param':>12} {'in bwd/all':>10} {'waits ms r0/r1':>14} {'final ms r0/r1':>14} {'identical':>9}")
     print(f"\n{header}\n{'-' * len(header)}")
     rows = []
@@ -387,12 +444,14 @@ def print_table(gas, params, info, rounds):
                "grad_bytes_per_param": max(r["grad_bytes"] for r in info[name]) / params,
                "reductions_in_backward": rank0["in_backward"], "reductions": rank0["reductions"],
                "buckets": rank0["buckets"], "waits_ms": waits, "finish_grad_sync_ms": final,
+               "exposed_bound": bound_stats(name, info, rounds, exposed, link_seconds),
                # None: another bucket layout than the blocking twin's (other shards: digests not comparable)
                "identical_to_blocking": (all(a["digest"] == b["digest"] for a, b in zip(info[name], info[twin]))
                                          if rank0["buckets"] == info[twin][0]["buckets"] else None)}
         rows.append(row)
         fraction = harness.ratio_text(row["exposed_over_collectives"], 2) if name != twin else "-"
-        print(f"{name:<40} {row['step_ms']:>7.0f} {row['exposed_ms']:>10.0f} {fraction:>17} "
+        bound = f"{row['exposed_bound']['alone']['median']:.2f}" if row["exposed_bound"] else "-"
+        print(f"{name:<40} {row['step_ms']:>7.0f} {row['exposed_ms']:>10.0f} {fraction:>17} {bound:>5} "
               f"{row['grad_bytes_per_param']:>12.2f} {rank0['in_backward']:>5}/{rank0['reductions']:<4} "
               f"{waits[0]:>6.0f}/{waits[1]:<7.0f} {final[0]:>6.0f}/{final[1]:<7.0f} "
               f"{IDENTICAL[row['identical_to_blocking']]:>9}", flush=True)

@@ -96,6 +96,57 @@ def test_timed_methods_adds_up_the_calls_and_restores_the_class():
     assert Channel.recv is original
 
 
+def test_timed_methods_records_when_each_call_began_in_call_order():
+    class Zero:
+        def launch(self):
+            pass
+
+        def end_of_round(self):
+            pass
+
+    began = []
+    with harness.timed_methods(Zero, ["launch", "end_of_round"], {}, began):
+        Zero().launch()
+        Zero().end_of_round()
+        Zero().launch()
+    assert [m for m, _ in began] == ["launch", "end_of_round", "launch"]
+    assert began[0][1] <= began[1][1] <= began[2][1]
+
+
+# ---- the exposure bound ------------------------------------------------------------------------------------
+def test_exposure_bound_waits_what_the_link_cannot_finish_by_the_round_end():
+    # 100 elements final at 0 s and 100 at 1 s, 0.01 s each on the link: done at 2 s; the round ends at 1.5 s.
+    finals = [(0.0, "a", 100), (1.0, "b", 100)]
+    assert harness.exposure_bound(finals, [1.5], 0.01) == pytest.approx(0.5)
+    assert harness.exposure_bound(finals, [2.5], 0.01) == 0.0  # finished before the round end
+    # The link is the bottleneck from the first gradient on: 300 elements from 0 s, whatever comes later.
+    assert harness.exposure_bound([(0.0, "a", 200), (1.5, "b", 100)], [1.5], 0.01) == pytest.approx(1.5)
+
+
+def test_exposure_bound_counts_a_parameter_once_per_round_at_its_last_hook():
+    # Two backwards in one round (k > 1): only the last hook makes the gradient final.
+    finals = [(0.0, "a", 100), (0.5, "a", 100)]
+    assert harness.exposure_bound(finals, [1.0], 0.01) == pytest.approx(0.5)  # 0.5 + 1.0 - 1.0
+    # Two rounds: each round's reductions are its own; a carry shortens every round end but the step's last.
+    two = [(0.0, "a", 100), (2.0, "a", 100)]
+    assert harness.exposure_bound(two, [0.5, 2.5], 0.01) == pytest.approx(0.5 + 0.5)
+    assert harness.exposure_bound(two, [0.5, 2.5], 0.01, carry_seconds=0.2) == pytest.approx(0.3 + 0.5)
+    assert harness.exposure_bound(two, [0.5, 2.5], 0.01, carry_seconds=9.0) == pytest.approx(0.5)
+
+
+def test_exposure_bound_equals_a_first_come_first_served_link_simulated_step_by_step():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        finals = [(rng.uniform(0, 1), key, rng.randint(1, 50)) for key in range(rng.randint(1, 12))]
+        end, seconds = rng.uniform(1.0, 1.5), rng.uniform(0.001, 0.03)
+        busy_until = float("-inf")  # the link serves gradients in the order they became final
+        for t, _, elements in sorted(finals):
+            busy_until = max(busy_until, t) + elements * seconds
+        assert harness.exposure_bound(finals, [end], seconds) == pytest.approx(max(0.0, busy_until - end))
+
+
 class FakeLink:
     """A wire whose transfer costs 10 ms of CPU plus 1 MB at its rate (tbf's model)."""
 

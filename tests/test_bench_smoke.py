@@ -68,10 +68,12 @@ LOOPBACK_RUNS = {
 }
 
 # The per-rank wire runs: bench -> (its options after --wire 200mbit, where its figures sit in the record, the
-# docs tables that render them). zero.py runs one variant (stock ZeRO-1: its baseline only), with 20 ms of emulated
-# accelerator compute per micro-batch; the variants' table columns are test_zero_table's, on loopback.
+# docs tables that render them). zero.py runs one variant (stock ZeRO-1: its baseline only) and zero_megatron.py
+# one contender, each with 20 ms of emulated accelerator compute per micro-batch; the variants' table columns are
+# test_zero_table's, on loopback.
 WIRE_RUNS = {
-    "zero_megatron": (["--quick", "--gas", "2", "--layers", "1", "--contenders", "ZeRO-2 default"], (),
+    "zero_megatron": (["--quick", "--gas", "2", "--layers", "1", "--contenders", "ZeRO-2 default",
+                       "--emulated-compute", "20"], (),
                       ["zero-megatron"]),
     "pp_schedule": (["--vpp", "2", "--layers", "4", "--microbatches", "4", "--rounds", "1", "--hidden", "32",
                      "--seq", "16", "--mbs", "1", "--agreed-order"], ("wire",), ["pp-wire"]),
@@ -326,6 +328,11 @@ def test_bench_runs_on_the_per_rank_wire(ahead, bench):
         default, blocking = rows["ZeRO-2 default"], rows["ZeRO-2 blocking"]
         assert default["reductions_in_backward"] == default["reductions"] > 0, default
         assert blocking["reductions_in_backward"] == 0 and default["identical_to_blocking"], rows
+        # the emulated compute is in the measured micro-batch; the exposure bound at both link speeds, ZeRO-2's
+        # overlapped contenders only
+        assert figures["model"]["emulated_compute_ms"] == 20 and figures["forward_backward_ms"] >= 20, figures
+        assert sorted(default["exposed_bound"]) == ["alone", "wire"] and blocking["exposed_bound"] is None, rows
+        assert all(b["min"] >= 0 for b in default["exposed_bound"].values()), default
     if bench == "zero":  # the emulated accelerator compute (the ranks sleep) is in the measured forward+backward
         assert figures["emulated_compute_ms"] == 20 and figures["forward_backward_ms"] >= 20, figures
     for table in tables:  # each states the wire's mode, rate and the run's command above the table
