@@ -409,8 +409,8 @@ def run(args, link, figures):
 
 def bound_stats(name, info, rounds, exposed, link_seconds):
     """ZeRO-2: the least exposed time at the memory the issue allows (the fp32 shard + ALLOWANCE), over the
-    blocking twin's exposed time, per round (harness.ratio_stats), for each link speed of ``link_seconds``
-    ({what: seconds per gradient element})."""
+    blocking twin's exposed time, per round (harness.ratio_stats; "bound_ms": the bound's median), for each link
+    speed of ``link_seconds`` ({what: seconds per gradient element})."""
     stage, twin, world = CONTENDERS[name][0], BLOCKING[CONTENDERS[name][0]], 2
     if stage != 2 or name == twin:
         return None
@@ -420,7 +420,7 @@ def bound_stats(name, info, rounds, exposed, link_seconds):
         bounds = [max(harness.exposure_bound(per_rank[r][4]["finals"], per_rank[r][4]["round_ends"], seconds,
                                              carried * seconds) for r in range(world))
                   for per_rank in rounds[name]]
-        out[what] = harness.ratio_stats(bounds, exposed[twin])
+        out[what] = {**harness.ratio_stats(bounds, exposed[twin]), "bound_ms": 1000 * statistics.median(bounds)}
     return out
 
 

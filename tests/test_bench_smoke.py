@@ -332,7 +332,7 @@ def test_bench_runs_on_the_per_rank_wire(ahead, bench):
         # overlapped contenders only
         assert figures["model"]["emulated_compute_ms"] == 20 and figures["forward_backward_ms"] >= 20, figures
         assert sorted(default["exposed_bound"]) == ["alone", "wire"] and blocking["exposed_bound"] is None, rows
-        assert all(b["min"] >= 0 for b in default["exposed_bound"].values()), default
+        assert all(b["bound_ms"] >= 0 for b in default["exposed_bound"].values()), default
     if bench == "zero":  # the emulated accelerator compute (the ranks sleep) is in the measured forward+backward
         assert figures["emulated_compute_ms"] == 20 and figures["forward_backward_ms"] >= 20, figures
     for table in tables:  # each states the wire's mode, rate and the run's command above the table
