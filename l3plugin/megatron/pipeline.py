@@ -33,7 +33,9 @@ Zero bubble (``pipeline_schedule="flexible-zb"``, ``forward_backward_pipelining_
 of a trainable stage split into B and W, the W steps placed where the rank would idle). B computes the input
 gradient and keeps what the weight gradients need; W accumulates them later, a chunk's W steps in its B order
 (``l3plugin.schedule.split_backward``: generic autograd, nothing on the input side computed twice), so every
-gradient is bit-identical to the flexible schedule's. Messages and receive posting are the flexible plan's;
+gradient is bit-identical to the flexible schedule's. Megatron's local linear layers compute through
+``l3plugin.megatron.split_linears`` during the step (their one-Function backward would otherwise do the weight
+products in B). Messages and receive posting are the flexible plan's;
 the grad-sync and round hooks run around a chunk's (round's) last W. Transformer Engine's own deferral
 (``delay_wgrad_compute``, ``backward_dw()``) is refused (NotImplementedError), as is
 ``gradient_accumulation_fusion`` (its weight gradient is added inside B).
@@ -55,6 +57,7 @@ import torch
 
 from l3plugin.arguments.checks import check_int
 from l3plugin.megatron.cp_documents import schedule_step
+from l3plugin.megatron.split_linears import splittable_linears
 from l3plugin.schedule.p2p import PipelineChannels, header_shape, pair_orders, posts_receives_early, shape_header
 from l3plugin.schedule.plan import FORWARD, WEIGHT, RankPlan, Schedule, build_schedule, with_trainable_stages
 from l3plugin.schedule.receives import receive_posts
@@ -532,7 +535,8 @@ def forward_backward_pipelining_flexible(
     embedding_module = _start_step(config, model, is_last_rank, forward_only)
     syncs.disable()
     syncs.start_param_gathers(-1)
-    with _first_stage_inputs_checked(model, r, tp_group, config, variable):
+    linears = splittable_linears(model) if split and not forward_only else contextlib.nullcontext()
+    with _first_stage_inputs_checked(model, r, tp_group, config, variable), linears:
         for index, action in enumerate(schedule.ranks[r].actions):
             try:
                 channels.before_action(index)
