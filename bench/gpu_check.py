@@ -32,11 +32,20 @@ recorded even when another fails (the JSON is rewritten after each, so a run cut
    start unless set); then the times (CUDA events, median of 5) of the fused backward, of B and of W, each net of
    the forward: B / fused is the share of the backward left on the pipeline's critical path, (B + W) / fused
    what the split costs.
+5. ``megatron_split``: the same on Megatron-Core's own layers (needs megatron-core; else recorded as skipped): a
+   ``TransformerBlock`` of the same shape with the local layer spec (l3plugin's attention, Megatron's
+   ``ColumnParallelLinear`` / ``RowParallelLinear``, RMSNorm, SwiGLU), world size 1. Gradients of the split with
+   Megatron's own linear Function and with ``l3plugin.megatron.split_linears`` (what flexible-zb runs) against
+   Megatron's fused backward, bit for bit (both modes), and B / W times of each: with Megatron's Function B does
+   the weight products as well (B / fused about 1), with the swap they move to W.
+
+``--sections`` runs some of them only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -58,6 +67,7 @@ HEADS_Q, HEADS_KV, HEAD_DIM, CP = 8, 1, 128, 4
 DEFAULT_SIZES = (8192, 32768, 131072)
 REFERENCE_BF16_UP_TO = 32768  # the bf16 reference kernel is many small calls: its error scale up to here only
 GPU_KERNELS = ("torch-varlen", "flash", "te")
+SECTIONS = ("cp_kernels", "zero", "split_backward", "megatron_split")
 
 
 def environment(device) -> dict:
@@ -241,13 +251,20 @@ def train(device, hidden, *, overlap, compiled, hooks=True, steps=3, micro_batch
             "guard_breaks": sum(n for why, n in counters["graph_break"].items() if "StaleReadGuard" in why)}
 
 
-def zero_check(device, hidden) -> dict:
+def init_process_group(device) -> None:
+    """One rank (NCCL on CUDA, gloo on CPU), once."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29531")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
+def zero_check(device, hidden) -> dict:
+    import torch.distributed as dist
+
+    init_process_group(device)
     out = {"hidden": hidden, "backend": dist.get_backend()}
     for key, compiled, hooks in (("eager", False, True), ("compiled", True, True), ("compiled_guard_only", True, False)):
         try:
@@ -264,6 +281,13 @@ def zero_check(device, hidden) -> dict:
         except Exception as exc:  # noqa: BLE001 - recorded; the other variant goes on
             out[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
     return out
+
+
+def compare_gradients(first, second) -> dict:
+    """[input gradient, weight gradients...] twice: bit for bit, and the largest difference."""
+    return {"input_grad_bit_identical": torch.equal(first[0], second[0]),
+            "weight_grads_bit_identical": all(torch.equal(a, b) for a, b in zip(first[1:], second[1:])),
+            "max_abs_difference": max(float((a.float() - b.float()).abs().max()) for a, b in zip(first, second))}
 
 
 # -- the zero-bubble split ----------------------------------------------------------------------------------
@@ -321,11 +345,6 @@ def split_backward_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, t
         input_grad = backward()
         return [input_grad] + [p.grad.clone() for p in params]
 
-    def compare(first, second) -> dict:
-        return {"input_grad_bit_identical": torch.equal(first[0], second[0]),
-                "weight_grads_bit_identical": all(torch.equal(a, b) for a, b in zip(first[1:], second[1:])),
-                "max_abs_difference": max(float((a.float() - b.float()).abs().max()) for a, b in zip(first, second))}
-
     out = {"hidden": hidden, "heads": [heads, kv_heads], "ffn": ffn, "tokens": tokens, "layers": layers,
            "dtype": "bfloat16"}
     # The control: a fused backward against itself. On CUDA flash attention's backward accumulates dq with
@@ -336,8 +355,8 @@ def split_backward_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, t
         torch.use_deterministic_algorithms(det)
         try:
             reference = gradients(fused)
-            out[key] = {"fused_vs_fused": compare(reference, gradients(fused)),
-                        "split_vs_fused": compare(reference, gradients(split))}
+            out[key] = {"fused_vs_fused": compare_gradients(reference, gradients(fused)),
+                        "split_vs_fused": compare_gradients(reference, gradients(split))}
         finally:
             torch.use_deterministic_algorithms(deterministic)
         del reference
@@ -360,6 +379,115 @@ def split_backward_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, t
     return out
 
 
+def megatron_split_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, tokens=4096, layers=2,
+                         rounds=9) -> dict:
+    """Section 5: the split on Megatron-Core's own layers (module docstring)."""
+    try:
+        from megatron.core import parallel_state, tensor_parallel
+    except ImportError as exc:
+        return {"skipped": f"megatron.core is not importable ({exc})"}
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from l3plugin.megatron.attention import gpt_layer_spec_with_cp_attention
+    from l3plugin.megatron.split_linears import splittable_linears
+    from l3plugin.schedule.split_backward import backward_input
+
+    init_process_group(device)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=kv_heads,
+        ffn_hidden_size=ffn, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm", add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, attention_dropout=0.0, hidden_dropout=0.0, gradient_accumulation_fusion=False,
+        use_cpu_initialization=device.type != "cuda")
+    block = TransformerBlock(config, gpt_layer_spec_with_cp_attention(normalization="RMSNorm"),
+                             post_layer_norm=False).to(device, torch.bfloat16)  # norms too, as Float16Module
+    params = [p for p in block.parameters() if p.requires_grad]
+    x = torch.randn(tokens, 1, hidden, device=device, dtype=torch.bfloat16)
+    grad_out = torch.randn(tokens, 1, hidden, device=device, dtype=torch.bfloat16)
+
+    def forward(swapped):
+        inp = x.detach().requires_grad_(True)
+        with splittable_linears(block) if swapped else contextlib.nullcontext():
+            return inp, block(hidden_states=inp, attention_mask=None)
+
+    def fused(swapped=False):
+        inp, out = forward(swapped)
+        out.backward(grad_out)
+        return inp.grad
+
+    def split(swapped, run_w=True):
+        inp, out = forward(swapped)
+        input_grad, weight_step = backward_input(out, grad_out, inp, params)
+        if run_w:
+            weight_step.run()
+        return input_grad
+
+    def gradients(backward):
+        for p in params:
+            p.grad = None
+        input_grad = backward()
+        return [input_grad] + [p.grad.clone() for p in params]
+
+    out = {"hidden": hidden, "heads": [heads, kv_heads], "ffn": ffn, "tokens": tokens, "layers": layers,
+           "dtype": "bfloat16", "layers_swapped": 0}
+    with splittable_linears(block) as swapped:
+        out["layers_swapped"] = swapped
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    for key, det in (("default", False), ("deterministic_algorithms", True)):
+        torch.use_deterministic_algorithms(det)
+        try:
+            reference = gradients(fused)
+            out[key] = {"fused_vs_fused": compare_gradients(reference, gradients(fused)),
+                        "split_vs_fused": compare_gradients(reference, gradients(lambda: split(False))),
+                        "swapped_split_vs_fused": compare_gradients(reference, gradients(lambda: split(True)))}
+        except Exception as exc:  # noqa: BLE001 - recorded; the timings go on
+            out[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
+        reference = None
+
+    def no_grads(fn):
+        def run():
+            for p in params:
+                p.grad = None
+            fn()
+        return run
+
+    # The two variants in interleaved rounds (each time the median of 3 after a warm-up), medians over rounds.
+    per_round = {False: [], True: []}
+    for _ in range(rounds):
+        for swapped in (False, True):
+            forward_s = timed(lambda: forward(swapped), device, repeats=3)  # the graph kept, then freed unused
+            per_round[swapped].append({
+                "forward": forward_s,
+                "fused": timed(no_grads(lambda: fused(swapped)), device, repeats=3) - forward_s,
+                "b": timed(no_grads(lambda: split(swapped, run_w=False)), device, repeats=3) - forward_s,
+                "split": timed(no_grads(lambda: split(swapped)), device, repeats=3) - forward_s})
+    megatron_fused = [r["fused"] for r in per_round[False]]
+    for key, swapped in (("megatron_function", False), ("split_linears", True)):
+        rows = per_round[swapped]
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        out[key] = {"forward_ms": round(med["forward"] * 1e3, 2), "fused_backward_ms": round(med["fused"] * 1e3, 2),
+                    "b_ms": round(med["b"] * 1e3, 2), "w_ms": round((med["split"] - med["b"]) * 1e3, 2),
+                    # against Megatron's fused backward of the same round
+                    "b_over_fused": round(statistics.median(r["b"] / f for r, f in zip(rows, megatron_fused)), 3),
+                    "b_plus_w_over_fused": round(statistics.median(
+                        r["split"] / f for r, f in zip(rows, megatron_fused)), 3)}
+    for what in ("forward", "fused"):
+        out[f"{what}_swapped_over_megatron"] = round(statistics.median(
+            a[what] / b[what] for a, b in zip(per_round[True], per_round[False])), 3)
+    out["rounds"] = rounds
+    out["note"] = ("each backward time net of the same forward (graph kept, then freed unused); ratios against "
+                   "Megatron's fused backward of the same round, median over interleaved rounds")
+    return out
+
+
 _OUT = None
 
 
@@ -375,6 +503,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=None,
                         help=f"tokens per packed sequence (default {' '.join(map(str, DEFAULT_SIZES))}; --cpu: 512)")
     parser.add_argument("--cpu", action="store_true", help="run the checks on CPU, small (development only)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="the sections run (default: all)")
     args = parser.parse_args(argv)
     for s in args.sizes or ():
         if s < 8 * CP or s % (2 * CP):
@@ -393,10 +523,13 @@ def main(argv=None) -> int:
     record = {"environment": environment(device)}
     print("environment: " + json.dumps(record["environment"]), flush=True)
     write(record)
+    small = dict(hidden=64, heads=4, kv_heads=2, ffn=96, tokens=64) if args.cpu else {}
     for name, run in (("cp_kernels", lambda: cp_kernels(device, sizes, record)),
                       ("zero", lambda: zero_check(device, 64 if args.cpu else 2048)),
-                      ("split_backward", lambda: split_backward_check(
-                          device, **(dict(hidden=64, heads=4, kv_heads=2, ffn=96, tokens=64) if args.cpu else {})))):
+                      ("split_backward", lambda: split_backward_check(device, **small)),
+                      ("megatron_split", lambda: megatron_split_check(device, **small))):
+        if name not in args.sections:
+            continue
         section_began = time.perf_counter()
         try:
             record[name] = run()

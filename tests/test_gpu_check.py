@@ -41,3 +41,19 @@ def test_split_backward_section_compares_against_one_fused_backward():
             got = out[mode][pair]
             assert got["input_grad_bit_identical"] and got["weight_grads_bit_identical"], (mode, pair, got)
             assert got["max_abs_difference"] == 0.0
+
+
+def megatron_section_small():
+    return gpu_check.megatron_split_check(torch.device("cpu"), hidden=32, heads=4, kv_heads=2, ffn=48, tokens=16)
+
+
+def test_megatron_split_section_compares_against_megatrons_fused_backward(ranks):
+    """Section 5 small on CPU (a rank worker: it sets up Megatron's parallel state): the swapped linears of a
+    Megatron TransformerBlock, B then W, give Megatron's fused backward bit for bit."""
+    out = ranks.run(1, megatron_section_small, timeout=120)[0]
+    assert out["layers_swapped"] == 8  # qkv, proj, fc1, fc2 of 2 layers
+    for mode in ("default", "deterministic_algorithms"):
+        for pair in ("fused_vs_fused", "split_vs_fused", "swapped_split_vs_fused"):
+            got = out[mode][pair]
+            assert got["input_grad_bit_identical"] and got["weight_grads_bit_identical"], (mode, pair, got)
+    assert {"b_ms", "w_ms", "b_over_fused"} <= out["split_linears"].keys()
