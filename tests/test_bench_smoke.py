@@ -54,6 +54,9 @@ LOOPBACK_RUNS = {
     "test_pp_zero_bubble_rows":
         ("bench/pp_schedule.py", "--zero-bubble", "--zb-vpp", "1", "--layers", "2", "--hidden", "32", "--seq", "8",
          "--mbs", "1", "--rounds", "1"),
+    "test_pp_zero_bubble_gpt_rows":
+        ("bench/pp_zero_bubble_gpt.py", "--vpps", "2", "--microbatches", "2", "--layers", "4", "--hidden", "32",
+         "--heads", "4", "--seq", "8", "--mbs", "1", "--rounds", "1"),
     "test_multimodal_real_section":
         ("bench/multimodal_pp.py", "real", "--hidden", "32", "--heads", "4", "--text-seq", "16", "--image-tokens",
          "16", "--encoder-width", "16", "--rounds", "1", "--microbatches", "2"),
@@ -105,7 +108,7 @@ def command(test):
 GROUPS = {
     "megatron": (["megatron.core"],
                  ["test_pp_schedule_real_run_and_simulated_tables", "test_pp_zero_bubble_rows",
-                  "test_multimodal_real_section",
+                  "test_pp_zero_bubble_gpt_rows", "test_multimodal_real_section",
                   wire_test("pp_schedule"), wire_test("zero_megatron")]),
     "others": (["transformers.models.llama.modeling_llama", "deepspeed", "torch._inductor.compile_fx"],
                ["test_autoload_startup_rows", "test_cp_attention_timed_rows", wire_test("cp_attention"),
@@ -282,6 +285,19 @@ def test_pp_zero_bubble_rows(ahead):
         assert [len(c) for c in costs["flexible"]] == [2, 2] and [len(c) for c in costs["flexible-zb"]] == [3, 3]
         assert costs["flexible-zb"][0][1] < costs["flexible-zb"][0][2] and costs["flexible-zb"][1][1] > 0
         assert row["simulated_step_ratio_measured_costs"] > 0 and len(row["split_over_fused_backward"]) == 2
+
+
+def test_pp_zero_bubble_gpt_rows(ahead):
+    """A GPTModel under flexible, flexible-zb and flexible-zb with Megatron's linear kept: identical gradients,
+    and every contender's spans per virtual stage (zb's: F, B and W; stage 0's B empty, its input needs none)."""
+    record, _ = ahead.record("test_pp_zero_bubble_gpt_rows")
+    (row,) = record["figures"]["rows"]
+    assert (row["v"], row["m"], row["stage"]) == (2, 2, 3) and row["identical_gradients"]
+    costs = row["stage_costs_ms"]
+    assert set(costs["flexible"]) == {f"{s}{op}" for s in range(4) for op in "FB"}
+    for contender in ("flexible-zb", "flexible-zb, Megatron's linear"):
+        assert set(costs[contender]) == {f"{s}{op}" for s in range(4) for op in "FBW"}
+        assert len(row["b_w_over_flexible_backward"][contender]) == 2
 
 
 def test_multimodal_real_section(ahead):

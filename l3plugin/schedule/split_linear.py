@@ -70,6 +70,8 @@ class _InputSide(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        if not ctx.needs_input_grad[0]:  # a frozen prefix's output: no input product (the same on every TP rank)
+            return None, None, None, grad_output, None, None, None
         (weight,) = ctx.saved_tensors
         grad_input = grad_output.matmul(weight)
         if ctx.allreduce_dgrad:

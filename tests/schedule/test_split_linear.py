@@ -130,3 +130,13 @@ def test_tensor_parallel_layouts_match_the_unsharded_layers(ranks, sequence_para
     for r in ranks.run(2, tp_column_then_row, sequence_parallel, timeout=60):
         assert all(torch.equal(a, b) for a, b in zip(r["split"], r["fused"]))
         assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(r["split"], r["reference"]))
+
+
+def test_an_input_without_gradient_costs_no_input_product():
+    params, f = two_layers()
+    x = torch.randn(5, 2, 6)  # e.g. a frozen embedding's output
+    out = f(x)
+    with Products() as count:
+        out.backward(torch.ones_like(out))
+    assert count.count == 3  # the second layer's input product and both weight products; not the first's input
+    assert all(p.grad is not None for p in params)
