@@ -167,6 +167,9 @@ DOC_FIGURES = (
      "bench/zero.py --emulated-compute's printed rows, by hand (JSON: docs/runs/zero_emulated_compute_*ms.json)"),
     ("docs/pipeline.md", "| v | m | step flexible / zb (ms) | zb / flexible (range) |", (),
      "bench/pp_schedule.py --zero-bubble's printed rows, by hand (its JSON: docs/runs/pp_zero_bubble_h1024_quiet.json)"),
+    ("docs/pipeline.md", "| v | m | zb / flexible (5 rounds; 9 rounds, range) |", (),
+     "bench/pp_zero_bubble_gpt.py's printed rows of two runs, by hand (docs/runs/pp_zero_bubble_gpt_5rounds.json, "
+     "_9rounds.json)"),
     ("docs/benchmarks.md", "| gas | contender | step ms | exposed ms | exp/coll | grad B/param | in bwd |",
      ("zero-megatron",), ""),
     ("docs/benchmarks.md", "| pp_variable_lengths run | contender |", (),
