@@ -313,9 +313,48 @@ class LlamaLayer(torch.nn.Module):
         return x + self.down(torch.nn.functional.silu(gate) * up)
 
 
-def split_backward_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, tokens=4096, layers=2) -> dict:
-    from l3plugin.schedule.split_backward import backward_input
+class StageBackward:
+    """One pipeline stage's backward, fused or split, from ``forward()`` -> (input leaf, output), and the
+    gradients each leaves (input gradient first, then ``params``' in order)."""
 
+    def __init__(self, forward, params, grad_out):
+        self.forward, self.params, self.grad_out = forward, params, grad_out
+
+    def fused(self):
+        inp, out = self.forward()
+        out.backward(self.grad_out)
+        return inp.grad
+
+    def split(self, run_w=True):
+        from l3plugin.schedule.split_backward import backward_input
+
+        inp, out = self.forward()
+        input_grad, weight_step = backward_input(out, self.grad_out, inp, self.params)
+        if run_w:
+            weight_step.run()
+        return input_grad
+
+    def gradients(self, backward):
+        self.clear()
+        input_grad = backward()
+        return [input_grad] + [p.grad.clone() for p in self.params]
+
+    def clear(self):
+        for p in self.params:
+            p.grad = None
+
+    def timed(self, device, repeats=5) -> dict:
+        """Seconds (``timed``) of the forward, and of the fused backward, B and B + W each net of that forward."""
+        forward_s = timed(self.forward, device, repeats)  # the forward that keeps the graph, freed unused
+
+        def net(fn):
+            return timed(lambda: (self.clear(), fn()), device, repeats) - forward_s
+
+        return {"forward": forward_s, "fused": net(self.fused), "b": net(lambda: self.split(run_w=False)),
+                "split": net(self.split)}
+
+
+def split_backward_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, tokens=4096, layers=2) -> dict:
     torch.manual_seed(0)
     stage = torch.nn.Sequential(*(LlamaLayer(hidden, heads, kv_heads, ffn) for _ in range(layers)))
     stage = stage.to(device, torch.bfloat16)
@@ -327,23 +366,8 @@ def split_backward_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, t
         inp = x.detach().requires_grad_(True)
         return inp, stage(inp)
 
-    def fused():
-        inp, out = forward()
-        out.backward(grad_out)
-        return inp.grad
-
-    def split(run_w=True):
-        inp, out = forward()
-        input_grad, weight_step = backward_input(out, grad_out, inp, params)
-        if run_w:
-            weight_step.run()
-        return input_grad
-
-    def gradients(backward):
-        for p in params:
-            p.grad = None
-        input_grad = backward()
-        return [input_grad] + [p.grad.clone() for p in params]
+    stage_backward = StageBackward(forward, params, grad_out)
+    gradients, fused, split = stage_backward.gradients, stage_backward.fused, stage_backward.split
 
     out = {"hidden": hidden, "heads": [heads, kv_heads], "ffn": ffn, "tokens": tokens, "layers": layers,
            "dtype": "bfloat16"}
@@ -361,20 +385,10 @@ def split_backward_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, t
             torch.use_deterministic_algorithms(deterministic)
         del reference
 
-    def no_grads(fn):
-        def run():
-            for p in params:
-                p.grad = None
-            fn()
-        return run
-
-    forward_s = timed(forward, device)  # the forward that keeps the graph, freed unused
-    fused_s = timed(no_grads(fused), device) - forward_s
-    b_s = timed(no_grads(lambda: split(run_w=False)), device) - forward_s
-    split_s = timed(no_grads(split), device) - forward_s
-    out.update(forward_ms=round(forward_s * 1e3, 2), fused_backward_ms=round(fused_s * 1e3, 2),
-               b_ms=round(b_s * 1e3, 2), w_ms=round((split_s - b_s) * 1e3, 2),
-               b_over_fused=round(b_s / fused_s, 3), b_plus_w_over_fused=round(split_s / fused_s, 3),
+    t = stage_backward.timed(device)
+    out.update(forward_ms=round(t["forward"] * 1e3, 2), fused_backward_ms=round(t["fused"] * 1e3, 2),
+               b_ms=round(t["b"] * 1e3, 2), w_ms=round((t["split"] - t["b"]) * 1e3, 2),
+               b_over_fused=round(t["b"] / t["fused"], 3), b_plus_w_over_fused=round(t["split"] / t["fused"], 3),
                note="each time net of the same forward (graph kept, then freed unused)")
     return out
 
@@ -391,7 +405,6 @@ def megatron_split_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, t
 
     from l3plugin.megatron.attention import gpt_layer_spec_with_cp_attention
     from l3plugin.megatron.split_linears import splittable_linears
-    from l3plugin.schedule.split_backward import backward_input
 
     init_process_group(device)
     if not parallel_state.model_parallel_is_initialized():
@@ -416,62 +429,34 @@ def megatron_split_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, t
         with splittable_linears(block) if swapped else contextlib.nullcontext():
             return inp, block(hidden_states=inp, attention_mask=None)
 
-    def fused(swapped=False):
-        inp, out = forward(swapped)
-        out.backward(grad_out)
-        return inp.grad
-
-    def split(swapped, run_w=True):
-        inp, out = forward(swapped)
-        input_grad, weight_step = backward_input(out, grad_out, inp, params)
-        if run_w:
-            weight_step.run()
-        return input_grad
-
-    def gradients(backward):
-        for p in params:
-            p.grad = None
-        input_grad = backward()
-        return [input_grad] + [p.grad.clone() for p in params]
+    megatron, swapped = (StageBackward(lambda on=on: forward(on), params, grad_out) for on in (False, True))
 
     out = {"hidden": hidden, "heads": [heads, kv_heads], "ffn": ffn, "tokens": tokens, "layers": layers,
            "dtype": "bfloat16", "layers_swapped": 0}
-    with splittable_linears(block) as swapped:
-        out["layers_swapped"] = swapped
+    with splittable_linears(block) as count:
+        out["layers_swapped"] = count
     deterministic = torch.are_deterministic_algorithms_enabled()
     for key, det in (("default", False), ("deterministic_algorithms", True)):
         torch.use_deterministic_algorithms(det)
         try:
-            reference = gradients(fused)
-            out[key] = {"fused_vs_fused": compare_gradients(reference, gradients(fused)),
-                        "split_vs_fused": compare_gradients(reference, gradients(lambda: split(False))),
-                        "swapped_split_vs_fused": compare_gradients(reference, gradients(lambda: split(True)))}
+            reference = megatron.gradients(megatron.fused)
+            out[key] = {"fused_vs_fused": compare_gradients(reference, megatron.gradients(megatron.fused)),
+                        "split_vs_fused": compare_gradients(reference, megatron.gradients(megatron.split)),
+                        "swapped_split_vs_fused": compare_gradients(reference, swapped.gradients(swapped.split))}
         except Exception as exc:  # noqa: BLE001 - recorded; the timings go on
             out[key] = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
             torch.use_deterministic_algorithms(deterministic)
         reference = None
 
-    def no_grads(fn):
-        def run():
-            for p in params:
-                p.grad = None
-            fn()
-        return run
-
     # The two variants in interleaved rounds (each time the median of 3 after a warm-up), medians over rounds.
     per_round = {False: [], True: []}
     for _ in range(rounds):
-        for swapped in (False, True):
-            forward_s = timed(lambda: forward(swapped), device, repeats=3)  # the graph kept, then freed unused
-            per_round[swapped].append({
-                "forward": forward_s,
-                "fused": timed(no_grads(lambda: fused(swapped)), device, repeats=3) - forward_s,
-                "b": timed(no_grads(lambda: split(swapped, run_w=False)), device, repeats=3) - forward_s,
-                "split": timed(no_grads(lambda: split(swapped)), device, repeats=3) - forward_s})
+        for is_swapped, variant in ((False, megatron), (True, swapped)):
+            per_round[is_swapped].append(variant.timed(device, repeats=3))
     megatron_fused = [r["fused"] for r in per_round[False]]
-    for key, swapped in (("megatron_function", False), ("split_linears", True)):
-        rows = per_round[swapped]
+    for key, is_swapped in (("megatron_function", False), ("split_linears", True)):
+        rows = per_round[is_swapped]
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         out[key] = {"forward_ms": round(med["forward"] * 1e3, 2), "fused_backward_ms": round(med["fused"] * 1e3, 2),
                     "b_ms": round(med["b"] * 1e3, 2), "w_ms": round((med["split"] - med["b"]) * 1e3, 2),

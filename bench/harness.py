@@ -60,6 +60,27 @@ def interleaved_rounds(names, run, rounds: int, warmup: int = 1) -> dict:
     return kept
 
 
+def rounds_with_gradients_checked(names, run, rounds: int) -> tuple[dict, set]:
+    """``interleaved_rounds`` of ``run(name)``, each result a list of per-rank dicts holding "grads" ({key:
+    tensor}): every result's gradients against the first result's, rank by rank, bit for bit. Returns (the kept
+    rounds, "grads" removed; the names whose gradients differed in some round)."""
+    import torch
+
+    reference, differ = [], set()
+
+    def checked(name):
+        result = run(name)
+        reference[:] = reference or [r["grads"] for r in result]
+        if not all(a.keys() == r["grads"].keys() and all(torch.equal(a[key], r["grads"][key]) for key in a)
+                   for a, r in zip(reference, result)):
+            differ.add(name)
+        for r in result:
+            del r["grads"]
+        return result
+
+    return interleaved_rounds(names, checked, rounds), differ
+
+
 def ratio_stats(top, bottom) -> dict:
     """Per-round ratios top[i] / bottom[i]: {"median", "min", "max"}."""
     top, bottom = list(top), list(bottom)

@@ -411,8 +411,6 @@ def _zb_step(v, m, k, schedule, layers, hidden, seq, mbs):
 
 def zb_run(pool, args):
     """Every configuration's contenders interleaved over rounds; returns the printed figures."""
-    import torch
-
     from l3plugin.schedule.simulate import simulate
 
     p, k = ZB_P, ZB_P
@@ -425,19 +423,11 @@ def zb_run(pool, args):
           f"{'in flight':>9} {'saved MB':>11} {'identical':>9}")
     for v in args.zb_vpp:
         for m in (p, 2 * p, 4 * p):
-            reference, differ = [], set()
-
             def run(schedule):
-                result = pool.run(_zb_step, v, m, k, schedule, args.layers, args.hidden, args.seq, args.mbs,
-                                  timeout=1800)
-                reference[:] = reference or [r["grads"] for r in result]
-                if not all(all(torch.equal(a[lid], r["grads"][lid]) for lid in a) for a, r in zip(reference, result)):
-                    differ.add(schedule)
-                for r in result:
-                    del r["grads"]
-                return result
+                return pool.run(_zb_step, v, m, k, schedule, args.layers, args.hidden, args.seq, args.mbs,
+                                timeout=1800)
 
-            times = harness.interleaved_rounds(ZB_CONTENDERS, run, args.rounds)
+            times, differ = harness.rounds_with_gradients_checked(ZB_CONTENDERS, run, args.rounds)
             walls = {s: [max(r["wall"] for r in ranks) for ranks in times[s]] for s in ZB_CONTENDERS}
             busy = {s: [statistics.median(ranks[r]["busy"] for ranks in times[s]) for r in range(p)]
                     for s in ZB_CONTENDERS}

@@ -102,8 +102,6 @@ def simulated_step_ratios(v, m, costs) -> dict:
 
 
 def run(pool, args) -> dict:
-    import torch
-
     figures = {"rows": []}
     print(f"flexible vs flexible-zb on a GPTModel: 2 gloo ranks, pp {P}, k {P}, {args.layers} layers, hidden "
           f"{args.hidden}, {args.heads} heads, seq {args.seq}, mbs {args.mbs}, fp32; {args.rounds} rounds after a "
@@ -113,20 +111,11 @@ def run(pool, args) -> dict:
           f"{'W zb | zb-M':>12} {'identical':>9}")
     for v in args.vpps:
         for m in args.microbatches:
-            reference, differ = [], set()
-
             def run_one(contender):
-                result = pool.run(_step, v, m, contender, args.layers, args.hidden, args.heads, args.seq, args.mbs,
-                                  timeout=1800)
-                reference[:] = reference or [r["grads"] for r in result]
-                if not all(a.keys() == r["grads"].keys() and all(torch.equal(a[n], r["grads"][n]) for n in a)
-                           for a, r in zip(reference, result)):
-                    differ.add(contender)
-                for r in result:
-                    del r["grads"]
-                return result
+                return pool.run(_step, v, m, contender, args.layers, args.hidden, args.heads, args.seq, args.mbs,
+                                timeout=1800)
 
-            times = harness.interleaved_rounds(CONTENDERS, run_one, args.rounds)
+            times, differ = harness.rounds_with_gradients_checked(CONTENDERS, run_one, args.rounds)
             walls = {c: [max(r["wall"] for r in ranks) for ranks in times[c]] for c in CONTENDERS}
             step = {c: statistics.median(walls[c]) for c in CONTENDERS}
             busy = {c: [statistics.median(ranks[r]["busy"] for ranks in times[c]) for r in range(P)]

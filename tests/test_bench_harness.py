@@ -362,3 +362,19 @@ def test_machine_facts_name_the_cpu_and_the_flags_that_change_compute_speed():
     assert facts["cpu_model"] == next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
     flags = set(next(line for line in lines if line.startswith("flags")).split(":", 1)[1].split())
     assert facts["cpu_flags"] == [f for f in harness.CPU_FLAGS_OF_NOTE if f in flags]
+
+
+def test_rounds_with_gradients_checked_names_the_contender_that_differs():
+    import torch
+
+    calls = []
+
+    def run(name):
+        calls.append(name)
+        grad = torch.ones(3) if name != "off" or len(calls) < 4 else torch.tensor([1.0, 1.0, 1.0 + 1e-7])
+        return [{"wall": 1.0, "grads": {"w": grad.clone()}}, {"wall": 2.0, "grads": {"w": torch.zeros(2)}}]
+
+    kept, differ = harness.rounds_with_gradients_checked(["a", "off"], run, rounds=2)
+    assert differ == {"off"}  # its run in the last round differs in one element; "a" never does
+    assert [len(kept[n]) for n in ("a", "off")] == [2, 2]
+    assert all("grads" not in r for n in kept for ranks in kept[n] for r in ranks)
