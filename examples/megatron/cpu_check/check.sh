@@ -100,11 +100,17 @@ declare -A CMD=(
   [pp2_vp2_patch_flexible]="$RUN pretrain_gpt_l3plugin.py $MODEL4 $VP2 --pipeline-schedule flexible"
   [pp2_vp2_k1_flexible]="$LAUNCH $MODEL4 $VP2 --microbatch-group-size-per-virtual-pipeline-stage 1 --pipeline-schedule flexible"
   [pp2_vp2_k1_stock_refuses]="$RUN pretrain_gpt.py $MODEL4 $VP2 --microbatch-group-size-per-virtual-pipeline-stage 1"
+  # Zero bubble: each backward split into B and W (Megatron's local linears through l3plugin's split_linears).
+  [pp2_flexible_zb]="$LAUNCH $MODEL4 $PP2 --pipeline-schedule flexible-zb"
+  [pp2_vp2_flexible_zb]="$LAUNCH $MODEL4 $VP2 --pipeline-schedule flexible-zb"
+  [tp2_pp2_stock]="$RUN4 pretrain_gpt.py $MODEL4 $TP2PP2"
+  [tp2_pp2_flexible_zb]="$LAUNCH4 $MODEL4 $TP2PP2 --pipeline-schedule flexible-zb"
 )
 ORDER="cp1_stock cp2_2cp_regather cp2_2cp_keep cp2_balanced_regather cp2_balanced_keep cp2_patch_2cp cp2_no_documents cp2_stock_refuses
  idm_cp2_2cp idm_cp2_balanced idm_cp2_patch tp2_cp1_stock idm_tp2_cp2
  cp1_stock_per_rank_mean cp2_2cp_per_rank_mean pp2_cp1_stock pp2_cp2_2cp planner_cp2_regather planner_cp2_keep planner_flags_cp1_stock
  pp2_stock pp2_flexible pp2_vp2_stock pp2_vp2_flexible pp2_vp2_patch_flexible pp2_vp2_k1_flexible pp2_vp2_k1_stock_refuses
+ pp2_flexible_zb pp2_vp2_flexible_zb tp2_pp2_stock tp2_pp2_flexible_zb
  init_ckpt ckpt_cp1_stock ckpt_pp4_cp1_stock ckpt_pp4_cp2 ckpt_pp4_cp2_flexible ckpt_vp2_cp1_flexible ckpt_vp2_cp2_flexible
  ckpt_vp2_cp2_idm_flexible
  ckpt_vp2_cp2_stock ckpt_tp2_pp2_cp1_stock ckpt_tp2_pp2_cp2 planner_4d planner_4d_fp32 ckpt_cp1_stock_bf16"
