@@ -226,7 +226,16 @@ def gpt_zero_steps_both(pp, vpp, m, k, steps=2):
     return {overlap: gpt_zero_steps(pp, vpp, m, k, overlap, steps, mesh) for overlap in (False, True)}
 
 
-def gpt_zero_steps(pp, vpp, m, k, overlap, steps=2, mesh=None):
+def gpt_zero_steps_per_schedule(pp, vpp, m, k, steps=2):
+    """``gpt_zero_steps`` overlapped (the defaults) under flexible, then flexible-zb, on one mesh."""
+    from l3plugin.mesh.groups import init_mesh
+
+    mesh = init_mesh(pp=pp, vpp=vpp)
+    return {schedule: gpt_zero_steps(pp, vpp, m, k, True, steps, mesh, schedule)
+            for schedule in ("flexible", "flexible-zb")}
+
+
+def gpt_zero_steps(pp, vpp, m, k, overlap, steps=2, mesh=None, pipeline_schedule="flexible"):
     """A tiny GPTModel (word embedding tied to the output layer; one layer per (virtual) pipeline stage, 2 at
     pp 1), dp 2, ZeRO-2 with small buckets, ``steps`` steps of the flexible schedule. Returns the parameters by
     name and whether each DP reduction of the last step started during a backward."""
@@ -261,7 +270,7 @@ def gpt_zero_steps(pp, vpp, m, k, overlap, steps=2, mesh=None):
             in_backward.clear()
             forward_backward_pipelining_flexible(
                 forward_step_func=gpt.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-                num_microbatches=m, seq_length=16, micro_batch_size=2)
+                num_microbatches=m, seq_length=16, micro_batch_size=2, pipeline_schedule=pipeline_schedule)
             zero.step()
     dp_ranks = dist.get_process_group_ranks(zero.group)
     return {"params": {global_name(c, n): q.detach().clone() for c in chunks for n, q in c.named_parameters()},
@@ -282,3 +291,14 @@ def test_gpt_reductions_in_backward_are_bit_identical_to_blocking(ranks, pp, vpp
         assert not any(b["during_backward"]) and len(b["during_backward"]) == len(o["during_backward"]), rank
         for name, value in b["params"].items():
             assert torch.equal(value, o["params"][name]), (rank, name)
+
+
+def test_gpt_zero_under_flexible_zb_is_bit_identical_to_flexible(ranks):
+    """The same GPTModel, dp 2, pp 2 x vpp 2, ZeRO-2 overlapped: under flexible-zb (Megatron's linears split by
+    split_linears, the weight gradients and with them ZeRO's gradient hooks and reduce-scatters in the W steps,
+    the round hooks around each round's last W) every parameter after 2 steps equals flexible's bit for bit."""
+    for rank, r in enumerate(ranks.run(4, gpt_zero_steps_per_schedule, 2, 2, 3, 2, timeout=300)):
+        flexible, split = r["flexible"], r["flexible-zb"]
+        assert split["buckets"] > 2 and split["params"].keys() == flexible["params"].keys()
+        for name, value in flexible["params"].items():
+            assert torch.equal(value, split["params"][name]), (rank, name)
