@@ -37,8 +37,8 @@ gradient is bit-identical to the flexible schedule's. Megatron's local linear la
 ``l3plugin.megatron.split_linears`` during the step (their one-Function backward would otherwise do the weight
 products in B). Messages and receive posting are the flexible plan's;
 the grad-sync and round hooks run around a chunk's (round's) last W. Transformer Engine's own deferral
-(``delay_wgrad_compute``, ``backward_dw()``) is refused (NotImplementedError), as is
-``gradient_accumulation_fusion`` (its weight gradient is added inside B).
+(``delay_wgrad_compute``, ``backward_dw()``) is refused (NotImplementedError), as are
+``gradient_accumulation_fusion`` (its weight gradient is added inside B) and recompute of modules with weights.
 
 Frozen layers: every call agrees over the PP group (one all-reduce of p x v flags) which virtual stages
 hold a trainable parameter (``requires_grad``). Stages before the first such stage skip their backward,
@@ -454,6 +454,15 @@ def check_split_config(config) -> None:
             "--pipeline-schedule flexible-zb with delay_wgrad_compute (Transformer Engine layers' own weight-"
             "gradient deferral, backward_dw()) is not implemented: the schedule splits the backward with autograd "
             "itself (l3plugin.schedule.split_backward); turn delay_wgrad_compute off")
+    granularity = getattr(config, "recompute_granularity", None)
+    with_weights = sorted(set(getattr(config, "recompute_modules", None) or ()) & {"mlp", "moe", "shared_experts"})
+    if granularity == "full" or (granularity == "selective" and with_weights):
+        what = "recompute_granularity='full'" if granularity == "full" else f"recompute_modules={with_weights}"
+        raise ValueError(
+            f"--pipeline-schedule flexible-zb with {what}: Megatron's recompute runs each recomputed module's "
+            "whole backward, weight gradients included, inside one autograd Function, i.e. inside B, so the split "
+            "would move nothing off the critical path there; use --recompute-granularity selective with modules "
+            "that hold no weights (core_attn, the default) or --pipeline-schedule flexible")
     if getattr(config, "gradient_accumulation_fusion", False):
         raise ValueError(
             "--pipeline-schedule flexible-zb with gradient_accumulation_fusion=True: the fused linear layers add "

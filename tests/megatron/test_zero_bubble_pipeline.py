@@ -121,4 +121,9 @@ def test_split_refuses_what_it_cannot_run():
         check_split_config(SimpleNamespace(delay_wgrad_compute=True))
     with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
         check_split_config(SimpleNamespace(gradient_accumulation_fusion=True))
+    with pytest.raises(ValueError, match="recompute_granularity='full'.*selective"):
+        check_split_config(SimpleNamespace(recompute_granularity="full"))
+    with pytest.raises(ValueError, match=r"recompute_modules=\['mlp'\]"):
+        check_split_config(SimpleNamespace(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]))
+    check_split_config(SimpleNamespace(recompute_granularity="selective", recompute_modules=["core_attn"]))
     check_split_config(gpt.gpt_config(2))  # Megatron's defaults: fine
