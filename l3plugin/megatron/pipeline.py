@@ -57,7 +57,7 @@ import torch
 
 from l3plugin.arguments.checks import check_int
 from l3plugin.megatron.cp_documents import schedule_step
-from l3plugin.megatron.split_linears import splittable_linears
+from l3plugin.megatron.split_linears import check_split_config, splittable_linears
 from l3plugin.schedule.p2p import PipelineChannels, header_shape, pair_orders, posts_receives_early, shape_header
 from l3plugin.schedule.plan import FORWARD, WEIGHT, RankPlan, Schedule, build_schedule, with_trainable_stages
 from l3plugin.schedule.receives import receive_posts
@@ -445,29 +445,6 @@ def _backward_timer(config):
         yield
     finally:
         config.timers("backward-compute").stop()
-
-
-def check_split_config(config) -> None:
-    """Refuse what a split backward cannot run (``pipeline_schedule="flexible-zb"``), naming the setting."""
-    if getattr(config, "delay_wgrad_compute", False):
-        raise NotImplementedError(
-            "--pipeline-schedule flexible-zb with delay_wgrad_compute (Transformer Engine layers' own weight-"
-            "gradient deferral, backward_dw()) is not implemented: the schedule splits the backward with autograd "
-            "itself (l3plugin.schedule.split_backward); turn delay_wgrad_compute off")
-    granularity = getattr(config, "recompute_granularity", None)
-    with_weights = sorted(set(getattr(config, "recompute_modules", None) or ()) & {"mlp", "moe", "shared_experts"})
-    if granularity == "full" or (granularity == "selective" and with_weights):
-        what = "recompute_granularity='full'" if granularity == "full" else f"recompute_modules={with_weights}"
-        raise ValueError(
-            f"--pipeline-schedule flexible-zb with {what}: Megatron's recompute runs each recomputed module's "
-            "whole backward, weight gradients included, inside one autograd Function, i.e. inside B, so the split "
-            "would move nothing off the critical path there; use --recompute-granularity selective with modules "
-            "that hold no weights (core_attn, the default) or --pipeline-schedule flexible")
-    if getattr(config, "gradient_accumulation_fusion", False):
-        raise ValueError(
-            "--pipeline-schedule flexible-zb with gradient_accumulation_fusion=True: the fused linear layers add "
-            "their weight gradient into main_grad inside the input-gradient backward (B), which a W step cannot "
-            "take over; use --no-gradient-accumulation-fusion (or --pipeline-schedule flexible)")
 
 
 def _start_step(config, model, is_last_rank, forward_only):

@@ -12,6 +12,7 @@ autograd nodes, so gradients stay bit-identical and B leaves the weight products
 Calls it does not cover go to Megatron's own implementation unchanged (correct, but their weight products stay
 in B): frozen weights, ``gradient_accumulation_fusion`` (refused by flexible-zb anyway), the deferred embedding
 weight gradient (``grad_output_buffer``), GTP (``gtp_remat_size`` > 1), autocast, positional or unknown arguments.
+:func:`check_split_config` refuses the settings under which a split cannot run or would move nothing.
 """
 
 from __future__ import annotations
@@ -68,3 +69,26 @@ def splittable_linears(model_chunks):
     finally:
         for module in swapped:
             del module._forward_impl
+
+
+def check_split_config(config) -> None:
+    """Refuse what a split backward cannot run (``pipeline_schedule="flexible-zb"``), naming the setting."""
+    if getattr(config, "delay_wgrad_compute", False):
+        raise NotImplementedError(
+            "--pipeline-schedule flexible-zb with delay_wgrad_compute (Transformer Engine layers' own weight-"
+            "gradient deferral, backward_dw()) is not implemented: the schedule splits the backward with autograd "
+            "itself (l3plugin.schedule.split_backward); turn delay_wgrad_compute off")
+    granularity = getattr(config, "recompute_granularity", None)
+    with_weights = sorted(set(getattr(config, "recompute_modules", None) or ()) & {"mlp", "moe", "shared_experts"})
+    if granularity == "full" or (granularity == "selective" and with_weights):
+        what = "recompute_granularity='full'" if granularity == "full" else f"recompute_modules={with_weights}"
+        raise ValueError(
+            f"--pipeline-schedule flexible-zb with {what}: Megatron's recompute runs each recomputed module's "
+            "whole backward, weight gradients included, inside one autograd Function, i.e. inside B, so the split "
+            "would move nothing off the critical path there; use --recompute-granularity selective with modules "
+            "that hold no weights (core_attn, the default) or --pipeline-schedule flexible")
+    if getattr(config, "gradient_accumulation_fusion", False):
+        raise ValueError(
+            "--pipeline-schedule flexible-zb with gradient_accumulation_fusion=True: the fused linear layers add "
+            "their weight gradient into main_grad inside the input-gradient backward (B), which a W step cannot "
+            "take over; use --no-gradient-accumulation-fusion (or --pipeline-schedule flexible)")

@@ -115,7 +115,7 @@ def test_gpt_pp2_vpp2_zero_bubble_matches_flexible_and_serial(ranks):
 def test_split_refuses_what_it_cannot_run():
     from types import SimpleNamespace
 
-    from l3plugin.megatron.pipeline import check_split_config
+    from l3plugin.megatron.split_linears import check_split_config
 
     with pytest.raises(NotImplementedError, match="delay_wgrad_compute"):
         check_split_config(SimpleNamespace(delay_wgrad_compute=True))
