@@ -13,15 +13,18 @@ flexible (range), each rank's busy time (the executor's own spans, receives excl
 last virtual stage (its input needs a gradient) against flexible's backward there, whether every gradient was
 identical across the three in every round, and below each row the plans simulated with the step costs the run
 measured (the median span of each step kind per virtual stage): zb's step over flexible's, what the plan can give
-at those costs.
+at those costs; and the most bytes held for the backward at once on the larger rank, by census: the tensors
+autograd saved plus, under flexible-zb, the gradients each W step keeps from its B (l3plugin.debug.saved_tensors).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))  # tiny_gpt and the CPU shim
@@ -47,10 +50,34 @@ def _model(v, layers, hidden, heads, seq):
                                 vp_stage=c if v > 1 else None, seq_len=seq, pp_rank=r) for c in range(v)]
 
 
+@contextlib.contextmanager
+def _weight_steps_counted(census):
+    """On a rank: what each W step keeps from its B (the gradients it will start from) counted in ``census``
+    until the W step runs."""
+    from l3plugin.schedule.split_backward import WeightStep
+
+    init, run = WeightStep.__init__, WeightStep.run
+
+    def counted_init(self, calls, *args, **kwargs):
+        init(self, calls, *args, **kwargs)
+        self.census_release = census.hold([g for _, grads, *_ in calls for g in grads if g is not None])
+
+    def counted_run(self):
+        try:
+            run(self)
+        finally:
+            self.census_release()
+
+    with mock.patch.object(WeightStep, "__init__", counted_init), mock.patch.object(WeightStep, "run", counted_run):
+        yield
+
+
 def _step(v, m, contender, layers, hidden, heads, seq, mbs):
-    """On every rank: one timed training step; wall, busy, spans, gradients."""
+    """On every rank: one timed training step; wall, busy, spans, the most bytes autograd's saved tensors and the
+    W steps' kept gradients held at once (census), gradients."""
     import tiny_gpt as gpt
 
+    from l3plugin.debug.saved_tensors import SavedTensorCensus
     from l3plugin.megatron import forward_backward_pipelining_flexible
     from l3plugin.megatron.split_linears import _local_linear_classes
 
@@ -63,17 +90,18 @@ def _step(v, m, contender, layers, hidden, heads, seq, mbs):
                     module._forward_impl = type(module)._forward_impl.__get__(module)
                     pinned.append(module)
     batches = gpt.microbatches(m, mbs, seq)
-    waits = {}
+    waits, census = {}, SavedTensorCensus()
     try:
-        timing, _ = harness.barrier_timed(lambda: forward_backward_pipelining_flexible(
-            forward_step_func=gpt.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-            num_microbatches=m, seq_length=seq, micro_batch_size=mbs, waits=waits,
-            pipeline_schedule="flexible" if contender == "flexible" else "flexible-zb"), group=mesh.pp_group)
+        with census.hooks, _weight_steps_counted(census):
+            timing, _ = harness.barrier_timed(lambda: forward_backward_pipelining_flexible(
+                forward_step_func=gpt.forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
+                num_microbatches=m, seq_length=seq, micro_batch_size=mbs, waits=waits,
+                pipeline_schedule="flexible" if contender == "flexible" else "flexible-zb"), group=mesh.pp_group)
     finally:
         for module in pinned:
             del module._forward_impl
     return {"wall": timing["wall"], "busy": waits["busy_s"], "rank": mesh.coords["pp"], "actions": waits["actions"],
-            "grads": gpt.named_grads(chunks)}
+            "peak": census.peak, "grads": gpt.named_grads(chunks)}
 
 
 def stage_medians(rounds, v):
@@ -122,6 +150,7 @@ def run(pool, args) -> dict:
                     for c in CONTENDERS}
             ratios = {c: harness.ratio_stats(walls[c], walls["flexible"]) for c in CONTENDERS[1:]}
             medians = {c: stage_medians(times[c], v) for c in CONTENDERS}
+            peak_mb = {c: max(r["peak"] for ranks in times[c] for r in ranks) / 1e6 for c in CONTENDERS}
             stage = P * v - 1  # the last virtual stage: its input needs a gradient, so its backward splits
             backward = medians["flexible"][(stage, "B")]
             split = {c: (medians[c].get((stage, "B"), 0.0) / backward, medians[c].get((stage, "W"), 0.0) / backward)
@@ -132,6 +161,7 @@ def run(pool, args) -> dict:
                    "stage_costs_ms": {c: {f"{s}{op}": 1000 * t for (s, op), t in sorted(medians[c].items())}
                                       for c in CONTENDERS},
                    "simulated_step_ratio_measured_costs": simulated_step_ratios(v, m, medians),
+                   "peak_held_mb": peak_mb,
                    "identical_gradients": not differ}
             figures["rows"].append(row)
             zb, zbm = CONTENDERS[1], CONTENDERS[2]
@@ -142,7 +172,9 @@ def run(pool, args) -> dict:
                   f"{'yes' if not differ else 'NO ' + ', '.join(sorted(differ)):>9}", flush=True)
             print(f"       simulated with the measured step costs, step over flexible: zb "
                   f"{row['simulated_step_ratio_measured_costs'][zb]:.3f}, zb-M "
-                  f"{row['simulated_step_ratio_measured_costs'][zbm]:.3f}", flush=True)
+                  f"{row['simulated_step_ratio_measured_costs'][zbm]:.3f}; most MB held for the backward at once "
+                  f"(saved tensors and W's kept gradients, larger rank): "
+                  f"{' / '.join(f'{peak_mb[c]:.1f}' for c in CONTENDERS)}", flush=True)
     return figures
 
 

@@ -298,6 +298,7 @@ def test_pp_zero_bubble_gpt_rows(ahead):
     for contender in ("flexible-zb", "flexible-zb, Megatron's linear"):
         assert set(costs[contender]) == {f"{s}{op}" for s in range(4) for op in "FBW"}
         assert len(row["b_w_over_flexible_backward"][contender]) == 2
+    assert set(row["peak_held_mb"]) == set(costs) and all(mb > 0 for mb in row["peak_held_mb"].values())
 
 
 def test_multimodal_real_section(ahead):

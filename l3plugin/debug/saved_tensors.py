@@ -5,6 +5,7 @@
         loss = model(batch)          # every tensor saved for the backward passes through the census
     census.held_bytes()              # bytes those saved tensors hold right now (unique storages)
     census.peak                      # the most they held at once while packing
+    release = census.hold(tensors)   # count tensors kept outside autograd too (until release())
 
 Bytes are counted per storage, once however many saved tensors view it. ``held_bytes()`` reads each
 storage's size when called, so a storage freed in place after the forward (l3plugin's CP attention with
@@ -62,6 +63,25 @@ class SavedTensorCensus:
         if entry[0] == 0:
             del self._refs[key]
             self.live -= entry[1]
+
+    def hold(self, tensors):
+        """Count ``tensors`` too, tensors the backward keeps outside autograd's saved ones (a split backward's
+        kept gradients, from B to W), each storage once with everything counted, until the returned
+        ``release()`` is called."""
+        keys = []
+        for tensor in tensors:
+            key = _storage_key(tensor)
+            entry = self._refs.setdefault(key, [0, tensor.untyped_storage().nbytes()])
+            if entry[0] == 0:
+                self.live += entry[1]
+                self.peak = max(self.peak, self.live)
+            entry[0] += 1
+            keys.append(key)
+
+        def release():
+            for key in keys:
+                self._release(key)
+        return release
 
     def held_bytes(self) -> int:
         """Bytes the saved tensors still alive hold now, each storage once."""
