@@ -39,13 +39,18 @@ class SavedTensorCensus:
         def __init__(self, tensor):
             self.tensor = tensor
 
-    def _pack(self, tensor):
+    def _count(self, tensor) -> int:
+        """Count one more reference to ``tensor``'s storage; its key."""
         key = _storage_key(tensor)
         entry = self._refs.setdefault(key, [0, tensor.untyped_storage().nbytes()])
         if entry[0] == 0:
             self.live += entry[1]
             self.peak = max(self.peak, self.live)
         entry[0] += 1
+        return key
+
+    def _pack(self, tensor):
+        key = self._count(tensor)
         # A detached alias, not the tensor itself: Megatron's deallocate_output_tensor swaps an output's
         # .data after sending it, and autograd's own saving keeps the old storage alive the same way.
         handle = self._Handle(tensor.detach())
@@ -68,15 +73,7 @@ class SavedTensorCensus:
         """Count ``tensors`` too, tensors the backward keeps outside autograd's saved ones (a split backward's
         kept gradients, from B to W), each storage once with everything counted, until the returned
         ``release()`` is called."""
-        keys = []
-        for tensor in tensors:
-            key = _storage_key(tensor)
-            entry = self._refs.setdefault(key, [0, tensor.untyped_storage().nbytes()])
-            if entry[0] == 0:
-                self.live += entry[1]
-                self.peak = max(self.peak, self.live)
-            entry[0] += 1
-            keys.append(key)
+        keys = [self._count(tensor) for tensor in tensors]
 
         def release():
             for key in keys:
