@@ -81,6 +81,18 @@ def rounds_with_gradients_checked(names, run, rounds: int) -> tuple[dict, set]:
     return interleaved_rounds(names, checked, rounds), differ
 
 
+def span_medians(rounds, pp: int) -> dict:
+    """{(virtual stage, op): median seconds} of the executor's spans (``waits["actions"]``: (op, micro-batch,
+    chunk, start, end)) over every rank of every round; each rank's result holds "rank" and "actions"; virtual
+    stage = chunk * pp + rank."""
+    spans = {}
+    for ranks in rounds:
+        for r in ranks:
+            for op, _mb, chunk, start, end in r["actions"]:
+                spans.setdefault((chunk * pp + r["rank"], op), []).append(end - start)
+    return {key: statistics.median(values) for key, values in spans.items()}
+
+
 def ratio_stats(top, bottom) -> dict:
     """Per-round ratios top[i] / bottom[i]: {"median", "min", "max"}."""
     top, bottom = list(top), list(bottom)

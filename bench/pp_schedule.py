@@ -475,20 +475,15 @@ def measured_stage_costs(rounds, p, v):
     """Per virtual stage (chunk * p + rank), the median seconds of each step kind the executor ran over every
     round: (forward, backward) for the flexible schedule, (forward, B, W) for flexible-zb (B 0 where the stage's
     input needs no gradient: its W is the whole backward), what ``simulate(stage_times=...)`` takes."""
-    spans = {}
-    for ranks in rounds:
-        for r in ranks:
-            for op, _mb, chunk, start, end in r["actions"]:
-                spans.setdefault((chunk * p + r["rank"], op), []).append(end - start)
-    split = any(op == "W" for _, op in spans)
+    medians = harness.span_medians(rounds, p)
+    split = any(op == "W" for _, op in medians)
     costs = []
     for stage in range(p * v):
-        forward = statistics.median(spans[(stage, "F")])
+        forward = medians[(stage, "F")]
         if split:
-            costs.append((forward, statistics.median(spans.get((stage, "B"), [0.0])),
-                          statistics.median(spans.get((stage, "W"), [0.0]))))
+            costs.append((forward, medians.get((stage, "B"), 0.0), medians.get((stage, "W"), 0.0)))
         else:
-            costs.append((forward, statistics.median(spans[(stage, "B")])))
+            costs.append((forward, medians[(stage, "B")]))
     return costs
 
 

@@ -60,7 +60,7 @@ def _weight_steps_counted(census):
 
     def counted_init(self, calls, *args, **kwargs):
         init(self, calls, *args, **kwargs)
-        self.census_release = census.hold([g for _, grads, *_ in calls for g in grads if g is not None])
+        self.census_release = census.hold(self.kept_tensors())
 
     def counted_run(self):
         try:
@@ -104,16 +104,6 @@ def _step(v, m, contender, layers, hidden, heads, seq, mbs):
             "peak": census.peak, "grads": gpt.named_grads(chunks)}
 
 
-def stage_medians(rounds, v):
-    """{(virtual stage, op): median seconds} over every round's spans."""
-    spans = {}
-    for ranks in rounds:
-        for r in ranks:
-            for op, _mb, chunk, start, end in r["actions"]:
-                spans.setdefault((chunk * P + r["rank"], op), []).append(end - start)
-    return {key: statistics.median(values) for key, values in spans.items()}
-
-
 def simulated_step_ratios(v, m, costs) -> dict:
     """Per zb contender: the plans simulated with the step costs this run measured (``costs``: {contender:
     {(virtual stage, op): seconds}}), zb's step over flexible's: what the plan gives at these costs."""
@@ -149,7 +139,7 @@ def run(pool, args) -> dict:
             busy = {c: [statistics.median(ranks[r]["busy"] for ranks in times[c]) for r in range(P)]
                     for c in CONTENDERS}
             ratios = {c: harness.ratio_stats(walls[c], walls["flexible"]) for c in CONTENDERS[1:]}
-            medians = {c: stage_medians(times[c], v) for c in CONTENDERS}
+            medians = {c: harness.span_medians(times[c], P) for c in CONTENDERS}
             peak_mb = {c: max(r["peak"] for ranks in times[c] for r in ranks) / 1e6 for c in CONTENDERS}
             stage = P * v - 1  # the last virtual stage: its input needs a gradient, so its backward splits
             backward = medians["flexible"][(stage, "B")]

@@ -378,3 +378,10 @@ def test_rounds_with_gradients_checked_names_the_contender_that_differs():
     assert differ == {"off"}  # its run in the last round differs in one element; "a" never does
     assert [len(kept[n]) for n in ("a", "off")] == [2, 2]
     assert all("grads" not in r for n in kept for ranks in kept[n] for r in ranks)
+
+
+def test_span_medians_per_virtual_stage_and_op():
+    rounds = [[{"rank": 0, "actions": [("F", 0, 0, 0.0, 1.0), ("F", 1, 1, 0.0, 3.0)]},
+               {"rank": 1, "actions": [("B", 0, 0, 0.0, 2.0)]}],
+              [{"rank": 0, "actions": [("F", 0, 0, 0.0, 3.0)]}, {"rank": 1, "actions": [("B", 0, 0, 1.0, 2.0)]}]]
+    assert harness.span_medians(rounds, 2) == {(0, "F"): 2.0, (2, "F"): 3.0, (1, "B"): 1.5}

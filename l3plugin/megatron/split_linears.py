@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 
@@ -51,24 +52,38 @@ def _local_linear_classes() -> tuple[type, ...]:
     return ColumnParallelLinear, RowParallelLinear
 
 
+# chunk -> [(local linear, its split _forward_impl)], found at the chunk's first flexible-zb step: walking an
+# 80-layer model's modules every step cost 2.7 ms of CPU here. Values hold submodules, not the chunk itself.
+_LINEARS = weakref.WeakKeyDictionary()
+
+
+def _linears_of(chunk) -> list:
+    found = _LINEARS.get(chunk)
+    if found is None:
+        classes = _local_linear_classes()
+        found = _LINEARS[chunk] = [(module, functools.partial(_split_forward_impl, module))
+                                   for module in chunk.modules() if isinstance(module, classes)]
+    return found
+
+
 @contextlib.contextmanager
 def splittable_linears(model_chunks):
     """Within the block, every local ``ColumnParallelLinear`` / ``RowParallelLinear`` of ``model_chunks`` (one
-    module or a list) computes through ``split_linear`` (module docstring); yields how many. Layers that already
-    carry an instance ``_forward_impl`` (someone else's override) are left alone; all are restored on exit."""
-    classes = _local_linear_classes()
+    module or a list; the linears a chunk held at its first such block) computes through ``split_linear`` (module
+    docstring); yields how many. Layers that already carry an instance ``_forward_impl`` (someone else's
+    override) are left alone; all are restored on exit."""
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     swapped = []
     try:
         for chunk in chunks:
-            for module in chunk.modules():
-                if isinstance(module, classes) and "_forward_impl" not in vars(module):
-                    module._forward_impl = functools.partial(_split_forward_impl, module)
+            for module, impl in _linears_of(chunk):
+                if "_forward_impl" not in vars(module):
+                    vars(module)["_forward_impl"] = impl  # an instance attribute shadows the class's method
                     swapped.append(module)
         yield len(swapped)
     finally:
         for module in swapped:
-            del module._forward_impl
+            del vars(module)["_forward_impl"]
 
 
 def check_split_config(config) -> None:

@@ -44,6 +44,10 @@ class WeightStep:
         self._calls = calls  # [(roots, gradients, inputs or None, [(node, kept gradients)] to pin, or None)]
         self._retain = retain_graph
 
+    def kept_tensors(self) -> list:
+        """The gradients this W step will start from, kept since its B (empty once it has run)."""
+        return [grad for _, grads, _, _ in self._calls or () for grad in grads if grad is not None]
+
     def run(self) -> None:
         calls, self._calls = self._calls, None
         if calls is None:

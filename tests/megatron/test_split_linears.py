@@ -101,13 +101,24 @@ def swap_and_restore():
     from l3plugin.megatron.split_linears import splittable_linears
     from l3plugin.mesh.groups import init_mesh
 
+    import gc
+
+    from l3plugin.megatron import split_linears
+
     init_mesh()
     model = gpt.build_gpt(gpt.gpt_config(1), seq_len=SEQ)
-    with splittable_linears([model]) as n:
-        inside = sum("_forward_impl" in vars(m) for m in model.modules())
-    return n, inside, sum("_forward_impl" in vars(m) for m in model.modules())
+    counts = []
+    for _ in range(2):  # the second step takes the linears found at the first
+        with splittable_linears([model]) as n:
+            counts.append((n, sum("_forward_impl" in vars(m) for m in model.modules())))
+    after = sum("_forward_impl" in vars(m) for m in model.modules())
+    cached = len(split_linears._LINEARS)
+    del model
+    gc.collect()
+    return counts, after, cached, len(split_linears._LINEARS)
 
 
 def test_linears_outside_the_step_are_megatrons_again(ranks):
-    n, inside, after = ranks.run(1, swap_and_restore, timeout=60)[0]
-    assert n == inside == 5 and after == 0  # qkv, proj, fc1, fc2 and the output layer
+    counts, after, cached, left = ranks.run(1, swap_and_restore, timeout=60)[0]
+    assert counts == [(5, 5), (5, 5)] and after == 0  # qkv, proj, fc1, fc2 and the output layer
+    assert cached - left == 1  # the cache does not keep a model alive

@@ -125,3 +125,14 @@ def test_without_an_input_gradient_w_is_the_whole_backward():
     loss = make()(inputs[0]).sum()  # a scalar loss: gradient 1 when none is given
     assert backward_input(loss, None, None, [])[0] is None
     assert backward_input(torch.ones(2), None, None, []) == (None, None)  # nothing needs a gradient
+
+
+def test_a_w_step_names_the_gradients_it_keeps_until_it_runs():
+    model = make()
+    inputs, grads = data(m=1)
+    x = inputs[0].clone().requires_grad_(True)
+    _, w = backward_input(model(x), grads[0], x, model.parameters())
+    kept = w.kept_tensors()
+    assert kept and all(isinstance(t, torch.Tensor) for t in kept)
+    w.run()
+    assert w.kept_tensors() == []
