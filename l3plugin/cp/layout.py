@@ -255,6 +255,8 @@ def balanced_layout(cu_seqlens, seq_len: int, cp_size: int, *, tolerance: float 
 
 @functools.lru_cache(maxsize=64)
 def _per_document(padded: tuple, cp_size: int) -> CPLayout:
+    if cp_size == 1:  # nothing to cut (documents of any length, as Transformer Engine takes them at CP 1)
+        return CPLayout(PER_DOCUMENT, padded[-1], 1, (((0, padded[-1]),) if padded[-1] else (),))
     ranges = [[] for _ in range(cp_size)]
     for a, b in zip(padded, padded[1:]):
         piece = (b - a) // (2 * cp_size)
@@ -272,11 +274,12 @@ def _per_document(padded: tuple, cp_size: int) -> CPLayout:
 
 
 def per_document_layout(cu_seqlens_padded, cp_size: int) -> CPLayout:
-    """The CP layout of Megatron's / Transformer Engine's THD split (cp > 1): every document padded to a multiple
+    """The CP layout of Megatron's / Transformer Engine's THD split: at cp > 1 every document padded to a multiple
     of 2*cp (``cu_seqlens_padded``: where each padded document starts, [0, ..., S]) and cut into 2*cp equal
     pieces; rank r holds pieces r and 2*cp-1-r of EVERY document, document after document (what Megatron's THD
     RoPE, rope_utils._apply_rotary_pos_emb_thd, assumes). Adjacent pieces of one rank are merged into one
-    range; empty documents hold nothing. Cached: built in every attention call."""
+    range; empty documents hold nothing. At cp = 1 the whole sequence in order, any lengths. Cached: built in every
+    attention call."""
     check_int("cp_size", cp_size)
     padded = torch.as_tensor(cu_seqlens_padded).detach().to("cpu").reshape(-1).to(torch.int64)
     lengths = padded[1:] - padded[:-1]

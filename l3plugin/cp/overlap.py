@@ -26,6 +26,7 @@ range's first, and that one needs nearly all of it: nothing to overlap it with i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -104,7 +105,7 @@ class OverlappedAttention(torch.autograd.Function):
             # A leaf aliasing full[:, :kv_len]: later parts are written into ``full`` in place after a kernel
             # saved it, but only at positions >= kv_len, so what the kernel saved never changes.
             q_leaf, kv_leaf = q[rows].detach().requires_grad_(), alias(full, kv_len).requires_grad_()
-            with torch.set_grad_enabled(track):  # each range's graph, differentiated in our backward
+            with torch.set_grad_enabled(track), private_graphs():  # each range's graph, for our backward
                 out = attend(i, q_leaf, kv_leaf[0], kv_leaf[1])
             ctx.ranges.append((rows, out, q_leaf, kv_leaf))
         for flight in flights[arrived + 1:]:  # parts no range here needs: still finish them
@@ -140,7 +141,8 @@ class OverlappedAttention(torch.autograd.Function):
         for i in reversed(range(len(ctx.ranges))):
             rows, out, q_leaf, kv_leaf = ctx.ranges[i]
             if out.requires_grad:
-                gq, gkv = torch.autograd.grad(out, (q_leaf, kv_leaf), grad_out[rows], allow_unused=True)
+                with one_recompute():
+                    gq, gkv = torch.autograd.grad(out, (q_leaf, kv_leaf), grad_out[rows], allow_unused=True)
                 if gq is not None:
                     dq[rows] = gq
                 if gkv is not None:
@@ -179,9 +181,47 @@ def _local_first(q, full, flights, phased, plan, others, cp, timeout, track):
             _place(full, flights[part].wait(timeout), plan.positions[part], others, cp)
         for _, kernel, _, kv_leaf in ranges:
             kernel.run(part, kv_leaf[0], kv_leaf[1])
-    with torch.set_grad_enabled(track):
+    with torch.set_grad_enabled(track), private_graphs():
         return [(rows, kernel.finish(q_leaf, kv_leaf[0], kv_leaf[1]), q_leaf, kv_leaf)
                 for rows, kernel, q_leaf, kv_leaf in ranges]
+
+
+# Activation checkpointing (torch.utils.checkpoint, use_reentrant=False: transformers' default) recomputes a region
+# once per autograd graph task that unpacks one of its saved tensors. Each range's torch.autograd.grad in the
+# backward above is a graph task of its own, so a checkpointed layer would be recomputed once per range, with its
+# K/V all-gathers, and ranks holding different numbers of ranges would post different collectives and hang.
+# torch >= 2.10 lets backward calls share one recompute (a graph-execution group, the key the checkpoint files
+# its recomputed tensors under): the ranges' backward joins the group of the backward that runs this node, so a
+# layer is recomputed once per backward, as without CP. Older torch has no such group: there the ranges' graphs
+# keep their saved tensors themselves (outside any saved-tensor hooks, as a fused kernel's internals are), so
+# nothing is recomputed per range; the attention's activations (q, the output, the local K/V) then stay in memory
+# under checkpointing instead of being recomputed.
+SHARED_RECOMPUTE = hasattr(torch._C, "_set_graph_exec_group") and hasattr(torch._C, "_get_graph_exec_group")
+
+
+@contextlib.contextmanager
+def one_recompute():
+    """Backward calls made inside share the recompute of the graph task running now (see above)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    if not SHARED_RECOMPUTE or torch._C._get_graph_exec_group() is not None or current is None or current() == -1:
+        yield  # no group to join, or already in one (the caller's: it covers these calls too)
+        return
+    torch._C._set_graph_exec_group(current())
+    try:
+        yield
+    finally:
+        torch._C._set_graph_exec_group(None)
+
+
+def private_graphs():
+    """Where the ranges' graphs are built: without a shared recompute, outside the caller's saved-tensor hooks."""
+    if SHARED_RECOMPUTE:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_keep, _keep)
+
+
+def _keep(tensor):
+    return tensor
 
 
 def own_positions(plan: PartPlan, rank: int, device) -> torch.Tensor:
