@@ -17,6 +17,7 @@ from l3plugin.deepspeed import checkpoint
 from l3plugin.deepspeed.config import (PluginOptions, check_model_supported, check_supported, config_of_call,
                                        handing_over, options_for, zero_settings)
 from l3plugin.deepspeed.sequence_parallel import ACCELERATE, check_for_hf_users, initialize_with_cp
+from l3plugin.upstream.after_import import after_import, cancel
 from l3plugin.upstream.versions import DEEPSPEED_CHECKED
 from l3plugin.upstream.patchset import Patch, PatchSet
 
@@ -67,14 +68,20 @@ def _stock(cls: str, name: str):
 
 def install() -> None:
     """Patch DeepSpeed's engines (once) so the ``"l3plugin"`` config key takes effect; with accelerate imported
-    already (the HF Trainer's order), also its data-loader sharding (sequence_parallel.py's set ACCELERATE)."""
+    already (the HF Trainer's order), also its data-loader sharding (sequence_parallel.py's set ACCELERATE); with
+    accelerate imported later, that right after its import."""
     DEEPSPEED.apply()
-    if "accelerate.accelerator" in sys.modules:
-        ACCELERATE.apply()
+    # accelerate imported later (``import deepspeed`` before trl / accelerate) is patched once its import ends
+    after_import("accelerate.accelerator", apply_accelerate)
+
+
+def apply_accelerate() -> None:
+    ACCELERATE.apply()
 
 
 def uninstall() -> None:
     """Restore DeepSpeed's methods and accelerate's (tests use it to show the stock behaviour)."""
+    cancel("accelerate.accelerator")
     ACCELERATE.undo()
     DEEPSPEED.undo()
 

@@ -50,7 +50,8 @@ class CPBatch:
     cp_rank: int
     layouts: tuple  # one CPLayout per row
     cu_seqlens: tuple  # one global cu_seqlens per row
-    seq_len: int  # S, the full row length
+    seq_len: int  # S, the full row length (with the padding to 2 * cp added here)
+    row_length: int = 0  # the row length the caller passed (before that padding)
 
 
 def _check_same_batch_on_cp_ranks(input_ids: torch.Tensor, group) -> None:
@@ -83,6 +84,7 @@ def shard_inputs(kwargs: dict, group, layout: str) -> dict:
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
     rows, seq_len = input_ids.shape
+    row_length = seq_len
     cp = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     if kwargs.get("past_key_values") is not None:
@@ -127,5 +129,5 @@ def shard_inputs(kwargs: dict, group, layout: str) -> dict:
         out["labels"], out["shift_labels"] = local, local  # labels: any non-None makes the model compute a loss
     out["use_cache"] = False
     out["l3plugin_cp"] = CPBatch(group=group, cp_size=cp, cp_rank=rank, layouts=layouts, cu_seqlens=cus,
-                                 seq_len=seq_len)
+                                 seq_len=seq_len, row_length=row_length)
     return out

@@ -21,6 +21,7 @@ from l3plugin.cp import LAYOUT_NAMES
 from l3plugin.cp.layout import CPLayout
 from l3plugin.huggingface.attention import ATTENTION_NAME, CPLoss, cp_attention_forward
 from l3plugin.huggingface.batch import shard_inputs
+from l3plugin.huggingface.outputs import whole_sequence_outputs
 
 _STATE = "_l3plugin_cp_state"
 
@@ -69,7 +70,14 @@ def enable_context_parallel(model, group=None, layout="balanced"):
             call.update(call.pop(var_keyword, {}))
         return (), shard_inputs(call, state["group"], state["layout"])
 
+    def post_forward(module, args, kwargs, output):
+        batch = kwargs.get("l3plugin_cp")
+        if batch is None:
+            return output
+        return whole_sequence_outputs(output, batch, batch.row_length, kwargs.get("num_items_in_batch"))
+
     state["hook"] = model.register_forward_pre_hook(pre_forward, with_kwargs=True)
+    state["post_hook"] = model.register_forward_hook(post_forward, with_kwargs=True)
     had_own = "_loss_function" in model.__dict__
     state["stock_loss"] = model.__dict__.get("_loss_function") if had_own else None
     model.loss_function = CPLoss(model.loss_function)
@@ -83,6 +91,7 @@ def disable_context_parallel(model):
     if state is None:
         return model
     state["hook"].remove()
+    state["post_hook"].remove()
     model.set_attn_implementation(state["previous"])
     if state["stock_loss"] is None:
         model.__dict__.pop("_loss_function", None)
