@@ -112,11 +112,15 @@ class DeepSpeedFP32ReduceZero(ZeROOptimizer):
         self._reduce_this_backward = False
         # The norm is summed over the model-parallel ranks too (TP x PP), counting each weight once:
         # TP-replicated weights on TP rank 0 only, pipeline-tied copies on their owner stage only.
-        norm_group = None
-        if self.mpu is not None and hasattr(self.mpu, "get_model_parallel_group"):
-            group = self.mpu.get_model_parallel_group()
+        # Not so under DeepSpeed's sequence-parallel module as mpu (context_parallel_size, Ulysses): it aliases
+        # get_model_parallel_group / _rank to the SP group, whose ranks' gradients are already summed into the
+        # DP x SP shards of self.dp_process_group; summing the norm over it again counted every element SP times
+        # (sqrt(SP) too large, issue 55). Stock ZeRO-1/2 has no model-parallel group for such an mpu either.
+        norm_group, tp_rank = None, 0
+        if self.mpu is not None and not hasattr(self.mpu, "initialize_sequence_parallel"):
+            group = self.mpu.get_model_parallel_group() if hasattr(self.mpu, "get_model_parallel_group") else None
             norm_group = group if group is not None and dist.get_world_size(group) > 1 else None
-        tp_rank = _tensor_parallel_rank(self.mpu)
+            tp_rank = _tensor_parallel_rank(self.mpu)
 
         def counts_in_norm(p):
             if getattr(p, "ds_pipe_replicated", False):
