@@ -68,7 +68,9 @@ def enable_context_parallel(model, group=None, layout="balanced"):
         call = dict(signature.bind_partial(*args, **kwargs).arguments)  # positional input_ids -> keyword
         if var_keyword is not None:
             call.update(call.pop(var_keyword, {}))
-        return (), shard_inputs(call, state["group"], state["layout"])
+        kwargs = shard_inputs(call, state["group"], state["layout"])
+        state["last_batch"] = kwargs["l3plugin_cp"]
+        return (), kwargs
 
     def post_forward(module, args, kwargs, output):
         batch = kwargs.get("l3plugin_cp")
@@ -99,6 +101,13 @@ def disable_context_parallel(model):
         model.loss_function = state["stock_loss"]
     delattr(model, _STATE)
     return model
+
+
+def last_cp_batch(model):
+    """The ``CPBatch`` of ``model``'s last forward (its CP group, layouts and documents: what ``full_rows`` needs
+    to put that forward's per-token outputs back in sequence order), or None (CP not enabled, or no forward yet)."""
+    state = getattr(model, _STATE, None)
+    return None if state is None else state.get("last_batch")
 
 
 def context_parallel_group(model):

@@ -119,3 +119,42 @@ def test_sft_trainer_cp2_logs_and_clips_as_cp1(ranks, tmp_path, ours, tol):
         assert abs(g["grad_norm"] / r["grad_norm"] - 1) < tol, (step, g, r)
     for name, want in ref["weights"].items():
         assert torch.allclose(got["weights"][name], want, atol=tol), name
+
+
+def custom_loop_loss(cp_on):
+    """A loop computing its own loss from the logits (log_softmax, gather, sum): made whole with full_rows."""
+    from l3plugin.huggingface import enable_context_parallel, full_rows, last_cp_batch, sum_over_cp
+
+    batch = packed([documents(1, ROW_A), documents(2, ROW_B)])
+    model = tiny_model("llama")
+    if cp_on:
+        enable_context_parallel(model, dist.group.WORLD, "balanced")
+    labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]  # next-token labels, full rows
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    if cp_on:  # this rank's tokens, local order: its labels, then the per-token NLL as whole rows
+        cp_batch = last_cp_batch(model)
+        index = torch.stack([layout.indices(cp_batch.cp_rank) for layout in cp_batch.layouts])
+        mine = labels.gather(1, index)
+    else:
+        mine = labels
+    nll = -logits.log_softmax(-1).gather(-1, mine.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (mine != -100)
+    if cp_on:
+        whole = full_rows(nll, cp_batch, labels.size(1))
+        by_sum = sum_over_cp(nll.sum(), cp_batch.group) / (labels != -100).sum()
+    else:
+        whole = by_sum = None
+    loss = (whole if cp_on else nll).sum() / (labels != -100).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    if cp_on:
+        for g in grads.values():
+            dist.all_reduce(g)
+    return {"loss": float(loss), "by_sum": None if by_sum is None else float(by_sum), "grads": grads}
+
+
+def test_a_custom_loss_made_whole_with_full_rows_or_sum_over_cp(ranks):
+    ref = ranks.run(1, custom_loop_loss, False)[0]
+    for rank, got in enumerate(ranks.run(2, custom_loop_loss, True)):
+        assert abs(got["loss"] / ref["loss"] - 1) < 1e-6 and abs(got["by_sum"] / ref["loss"] - 1) < 1e-6, (rank, got)
+        for name, want in ref["grads"].items():
+            assert torch.allclose(got["grads"][name], want, atol=1e-5, rtol=1e-4), (rank, name)
