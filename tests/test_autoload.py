@@ -67,7 +67,8 @@ def run(code, tmp_path, timeout=90, python=sys.executable, tree=TREE, **env):
     # No MASTER_PORT here: ENGINE picks its own right before binding it. A port picked in this process could be
     # taken by another test's connection while the child imports (minutes at nice 19 in the suite's queue: an
     # EADDRINUSE seen on a clean clone, 2026-11-28).
-    full_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "L3PLUGIN_NO_AUTOLOAD")}
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("PYTHONPATH", "L3PLUGIN_NO_AUTOLOAD", "L3PLUGIN_PIPELINE_SCHEDULE")}
     path = [env.pop("PYTHONPATH")] if "PYTHONPATH" in env else []
     full_env.update({"OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                      "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -237,6 +238,18 @@ def test_startup_installs_only_the_watcher(tmp_path):
     assert json.loads(run(code, tmp_path).stdout) == [True, [], []]
     off = json.loads(run(code, tmp_path, L3PLUGIN_NO_AUTOLOAD="1").stdout)
     assert off == [False, [], []]
+
+
+def test_startup_watches_megatron_only_with_the_variable(tmp_path):
+    """L3PLUGIN_PIPELINE_SCHEDULE (tests/megatron/test_no_code_switch.py: what it does) puts a second finder on
+    sys.meta_path at start-up, importing nothing; unset, or with L3PLUGIN_NO_AUTOLOAD=1, there is none."""
+    code = ("import json, sys; from l3plugin_autoload import DeepSpeedWatcher, MegatronWatcher\n"
+            "print(json.dumps([[w in sys.meta_path for w in (DeepSpeedWatcher, MegatronWatcher)], sorted(m for m in "
+            f"('torch', 'megatron', 'megatron.core') if m in sys.modules), {PACKAGE_MODULES}]))")
+    assert json.loads(run(code, tmp_path, L3PLUGIN_PIPELINE_SCHEDULE="flexible").stdout) == [[True, True], [], []]
+    assert json.loads(run(code, tmp_path).stdout) == [[True, False], [], []]
+    off = run(code, tmp_path, L3PLUGIN_PIPELINE_SCHEDULE="flexible", L3PLUGIN_NO_AUTOLOAD="1")
+    assert json.loads(off.stdout) == [[False, False], [], []]
 
 
 def ahead_runs(tmp_path_factory, selected):

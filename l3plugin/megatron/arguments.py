@@ -10,6 +10,8 @@ checks the options once per arguments object and hands back the same frozen ``Me
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import sys
 import warnings
 
@@ -19,6 +21,49 @@ from l3plugin.megatron.attention import CP_COMM_TYPE
 from l3plugin.upstream.patchset import PrivateState
 
 SCHEDULES = ("default", "flexible", "flexible-zb")
+
+# k for l3plugin's schedules instead of config.microbatch_group_size_per_vp_stage: an integer >= 1, or "pp" (k = p).
+# Lets a framework keep microbatch_group_size_per_vp_stage = 1 in its config (verl then stops rounding the
+# micro-batch count up to a multiple of it) while the schedule runs k = p.
+GROUP_SIZE_ENV = "L3PLUGIN_MICROBATCH_GROUP_SIZE"
+_K_FROM_CONFIG = ("config.microbatch_group_size_per_vp_stage, set by "
+                  "--microbatch-group-size-per-virtual-pipeline-stage")
+
+
+@functools.lru_cache(maxsize=8)
+def group_size_setting(value: str) -> int | str | None:
+    """GROUP_SIZE_ENV's ``value`` read: a positive int, "pp", or None (empty: unset). Raises a ValueError
+    naming the variable, the value and what it takes."""
+    text = value.strip().lower()
+    if not text:
+        return None
+    if text == "pp":
+        return "pp"
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ValueError(f"{GROUP_SIZE_ENV}={value!r} is invalid: give a positive integer (the micro-batches a "
+                         f"virtual stage runs per round, k) or 'pp' (k = the pipeline-parallel size p); unset it "
+                         f"to use config.microbatch_group_size_per_vp_stage")
+    return k
+
+
+def microbatch_group_size(config, pp: int, num_microbatches: int) -> tuple[int, str]:
+    """(k, where it came from) for one step of l3plugin's schedules at pipeline size ``pp``: GROUP_SIZE_ENV when
+    set (clipped to the micro-batch count: a group cannot hold more), else Megatron's
+    ``config.microbatch_group_size_per_vp_stage`` (None: p; its default p with fewer micro-batches than p makes
+    one group of them all)."""
+    setting = group_size_setting(os.environ.get(GROUP_SIZE_ENV, ""))
+    if setting is not None:
+        k = pp if setting == "pp" else setting
+        return min(k, num_microbatches), f"{GROUP_SIZE_ENV}={os.environ[GROUP_SIZE_ENV].strip()}"
+    k = config.microbatch_group_size_per_vp_stage
+    k = pp if k is None else k
+    if k == pp and num_microbatches < pp:
+        k = num_microbatches  # Megatron's default k = p: fewer microbatches than that make one group
+    return k, _K_FROM_CONFIG
 
 
 @dataclasses.dataclass(frozen=True)

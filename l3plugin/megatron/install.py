@@ -18,11 +18,17 @@ the flexible one instead and warns once (``EarlyBoundSelectorWarning``) naming t
 each stock pipelined schedule call inside ``cp_documents.boundaries_for_step`` (document masks of the CP
 route on middle pipeline stages), as the flexible schedule does itself. ``install()`` also
 warns right away about modules whose global ``get_forward_backward_func`` is still Megatron's.
+
+Without code: the environment variable ``L3PLUGIN_PIPELINE_SCHEDULE`` (``flexible`` or ``flexible-zb``; ``default``
+or unset: nothing). The start-up hook (l3plugin_autoload.py) calls ``install_from_environment()`` once Megatron-Core
+has been imported, before the importer can bind ``get_forward_backward_func`` by name; a script's own ``install()``
+call wins over the variable (the hook does nothing while one is running, and a later call replaces the choice).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import warnings
 
@@ -32,7 +38,8 @@ from l3plugin.megatron.cp_route import install_cp_route, uninstall_cp_route
 from l3plugin.upstream.versions import MEGATRON_CHECKED
 from l3plugin.upstream.patchset import Patch, PatchSet
 
-_state = {"schedule": None, "warned": False}
+_state = {"schedule": None, "warned": False, "installing": 0}
+SCHEDULE_ENV = "L3PLUGIN_PIPELINE_SCHEDULE"  # l3plugin_autoload.py reads the same name (it imports nothing of ours)
 _STOCK_SELECTOR = "megatron.core.pipeline_parallel.schedules.get_forward_backward_func"
 _PIPELINED = ("forward_backward_pipelining_with_interleaving", "forward_backward_pipelining_without_interleaving")
 
@@ -140,15 +147,42 @@ def install(schedule: str | None = None):
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is invalid: choose one of {SCHEDULES}")
     _state["schedule"] = schedule
-    MEGATRON.apply()  # also patches megatron.training.training if it was imported since the last call
-    install_cp_route()
-    hook_megatron_lm_arguments()
+    _state["installing"] += 1  # its first apply imports Megatron: the start-up hook then leaves it to this call
+    try:
+        MEGATRON.apply()  # also patches megatron.training.training if it was imported since the last call
+        install_cp_route()
+        hook_megatron_lm_arguments()
+    finally:
+        _state["installing"] -= 1
     early = _early_bound(MEGATRON.stock(_STOCK_SELECTOR))
     if early and schedule != "default":
         warnings.warn(f"{', '.join(early)} bound Megatron's get_forward_backward_func before "
                       "l3plugin.megatron.install(): calls through that name reach Megatron's selector (l3plugin "
                       f"redirects its pipelined schedules to the flexible one when selected, with a warning); {FIX}",
                       EarlyBoundSelectorWarning, stacklevel=2)
+
+
+def schedule_from_environment() -> str | None:
+    """The schedule ``L3PLUGIN_PIPELINE_SCHEDULE`` names (None: unset or empty). Raises a ValueError naming the
+    variable, its value and the valid values."""
+    value = os.environ.get(SCHEDULE_ENV, "").strip()
+    if not value:
+        return None
+    if value not in SCHEDULES:
+        raise ValueError(f"{SCHEDULE_ENV}={value!r} is invalid: choose one of {', '.join(SCHEDULES)} "
+                         f"('default' or unset: Megatron's own schedules)")
+    return value
+
+
+def install_from_environment() -> str | None:
+    """``install(schedule_from_environment())``, as the start-up hook calls it once Megatron-Core is imported.
+    Nothing for 'default' or an unset variable, nor while a script's own ``install()`` is running (its first
+    apply imports Megatron: that call is in charge). Returns the schedule installed, else None."""
+    schedule = schedule_from_environment()
+    if schedule in (None, "default") or _state["installing"]:
+        return None
+    install(schedule)
+    return schedule
 
 
 def uninstall():
@@ -158,7 +192,7 @@ def uninstall():
     MEGATRON.undo()
     uninstall_cp_route()
     MEGATRON_LM_ARGS.undo()
-    _state.update(schedule=None, warned=False)
+    _state.update(schedule=None, warned=False)  # ("installing" is install()'s own count)
 
 
 # -- the declarations ------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ forward_backward functions (and ignores unknown future ones). It runs the per-ra
 ``param_sync_func`` / ``finalize_model_grads_func``, forward-only evaluation and ``collect_non_loss_data``.
 
 Differences from the stock interleaved schedule, all deliberate:
-- any m >= 1 and any k in 1..m (k from ``config.microbatch_group_size_per_vp_stage``, default p);
+- any m >= 1 and any k in 1..m (k from ``config.microbatch_group_size_per_vp_stage``, default p, or from the
+  environment variable ``L3PLUGIN_MICROBATCH_GROUP_SIZE``: arguments.py ``microbatch_group_size``);
   k < p runs all-forward-all-backward, a last group smaller than p is fine; m may change from call to call;
 - ``config.variable_seq_lengths`` (RL and SFT frameworks: micro-batches of different lengths, seq_length and
   micro_batch_size then unused): each activation's shape travels just before it and a gradient takes its
@@ -56,6 +57,7 @@ import time
 import torch
 
 from l3plugin.arguments.checks import check_int
+from l3plugin.megatron.arguments import microbatch_group_size
 from l3plugin.megatron.cp_documents import schedule_step
 from l3plugin.megatron.split_linears import check_split_config, splittable_linears
 from l3plugin.schedule.p2p import PipelineChannels, header_shape, pair_orders, posts_receives_early, shape_header
@@ -221,20 +223,17 @@ def _first_stage_inputs_checked(model, pp_rank, tp_group, config, variable):
 
 
 def _step_plan(config, model, pp_group, num_microbatches, forward_only, device, receive_posting, split=False):
-    """``_cached_plan`` for this step: k from the config, the trainable stages agreed over the PP group."""
+    """``_cached_plan`` for this step: k from the config (or the environment), the trainable stages agreed over
+    the PP group."""
     p, r, v = pp_group.size(), pp_group.rank(), len(model)
-    k = config.microbatch_group_size_per_vp_stage
-    k = p if k is None else k
-    if k == p and num_microbatches < p:
-        k = num_microbatches  # Megatron's default k = p: fewer microbatches than that make one group
+    k, k_from = microbatch_group_size(config, p, num_microbatches)  # L3PLUGIN_MICROBATCH_GROUP_SIZE or the config's
     # Forward-only: nothing needs a gradient (no collective either).
     trainable = (False,) * (p * v) if forward_only else trainable_stages(model, pp_group, device)
     try:
         return _cached_plan(p, v, num_microbatches, k, bool(forward_only), r, trainable,
                             posts_receives_early(pp_group, device, receive_posting), split)
     except ValueError as exc:
-        raise ValueError(f"{exc} (group_size is config.microbatch_group_size_per_vp_stage, set by "
-                         f"--microbatch-group-size-per-virtual-pipeline-stage)") from None
+        raise ValueError(f"{exc} (group_size is {k_from})") from None
 
 
 def _per_chunk(funcs, num_chunks):
