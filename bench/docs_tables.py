@@ -178,6 +178,9 @@ DOC_FIGURES = (
      "printed by bench/cp_thd_padding.py (a count over generated document lengths, no timing)"),
     ("docs/post-training.md", "| step | micro-batches | lengths |", (),
      "the output of examples/megatron/rl_post_training.py (tests/test_examples.py compares the two layouts)"),
+    ("docs/post-training.md", "| variable | values | what it does |", (), "a reference of two variables, no figures"),
+    ("docs/post-training.md", "| p | m | k = 1: step / bubble / peak |", (),
+     "`l3plugin simulate --pp P --vpp 2 --microbatches M --group-size K --json` (ideal costs, printed by hand)"),
 )
 
 
