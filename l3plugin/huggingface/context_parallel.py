@@ -76,7 +76,7 @@ def enable_context_parallel(model, group=None, layout="balanced"):
         batch = kwargs.get("l3plugin_cp")
         if batch is None:
             return output
-        return whole_sequence_outputs(output, batch, batch.row_length, kwargs.get("num_items_in_batch"))
+        return whole_sequence_outputs(output, batch, kwargs.get("num_items_in_batch"))
 
     state["hook"] = model.register_forward_pre_hook(pre_forward, with_kwargs=True)
     state["post_hook"] = model.register_forward_hook(post_forward, with_kwargs=True)

@@ -49,10 +49,10 @@ def _expand(index, like):
 
 def full_rows(local: torch.Tensor, batch, length: int | None = None) -> torch.Tensor:
     """``local`` [rows, s_local, ...] (this CP rank's tokens, local order) as [rows, length, ...] in sequence order,
-    the same on every CP rank of ``batch`` (the ``CPBatch`` of the forward that produced it); ``length``: the row
-    length before l3plugin's padding (default: the padded one). Differentiable: the backward returns the gradient
+    the same on every CP rank of ``batch`` (the ``CPBatch`` of the forward that produced it); ``length``: default the
+    row length the caller passed (l3plugin's padding to 2 x cp cut off). Differentiable: the backward returns the gradient
     of this rank's tokens. Without CP (group None or size 1) ``local`` is already whole."""
-    length = batch.seq_len if length is None else length
+    length = (batch.row_length or batch.seq_len) if length is None else length
     if batch.group is None or batch.cp_size == 1:
         return local[:, :length]
     if local.dim() < 2 or local.size(0) != len(batch.layouts) or local.size(1) * batch.cp_size != batch.seq_len:
@@ -62,7 +62,7 @@ def full_rows(local: torch.Tensor, batch, length: int | None = None) -> torch.Te
     return _FullRows.apply(local, index, batch.group, length)
 
 
-def whole_sequence_outputs(output, batch, length: int, num_items_in_batch=None):
+def whole_sequence_outputs(output, batch, num_items_in_batch=None):
     """TRL's FusedCausalLMOutput with every per-token field as whole rows and its loss the whole sequence's (any
     other output: unchanged). The cross-entropy part of the loss is recomputed from the whole rows as TRL computes
     it (``-log_probs.sum()`` over ``num_items_in_batch``, else over the labelled tokens); the rest of the loss (an
@@ -73,7 +73,7 @@ def whole_sequence_outputs(output, batch, length: int, num_items_in_batch=None):
     loss = getattr(output, "loss", None)
     rest = None if loss is None else loss - _cross_entropy(output.log_probs, output.label_mask, num_items_in_batch)
     for name in fields:
-        setattr(output, name, full_rows(getattr(output, name), batch, length))
+        setattr(output, name, full_rows(getattr(output, name), batch))
     if loss is not None:
         output.loss = _cross_entropy(output.log_probs, output.label_mask, num_items_in_batch) + rest
     return output

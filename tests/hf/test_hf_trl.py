@@ -139,7 +139,7 @@ def custom_loop_loss(cp_on):
         mine = labels
     nll = -logits.log_softmax(-1).gather(-1, mine.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (mine != -100)
     if cp_on:
-        whole = full_rows(nll, cp_batch, labels.size(1))
+        whole = full_rows(nll, cp_batch)
         by_sum = sum_over_cp(nll.sum(), cp_batch.group) / (labels != -100).sum()
     else:
         whole = by_sum = None
