@@ -16,7 +16,7 @@ import weakref
 from l3plugin.deepspeed import checkpoint
 from l3plugin.deepspeed.config import (PluginOptions, check_model_supported, check_supported, config_of_call,
                                        handing_over, options_for, zero_settings)
-from l3plugin.deepspeed.sequence_parallel import ACCELERATE, check_for_hf_users, initialize_with_cp
+from l3plugin.deepspeed.sequence_parallel import ACCELERATE, _accelerate_cp, check_for_hf_users, initialize_with_cp
 from l3plugin.upstream.after_import import after_import, cancel
 from l3plugin.upstream.versions import DEEPSPEED_CHECKED
 from l3plugin.upstream.patchset import Patch, PatchSet
@@ -68,8 +68,8 @@ def _stock(cls: str, name: str):
 
 def install() -> None:
     """Patch DeepSpeed's engines (once) so the ``"l3plugin"`` config key takes effect; with accelerate imported
-    already (the HF Trainer's order), also its data-loader sharding (sequence_parallel.py's set ACCELERATE); with
-    accelerate imported later, that right after its import."""
+    already (the HF Trainer's order), also its data-loader sharding (sequence_parallel.py's set ACCELERATE) and its
+    metric gathers (set ACCELERATE_METRICS, below); with accelerate imported later, those right after its import."""
     DEEPSPEED.apply()
     # accelerate imported later (``import deepspeed`` before trl / accelerate) is patched once its import ends
     after_import("accelerate.accelerator", apply_accelerate)
@@ -77,11 +77,13 @@ def install() -> None:
 
 def apply_accelerate() -> None:
     ACCELERATE.apply()
+    ACCELERATE_METRICS.apply()
 
 
 def uninstall() -> None:
     """Restore DeepSpeed's methods and accelerate's (tests use it to show the stock behaviour)."""
     cancel("accelerate.accelerator")
+    ACCELERATE_METRICS.undo()
     ACCELERATE.undo()
     DEEPSPEED.undo()
 
@@ -250,7 +252,43 @@ def load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
     return True
 
 
-# -- the declaration ---------------------------------------------------------------------------------------------
+# -- accelerate's metric gathers under context_parallel_size (set ACCELERATE_METRICS) ------------------------------
+def gather_for_metrics(self, input_data, use_gather_object=False):
+    """accelerate's ``gather_for_metrics`` gathering each data-parallel replica once under ``context_parallel_size``
+    N: the N ranks of a CP group hold the same batch (``prepare_data_loader``), so gathered from every process a
+    summed metric (TRL's ``num_tokens``) read N times the tokens, and the cut of the last batch's padding
+    (``remainder``, counted over DP) kept the wrong rows. ``gather`` stays over every process: the Trainer gathers
+    ``num_items_in_batch`` with it, and that count's factor N cancels the loss's x ``num_processes``."""
+    stock = ACCELERATE_METRICS.stock("Accelerator.gather_for_metrics")
+    cp = _accelerate_cp()
+    if cp == 1:
+        return stock(self, input_data, use_gather_object)
+    self.gather = lambda data: _first_of_each_cp_group(type(self).gather(self, data), self.num_processes, cp)
+    try:  # the tensor path calls self.gather: shadowed for this call only; the object path is gather_object below
+        return stock(self, input_data, use_gather_object)
+    finally:
+        del self.gather
+
+
+def _first_of_each_cp_group(gathered, world: int, cp: int):
+    """Of tensors gathered from every process (concatenated on dim 0 in rank order, equal parts), the parts of
+    each CP group's first rank."""
+    from accelerate.utils import recursively_apply
+
+    return recursively_apply(lambda t: t.unflatten(0, (world // cp, cp, -1))[:, 0].flatten(0, 1), gathered)
+
+
+def gather_object(object):  # noqa: A002 - accelerate's parameter name
+    """accelerate.accelerator's ``gather_object`` (there only ``gather_for_metrics``' object path calls it): under
+    CP only the first rank of each CP group contributes its objects (the list of every process's, concatenated)."""
+    import torch.distributed as dist
+
+    stock = ACCELERATE_METRICS.stock("accelerate.accelerator.gather_object")
+    cp = _accelerate_cp()
+    return stock(object if cp == 1 or dist.get_rank() % cp == 0 else [])
+
+
+# -- the declarations -------------------------------------------------------------------------------------------
 _DS_ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
 _DS_PIPE = "deepspeed.runtime.pipe.engine:PipelineEngine"
 _BACKWARD = "deepspeed.runtime.pipe.schedule:BackwardPass"
@@ -301,4 +339,16 @@ DEEPSPEED = PatchSet("l3plugin.deepspeed", "deepspeed", DEEPSPEED_CHECKED, [
           why='read the "l3plugin" key once and hand its options to the engine; "context_parallel_size": N builds '
               "DeepSpeed's sequence-parallel groups as mpu, counts the batch over DP only and gives a "
               "transformers model the all-gather CP attention (l3plugin/deepspeed/sequence_parallel.py)"),
+])
+
+# Gated by DeepSpeed's version as ACCELERATE is: it serves only the DeepSpeed key's CP. Applied with ACCELERATE.
+ACCELERATE_METRICS = PatchSet("l3plugin.huggingface (accelerate's metric gathers under context_parallel_size)",
+                              "deepspeed", DEEPSPEED_CHECKED, [
+    Patch("accelerate.accelerator:Accelerator", "gather_for_metrics", gather_for_metrics,
+          signature=("self", "input_data", "use_gather_object"), loaded_only=True,
+          why="under context_parallel_size N, metrics gathered once per data-parallel replica (TRL's num_tokens "
+              "read N x): a CP group's ranks hold the same batch"),
+    Patch("accelerate.accelerator", "gather_object", gather_object, signature=("object",), loaded_only=True,
+          why="gather_for_metrics' object path: under context_parallel_size only each CP group's first rank adds "
+              "its objects"),
 ])
