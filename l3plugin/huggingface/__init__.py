@@ -10,8 +10,9 @@ accelerate or from the Trainer) builds the CP groups and calls it (l3plugin/deep
 from l3plugin.huggingface.attention import ATTENTION_NAME, cp_attention_forward, sum_over_cp
 from l3plugin.huggingface.batch import cu_seqlens_from_position_ids
 from l3plugin.huggingface.context_parallel import (context_parallel_group, disable_context_parallel,
-                                                   enable_context_parallel, last_cp_batch)
+                                                   enable_context_parallel, last_cp_batch, tokens_seen_once_per_replica)
 from l3plugin.huggingface.outputs import full_rows
 
 __all__ = ["ATTENTION_NAME", "context_parallel_group", "cp_attention_forward", "cu_seqlens_from_position_ids",
-           "disable_context_parallel", "enable_context_parallel", "full_rows", "last_cp_batch", "sum_over_cp"]
+           "disable_context_parallel", "enable_context_parallel", "full_rows", "last_cp_batch", "sum_over_cp",
+           "tokens_seen_once_per_replica"]

@@ -114,3 +114,30 @@ def context_parallel_group(model):
     """The CP group ``model`` runs over, or None when CP is not enabled on it."""
     state = getattr(model, _STATE, None)
     return None if state is None else state["group"]
+
+
+def tokens_seen_once_per_replica():
+    """A transformers ``TrainerCallback`` for the one metric the HF Trainer still counts per CP rank:
+    ``Trainer(..., callbacks=[tokens_seen_once_per_replica()])`` with ``include_num_input_tokens_seen``.
+
+    The Trainer adds every process's input tokens to ``state.num_input_tokens_seen`` through
+    ``accelerator.gather``, which l3plugin leaves over every process (the Trainer gathers ``num_items_in_batch``
+    with it too, and there the factor N cancels the loss's x ``num_processes``): under CP N it counts each
+    data-parallel replica's batch N times. The callback divides what was added since the last step by the
+    model's CP size before the step is logged (no-op without CP). Metrics gathered with ``gather_for_metrics``
+    (TRL's ``num_tokens``) need nothing: the DeepSpeed key gathers those once per replica."""
+    from transformers import TrainerCallback  # here: this module stays importable without transformers loaded
+
+    class TokensSeenOncePerReplica(TrainerCallback):
+        counted = 0  # state.num_input_tokens_seen as the callback last left it
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.counted = state.num_input_tokens_seen  # 0, or the count a resumed checkpoint carries
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            group = None if model is None else context_parallel_group(model)
+            cp = 1 if group is None else dist.get_world_size(group)
+            state.num_input_tokens_seen = self.counted + (state.num_input_tokens_seen - self.counted) // cp
+            self.counted = state.num_input_tokens_seen
+
+    return TokensSeenOncePerReplica()

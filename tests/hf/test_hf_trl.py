@@ -72,10 +72,11 @@ SFT_ZERO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_ste
 LENGTHS = ROW_A + ROW_B + [12, 20]  # 4 documents per micro-batch at cp = 2 (two per rank at cp = 1)
 # SFTTrainer variants (SFTConfig's defaults otherwise): padding-free rows of tokenized documents; TRL's default
 # packing ("bfd", 64-token bins, rows padding-free); prompt/completion text, where TRL's default completion-only
-# loss labels the completions only; 2 micro-batches per step.
+# loss labels the completions only; 2 micro-batches per step (and the Trainer's num_input_tokens_seen, made one
+# replica's by l3plugin's callback).
 VARIANTS = {"padding_free": {}, "packing": {"packing": True}, "completion_only": {"completion": True},
-            "accumulation": {"accumulation": 2}}
-LOGGED = ("loss", "grad_norm", "num_tokens", "entropy", "mean_token_accuracy")
+            "accumulation": {"accumulation": 2, "tokens_seen": True}}
+LOGGED = ("loss", "grad_norm", "num_tokens", "entropy", "mean_token_accuracy", "num_input_tokens_seen")
 
 
 def sft_rows(variant):
@@ -91,11 +92,13 @@ def sft_rows(variant):
 def sft_run(cp, out_dir, ours, variant=None):
     """SFTTrainer with SFTConfig's defaults (gradient checkpointing, TRL's fused-head loss) and the DeepSpeed key,
     SGD and clipping below every step's norm; padding-free rows (or packed, see VARIANTS). ``variant["save_steps"]``
-    saves checkpoints, ``variant["resume"]`` (a checkpoint) resumes from it. Every logged step and the weights."""
+    saves checkpoints, ``variant["resume"]`` (a checkpoint) resumes from it; ``variant["tokens_seen"]``: the
+    Trainer's num_input_tokens_seen with l3plugin's callback. Every logged step and the weights."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
     from l3plugin.deepspeed.sequence_parallel import release_groups
+    from l3plugin.huggingface import tokens_seen_once_per_replica
 
     variant = variant or {}
     quiet_deepspeed()
@@ -113,9 +116,11 @@ def sft_run(cp, out_dir, ours, variant=None):
                          save_steps=variant.get("save_steps") or 500, seed=3, ddp_backend="gloo",
                          dataloader_drop_last=True, disable_tqdm=True, lr_scheduler_type="constant",
                          padding_free=not packing, packing=packing, max_length=64 if packing else None,
-                         dataset_num_proc=None, max_grad_norm=CLIP)
+                         dataset_num_proc=None, max_grad_norm=CLIP,
+                         include_num_input_tokens_seen="all" if variant.get("tokens_seen") else "no")
         trainer = SFTTrainer(model=tiny_model("llama"), args=args, train_dataset=Dataset.from_list(sft_rows(variant)),
-                             processing_class=tiny_tokenizer())
+                             processing_class=tiny_tokenizer(),
+                             callbacks=[tokens_seen_once_per_replica()] if variant.get("tokens_seen") else None)
         trainer.train(resume_from_checkpoint=variant.get("resume"))
         logs = [{k: entry[k] for k in LOGGED if k in entry} for entry in trainer.state.log_history if "loss" in entry]
         return {"logs": logs, "weights": _weights(trainer.model_wrapped),
@@ -134,6 +139,7 @@ def assert_same_steps(got, ref, tol, accuracy=None, steps=3):
     for step, (g, r) in enumerate(zip(got, ref)):
         assert r["grad_norm"] > CLIP, (step, r)  # clipping is active
         assert g["num_tokens"] == r["num_tokens"], (step, g, r)  # counted once per DP replica, not per CP rank
+        assert g.get("num_input_tokens_seen") == r.get("num_input_tokens_seen"), (step, g, r)
         for key in ("loss", "grad_norm", "entropy"):
             assert abs(g[key] / r[key] - 1) < tol, (step, key, g, r)
         assert abs(g["mean_token_accuracy"] - r["mean_token_accuracy"]) <= (accuracy or tol), (step, g, r)
@@ -161,6 +167,7 @@ def test_sft_trainer_cp2_logs_and_clips_as_cp1(ranks, tmp_path, name, ours, tol)
     assert got["checkpointing"] and got["attn"] == "l3plugin_all_gather_cp" and ref["attn"] == "sdpa"
     assert got["completion_only"] == ref["completion_only"] == bool(variant.get("completion"))
     assert got["packed"] == ref["packed"] == bool(variant.get("packing"))
+    assert ("num_input_tokens_seen" in got["logs"][0]) == bool(variant.get("tokens_seen"))
     assert_same_steps(got["logs"], ref["logs"], tol, BF16_ACCURACY if ours else None)
     assert_same_weights(got["weights"], ref["weights"], tol)
 
@@ -169,8 +176,8 @@ def test_sft_trainer_cp2_logs_and_clips_as_cp1(ranks, tmp_path, name, ours, tol)
 def test_sft_trainer_resumed_at_cp2_ends_as_uninterrupted(ranks, tmp_path, ours, tol):
     """A checkpoint of step 2 (SGD with momentum: optimizer state to restore), resumed by a new SFTTrainer at cp 2:
     step 3 as the uninterrupted cp 2 run's and cp 1's, and the same weights."""
-    saving = {"momentum": 0.9, "save_steps": 2}
-    ref = ranks.run(2, sft_run, 1, str(tmp_path / "cp1"), ours, {"momentum": 0.9}, timeout=240)[0]
+    saving = {"momentum": 0.9, "save_steps": 2, "tokens_seen": True}  # the callback resumes from the checkpoint's count
+    ref = ranks.run(2, sft_run, 1, str(tmp_path / "cp1"), ours, {"momentum": 0.9, "tokens_seen": True}, timeout=240)[0]
     whole = ranks.run(2, sft_run, 2, str(tmp_path / "cp2"), ours, saving, timeout=240)[0]
     resumed = ranks.run(2, sft_run, 2, str(tmp_path / "cp2"), ours,
                         {**saving, "resume": str(tmp_path / "cp2" / "checkpoint-2")}, timeout=240)[0]
