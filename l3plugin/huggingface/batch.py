@@ -94,7 +94,8 @@ def shard_inputs(kwargs: dict, group, layout: str) -> dict:
     if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
         raise ValueError("attention_mask has padding (zeros); context-parallel training takes packed rows "
                          "without padding: use transformers.DataCollatorWithFlattening (documents are found "
-                         "from position_ids that restart per document)")
+                         "from position_ids that restart per document); with TRL's SFTTrainer set "
+                         "SFTConfig(padding_free=True) or packing=True")
     for key in FLASH_KWARGS:
         kwargs.pop(key, None)
     if cp > 1:

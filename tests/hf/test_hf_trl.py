@@ -93,7 +93,8 @@ def sft_run(cp, out_dir, ours, variant=None):
     """SFTTrainer with SFTConfig's defaults (gradient checkpointing, TRL's fused-head loss) and the DeepSpeed key,
     SGD and clipping below every step's norm; padding-free rows (or packed, see VARIANTS). ``variant["save_steps"]``
     saves checkpoints, ``variant["resume"]`` (a checkpoint) resumes from it; ``variant["tokens_seen"]``: the
-    Trainer's num_input_tokens_seen with l3plugin's callback. Every logged step and the weights."""
+    Trainer's num_input_tokens_seen with l3plugin's callback; ``variant["padded"]``: SFTConfig's padded rows (its
+    default padding_free=False). Every logged step and the weights, or the error."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -115,13 +116,16 @@ def sft_run(cp, out_dir, ours, variant=None):
                          save_strategy="steps" if variant.get("save_steps") else "no",
                          save_steps=variant.get("save_steps") or 500, seed=3, ddp_backend="gloo",
                          dataloader_drop_last=True, disable_tqdm=True, lr_scheduler_type="constant",
-                         padding_free=not packing, packing=packing, max_length=64 if packing else None,
-                         dataset_num_proc=None, max_grad_norm=CLIP,
+                         padding_free=not (packing or variant.get("padded")), packing=packing,
+                         max_length=64 if packing else None, dataset_num_proc=None, max_grad_norm=CLIP,
                          include_num_input_tokens_seen="all" if variant.get("tokens_seen") else "no")
         trainer = SFTTrainer(model=tiny_model("llama"), args=args, train_dataset=Dataset.from_list(sft_rows(variant)),
                              processing_class=tiny_tokenizer(),
                              callbacks=[tokens_seen_once_per_replica()] if variant.get("tokens_seen") else None)
-        trainer.train(resume_from_checkpoint=variant.get("resume"))
+        try:
+            trainer.train(resume_from_checkpoint=variant.get("resume"))
+        except ValueError as exc:
+            return {"error": str(exc)}
         logs = [{k: entry[k] for k in LOGGED if k in entry} for entry in trainer.state.log_history if "loss" in entry]
         return {"logs": logs, "weights": _weights(trainer.model_wrapped),
                 "checkpointing": bool(trainer.model.is_gradient_checkpointing),
@@ -170,6 +174,13 @@ def test_sft_trainer_cp2_logs_and_clips_as_cp1(ranks, tmp_path, name, ours, tol)
     assert ("num_input_tokens_seen" in got["logs"][0]) == bool(variant.get("tokens_seen"))
     assert_same_steps(got["logs"], ref["logs"], tol, BF16_ACCURACY if ours else None)
     assert_same_weights(got["weights"], ref["weights"], tol)
+
+
+def test_sft_trainer_padded_rows_are_refused_naming_padding_free(ranks, tmp_path):
+    """SFTConfig's default padding_free=False pads rows, which the CP attention does not take: refused at the first
+    forward, naming TRL's settings (on both ranks: no hang)."""
+    for got in ranks.run(2, sft_run, 2, str(tmp_path / "cp2"), False, {"padded": True}, timeout=240):
+        assert "attention_mask has padding" in got["error"] and "padding_free=True" in got["error"], got
 
 
 @pytest.mark.parametrize("ours, tol", ZEROS)
