@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install clean compat-megatron compat-deepspeed
+.PHONY: demo test install clean compat-megatron compat-deepspeed compat-verl
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,12 @@ compat-megatron:
 # per set under .compat/venvs): SETS="ds0.17-hf5.18" for some. See compat/deepspeed.sh and docs/verified.md.
 compat-deepspeed:
 	bash compat/deepspeed.sh $(SETS)
+
+# verl 0.9.1's own Megatron engine (infer_batch, train_batch) with the flexible schedule switched on by environment
+# variables only, against the same engine in one process (its venv: .compat/verl-venv). See compat/verl.sh and
+# docs/verified.md ("verl as a client").
+compat-verl:
+	bash compat/verl.sh
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .compat
