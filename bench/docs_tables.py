@@ -181,6 +181,8 @@ DOC_FIGURES = (
     ("docs/post-training.md", "| variable | values | what it does |", (), "a reference of two variables, no figures"),
     ("docs/post-training.md", "| p | m | k = 1: step / bubble / peak |", (),
      "`l3plugin simulate --pp P --vpp 2 --microbatches M --group-size K --json` (ideal costs, printed by hand)"),
+    ("docs/verified.md", "| case | m | vpp | max abs diff | bit-identical | notes |", (),
+     "printed by compat/verl_engine.py (make compat-verl), copied by hand"),
 )
 
 
