@@ -175,13 +175,12 @@ def test_deepspeed_zero2_holds_at_most_stock_memory_and_is_bit_identical(ranks):
     results = ranks.run(2, deepspeed_runs, timeout=180)
     held = {name: max(r[name]["bytes_per_param"] for r in results) for name in results[0]}
     biggest = {name: [r[name]["biggest"] for r in results] for name in results[0]}  # what a failed bound prints
-    # Stock's census is not the same in every run: 2.00 B/param (the fp32 partition) as a rule, but 2.33 and, in
-    # 3 of about 12 runs seen, 4.00 at DeepSpeed's default bucket size (something of stock's own, alive
-    # between micro-batches in some runs: its largest storages are printed). The bound holds ours to the smaller
-    # of the two stock runs, which is the stricter reading of "at most 1.05 x stock at both bucket sizes".
-    stock = min(held[f"stock, {label}"] for label in BUCKETS)
-    assert 1.0 < stock < 3.0, (held, biggest)  # the fp32 gradient partition (2 B/param at W = 2)
-    assert held["ours"] <= 1.05 * stock, (held, biggest)
+    # Stock holds the fp32 gradient partition, 2 B/param at W = 2, at both bucket sizes, in every run: the census
+    # waits for the buffers gloo's worker is about to drop (bench/zero.py live_tensors; it read 2.33-4.00 in some
+    # runs before, tests/zero/test_census.py).
+    for label in BUCKETS:
+        assert 1.95 < held[f"stock, {label}"] < 2.05, (held, biggest)
+    assert held["ours"] <= 1.05 * min(held[f"stock, {label}"] for label in BUCKETS), (held, biggest)
     # The opt-in count-based carry holds whole buckets: the census sees them.
     assert held["carry_buckets 3"] > 1.05 * max(held[f"stock, {label}"] for label in BUCKETS), held
     for r in results:
