@@ -99,54 +99,13 @@ def make_model_dir(path: Path) -> None:
 # CPU shims (test support for a machine without a GPU; verl 0.9.1, mbridge 0.15.1, megatron-core 0.16.1)
 # ---------------------------------------------------------------------------------------------------------------
 
-class _CpuCuda:
-    """``torch.cuda`` as the shimmed modules see it: the current device is the CPU."""
+def cpu_torch():
+    """``torch`` as the shimmed modules see it: device="cuda" means the CPU (tests/cpu_torch.py, which imports
+    nothing of l3plugin)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from cpu_torch import CPU_TORCH
 
-    @staticmethod
-    def current_device():
-        return "cpu"
-
-    @staticmethod
-    def synchronize(*_args, **_kwargs):
-        return None
-
-    def __getattr__(self, name):
-        import torch
-
-        return getattr(torch.cuda, name)
-
-
-class _CpuTorch:
-    """``torch`` as the shimmed modules see it: device="cuda" means the CPU."""
-
-    cuda = _CpuCuda()
-
-    @staticmethod
-    def _cpu(kwargs):
-        device = kwargs.get("device")
-        if device is not None and str(device).startswith("cuda"):
-            kwargs["device"] = "cpu"
-        return kwargs
-
-    def zeros(self, *args, **kwargs):
-        import torch
-
-        return torch.zeros(*args, **self._cpu(kwargs))
-
-    def empty(self, *args, **kwargs):
-        import torch
-
-        return torch.empty(*args, **self._cpu(kwargs))
-
-    def tensor(self, *args, **kwargs):
-        import torch
-
-        return torch.tensor(*args, **self._cpu(kwargs))
-
-    def __getattr__(self, name):
-        import torch
-
-        return getattr(torch, name)
+    return CPU_TORCH
 
 
 def thd_core_attention_class():
@@ -304,7 +263,7 @@ def install_cpu_shims() -> None:
     import megatron.core.pipeline_parallel.p2p_communication as p2p
     import megatron.core.pipeline_parallel.schedules as schedules
 
-    schedules.torch = p2p.torch = _CpuTorch()
+    schedules.torch = p2p.torch = cpu_torch()
 
     # 3. verl asks for Transformer Engine's layer spec: mbridge 0.15.1 core/llm_bridge.py:150
     #    (_get_transformer_layer_spec) calls get_gpt_decoder_block_spec(config, use_transformer_engine=True).
@@ -336,7 +295,7 @@ def install_cpu_shims() -> None:
     #    model_module.cuda(...): the chunks stay on the CPU.
     import mbridge.core.util as mb_util
 
-    mb_util.torch = _CpuTorch()
+    mb_util.torch = cpu_torch()
     stock_provider = llm_bridge.LLMBridge._model_provider
 
     def cpu_model_provider(self, *args, **kwargs):
@@ -355,7 +314,7 @@ def install_cpu_shims() -> None:
     #    (distributed/param_and_grad_buffer.py:783/800/806).
     import megatron.core.distributed.param_and_grad_buffer as grad_buffer
 
-    grad_buffer.torch = _CpuTorch()
+    grad_buffer.torch = cpu_torch()
 
     # 6. Megatron-Core 0.16.1's optimizer: device='cuda' scalars (optimizer/optimizer.py:473/481/485,
     #    clip_grads.py:90/103/115/174/207, grad_scaler.py) and type checks that refuse CPU parameters and
@@ -372,7 +331,7 @@ def install_cpu_shims() -> None:
     import verl.utils.megatron.optimizer as verl_optimizer
 
     for module in (clip_grads, distrib_optimizer, grad_scaler, optimizer, megatron_utils):
-        module.torch = _CpuTorch()
+        module.torch = cpu_torch()
     stock_get_optimizer = verl_optimizer.get_megatron_optimizer
 
     def get_megatron_optimizer(*args, **kwargs):
@@ -392,7 +351,7 @@ def install_cpu_shims() -> None:
     #    (models/common/embeddings/rotary_pos_embedding.py:162): they stay on the CPU.
     import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
 
-    rotary.torch = _CpuTorch()
+    rotary.torch = cpu_torch()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,47 +19,10 @@ import contextlib
 
 import torch
 
+from cpu_torch import CPU_TORCH  # noqa: F401  (tests/cpu_torch.py; the rows below name it here)
 from l3plugin.upstream.patches import MEGATRON_CHECKED, Patch, PatchSet
 
 
-class _CpuCuda:
-    """Stands in for ``torch.cuda`` inside the patched modules: the current device is the CPU."""
-
-    @staticmethod
-    def current_device():
-        return "cpu"
-
-    @staticmethod
-    def synchronize(*_args, **_kwargs):
-        return None
-
-    def __getattr__(self, name):
-        return getattr(torch.cuda, name)
-
-
-class _CpuTorch:
-    """Stands in for the ``torch`` module inside the patched modules; maps device="cuda" to CPU."""
-
-    cuda = _CpuCuda()
-
-    @staticmethod
-    def _cpu(kwargs):
-        device = kwargs.get("device")
-        if device is not None and str(device).startswith("cuda"):
-            kwargs["device"] = "cpu"
-        return kwargs
-
-    def zeros(self, *args, **kwargs):
-        return torch.zeros(*args, **self._cpu(kwargs))
-
-    def empty(self, *args, **kwargs):
-        return torch.empty(*args, **self._cpu(kwargs))
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-
-CPU_TORCH = _CpuTorch()
 _HERE = __name__  # the rows name this module's objects by the name it was imported under
 
 
