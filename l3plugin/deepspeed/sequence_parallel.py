@@ -127,6 +127,14 @@ def initialize_with_cp(stock, call: inspect.BoundArguments, where: str, config: 
         raise ValueError(f'"{KEY}.context_parallel_size" builds DeepSpeed\'s sequence-parallel groups itself: do '
                          "not pass mpu= to deepspeed.initialize as well (or drop the option and give your mpu "
                          "a get_sequence_data_parallel_group)")
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(arguments.get("model"), PipelineModule):  # stock asserts "mpu must be None" much later
+        raise ValueError(f'"{KEY}.context_parallel_size" is {cp} but the model is a DeepSpeed PipelineModule: '
+                         "DeepSpeed's PipelineEngine takes no sequence-parallel groups. Leave context_parallel_size "
+                         "out with PipelineModule (fp32_reduce_zero works with it), or use CP with a plain module "
+                         "(the HF Trainer, your own loop) or with Megatron-Core's pipeline and l3plugin's CP layer "
+                         "spec")
     config = copy.deepcopy(config)  # the caller's config stays as given
     if where == "args":
         arguments["args"] = copy.copy(arguments["args"])

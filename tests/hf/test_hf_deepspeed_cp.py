@@ -172,3 +172,25 @@ def test_cp_without_deepspeed_sequence_parallel_groups_is_refused(ranks):
     for message in ranks.run(2, _cp_without_sequence_parallel_module, timeout=300):
         assert message is not None and message.startswith(
             '"l3plugin.context_parallel_size" is 2 but DeepSpeed ') and "use deepspeed>=0.17 for CP" in message
+
+
+def _cp_with_a_pipeline_module():
+    """deepspeed.initialize with context_parallel_size 2 and a PipelineModule: one ValueError naming both."""
+    deepspeed = quiet_deepspeed()
+    from deepspeed.pipe import PipelineModule
+
+    import l3plugin.deepspeed  # noqa: F401
+
+    model = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=1,
+                           loss_fn=torch.nn.MSELoss())
+    try:
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(2, "stock1"))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_cp_with_a_pipeline_module_is_refused_naming_the_key(ranks):
+    for message in ranks.run(2, _cp_with_a_pipeline_module, timeout=300):
+        assert message is not None and message.startswith(
+            '"l3plugin.context_parallel_size" is 2 but the model is a DeepSpeed PipelineModule'), message
