@@ -495,7 +495,6 @@ def main(argv=None) -> int:
         if s < 8 * CP or s % (2 * CP):
             parser.error(f"--sizes {s} is invalid: each must be a multiple of {2 * CP} and >= {8 * CP}")
     _OUT = args.out
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS under deterministic algorithms (4.)
     if not torch.cuda.is_available() and not args.cpu:
         record = {"skipped": f"no CUDA device (torch {torch.__version__}, cuda available: False): nothing to check; "
                              f"--cpu runs the same checks small on CPU"}
@@ -503,6 +502,8 @@ def main(argv=None) -> int:
         print(record["skipped"])
         return 0
     device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":  # before cuBLAS starts: it under deterministic algorithms (4.)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     sizes = args.sizes or ((512,) if args.cpu else DEFAULT_SIZES)
     began = time.perf_counter()
     record = {"environment": environment(device)}

@@ -73,3 +73,22 @@ def init_trace():
     import torch.distributed as dist
 
     return os.environ.get("L3PLUGIN_TEST_INIT"), dist.get_rank()
+
+
+def leave_state_behind():
+    """A call that changes the environment and leaves a torch-function mode on the stack (as a test that forgot
+    to restore them would): the worker's next call must see neither."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    os.environ["L3PLUGIN_LEFT_BEHIND"] = "1"
+    del os.environ["OMP_NUM_THREADS"]
+    TorchFunctionMode().__enter__()
+    return torch._C._len_torch_function_stack()
+
+
+def state_seen():
+    import torch
+
+    return os.environ.get("L3PLUGIN_LEFT_BEHIND"), os.environ.get("OMP_NUM_THREADS"), \
+        torch._C._len_torch_function_stack()

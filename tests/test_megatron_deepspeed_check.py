@@ -23,7 +23,8 @@ def test_torchrun_is_made_to_look_like_deepspeeds_launcher(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--bf16"])
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "")  # recorded, so the LOCAL_SIZE the call sets is removed after the test
+    monkeypatch.delenv("LOCAL_SIZE")
     cpu_run.launched_like_deepspeed()
     assert sys.argv == ["pretrain_gpt.py", "--bf16", "--local_rank", "3"]
     import os

@@ -14,8 +14,8 @@ from l3plugin.ranks.pool import RanksFailed, RankPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from idle_groups import keep_groups  # noqa: E402  (workers get this sys.path with every call)
-from ranks_harness_calls import (exit_on_rank, init_trace, mark_rank, raise_on_rank, rank_and_sum,  # noqa: E402
-                                 sleep_on_rank, stuck_in_collective)
+from ranks_harness_calls import (exit_on_rank, init_trace, leave_state_behind, mark_rank, raise_on_rank,  # noqa: E402
+                                 rank_and_sum, sleep_on_rank, state_seen, stuck_in_collective)
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,11 @@ def test_results_in_rank_order_and_single_threaded(pool):
     assert [r[0] for r in results] == [0, 1, 2]
     assert all(r[1] == 0 + 1 + 2 + 3 * 10 for r in results)
     assert all(r[2] == "1" and r[3] == 1 for r in results)
+
+
+def test_a_call_leaves_no_environment_or_torch_function_mode_to_the_next(pool):
+    assert pool.run(leave_state_behind) == [1, 1, 1]
+    assert pool.run(state_seen) == [(None, "1", 0)] * 3
 
 
 def test_workers_that_keep_many_process_groups_are_replaced_after_the_call(pool):

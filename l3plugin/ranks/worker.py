@@ -200,6 +200,7 @@ def _run_task(rank, msg, keep_state):
     for entry in sys_path:
         if entry not in sys.path:
             sys.path.append(entry)
+    environment, modes = dict(os.environ), _torch_function_modes()
     try:
         fn, args, kwargs = pickle.loads(payload)
         result = fn(*args, **kwargs)
@@ -212,4 +213,25 @@ def _run_task(rank, msg, keep_state):
         except Exception as exc:  # a stale mesh would poison the next call: fail this one instead
             out = (task_id, rank, False, f"cleanup after the call failed: {type(exc).__name__}: {exc}\n"
                                          f"{traceback.format_exc()}")
+        _restore(environment, modes)
     return (*out, _groups_left())
+
+
+def _torch_function_modes() -> int:
+    import torch
+
+    return torch._C._len_torch_function_stack()
+
+
+def _restore(environment: dict, modes: int) -> None:
+    """The environment and the torch-function mode stack as they were before the call: what a call sets
+    (transformers' TrainingArguments exports ACCELERATE_*, a test its wait bound) or leaves on the stack (a mode
+    not exited, a parameter-gather guard of a kept optimizer) would change every later call in this worker, and
+    the order of tests would matter."""
+    import torch
+
+    if dict(os.environ) != environment:
+        os.environ.clear()
+        os.environ.update(environment)
+    while torch._C._len_torch_function_stack() > modes:
+        torch._C._pop_torch_function_stack()
