@@ -20,6 +20,18 @@ them go (the GIL released meanwhile, so those releases happen now, not during fi
 rooms registered run (the ZeRO parameter guard leaves torch's mode stack), and the groups l3plugin created
 are destroyed, unless a wait failed (a destroy could block on the stuck collective). A problem is one line on
 stderr; nothing here raises at exit.
+
+A torch-function mode that leaves the stack here is watched too (issue 56, seen with a DeepSpeed script that
+even called ``destroy_process_group``; core dumps: a ``pt_gloo_runloop`` thread in ``~AsyncBarrierWork`` ->
+``~ThreadLocalState`` -> ``SafePyObject`` -> ``decref`` -> ``take_gil`` -> ``pthread_exit`` -> ``std::terminate``,
+the object being our ``StaleReadGuard``). Every gloo work copies the caller's thread-local state, the mode stack
+included: a ``shared_ptr`` to the ``SafePyObject`` made when the mode was pushed. A collective started while the
+guard is on the stack (the script's ``dist.barrier()``, DeepSpeed's own) keeps that entry alive in the worker
+until the worker drops the finished work. If the exit's pop leaves the worker the last holder, the worker's drop
+decrefs the guard under the GIL, and when that falls into finalization the thread is ended and the rank aborts
+(``destroy_process_group`` does not help: gloo's ``shutdown`` stops no worker). So after the hooks, each mode
+that left the stack is watched until its Python reference count has fallen by the entries popped (the
+``SafePyObject`` freed, by us or by the worker while the GIL is free here), at most ``RELEASE_CAP`` seconds.
 """
 
 from __future__ import annotations
@@ -115,15 +127,55 @@ def finish(timeout=None) -> bool:
         while not all(_released(entry) for entry in _recent) and time.monotonic() < release_deadline:
             time.sleep(0.001)  # the GIL is free meanwhile: the worker threads take it to let go of tensors
     _recent.clear()
+    modes = _mode_stack()
+    # Each entry's SafePyObject holds one reference; counted through the list only (no other local holds a
+    # mode), the same way as in _modes_let_go.
+    counts = [sys.getrefcount(modes[i]) for i in range(len(modes))]
     for hook in list(_hooks) if ok else []:  # after a failed wait a hook could wait again
         try:
             hook()
         except Exception as exc:  # noqa: BLE001
             ok = False
             _say(f"{getattr(hook, '__qualname__', hook)} failed ({type(exc).__name__}: {exc})")
+    if not _modes_let_go(modes, counts):
+        _say("a gloo worker thread still holds a torch-function mode that left the stack "
+             f"(after {RELEASE_CAP:g} s); the exit goes on")
     if ok:
         _destroy_groups()
     return ok
+
+
+def _mode_stack() -> list:
+    """This thread's torch-function modes, bottom first ([] when torch is not imported or cannot list them)."""
+    torch = sys.modules.get("torch")
+    length, at = (getattr(getattr(torch, "_C", None), name, None)
+                  for name in ("_len_torch_function_stack", "_get_function_stack_at"))
+    try:
+        return [] if length is None or at is None else [at(i) for i in range(length())]
+    except Exception:  # noqa: BLE001 - nothing raises at exit
+        return []
+
+
+def _modes_let_go(modes: list, counts: list) -> bool:
+    """Wait (GIL free) until every mode of ``modes`` that is no longer on the stack has lost one reference per
+    entry popped since ``counts`` were taken: no thread then holds a popped entry, so none decrefs it later, in
+    finalization (module docstring). The references of ``modes`` itself are in both counts. A second, older
+    entry of the same mode still held by a worker (pushed and popped before the exit) is not told apart."""
+    now = _mode_stack()
+    targets = {}  # index in modes (first occurrence) -> the count it falls to once its popped entries are freed
+    for i in range(len(modes)):
+        if any(modes[j] is modes[i] for j in range(i)):
+            continue
+        gone = sum(m is modes[i] for m in modes) - sum(m is modes[i] for m in now)
+        if gone > 0:
+            targets[i] = counts[i] - gone
+    del now
+    deadline = time.monotonic() + RELEASE_CAP
+    while any(sys.getrefcount(modes[i]) > target for i, target in targets.items()):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)  # the GIL is free meanwhile: the worker that holds the entry takes it to let go
+    return True
 
 
 def _destroy_groups() -> None:
