@@ -46,6 +46,33 @@ STOCK_ATTENTION = PatchSet("tests/megatron_cpu_shim.py (stock attention on CPU; 
 ])
 
 
+def no_cuda_rng_state(*_args, **_kwargs):
+    """Megatron's _get_cuda_rng_state without CUDA: there is no CUDA generator to save."""
+    return None
+
+
+def set_no_cuda_rng_state(new_state, *_args, **_kwargs):
+    """Megatron's _set_cuda_rng_state without CUDA: the state saved above is None; nothing to restore."""
+    assert new_state is None, "a CUDA RNG state on a CPU-only run"
+
+
+_RANDOM = "megatron.core.tensor_parallel.random"
+# Megatron's activation recompute (tensor_parallel.checkpoint: recompute_granularity full or selective) saves and
+# restores the CPU and the CUDA RNG states around the recomputed forward; the CPU one stays as Megatron does it.
+RECOMPUTE = PatchSet("tests/megatron_cpu_shim.py (activation recompute on CPU; TEST-ONLY)", "megatron-core",
+                     MEGATRON_CHECKED, [
+    Patch(_RANDOM, "_get_cuda_rng_state", f"{_HERE}:no_cuda_rng_state",
+          why="CheckpointFunction saves the CUDA RNG state (torch.cuda.get_rng_state needs CUDA)"),
+    Patch(_RANDOM, "_set_cuda_rng_state", f"{_HERE}:set_no_cuda_rng_state",
+          why="and restores it around the recomputed forward"),
+])
+
+
+def recompute_on_cpu():
+    """Within this block Megatron-Core's activation recompute runs on CPU (CPU RNG state only)."""
+    return RECOMPUTE.within()
+
+
 SEQUENCE_PARALLEL = PatchSet("tests/megatron_cpu_shim.py (sequence parallel on CPU; TEST-ONLY)", "megatron-core",
                            MEGATRON_CHECKED, [
     Patch(f"megatron.core.{module}", "torch", f"{_HERE}:CPU_TORCH",
