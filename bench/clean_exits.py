@@ -7,19 +7,28 @@ Each run starts 2 ranks on gloo (torchrun's environment variables, no launcher) 
 - ``save``: the same, then ``save_checkpoint``;
 - ``load``: the same, then ``load_checkpoint`` of a checkpoint damaged on rank 1 (truncated partition), the
   error caught;
-- ``comm``: no DeepSpeed; one l3plugin all-gather waited (``comm``) or a torch one, then the end.
+- ``comm``: no DeepSpeed; one l3plugin all-gather waited (``comm``) or a torch one, then the end;
+- ``example``: ``examples/deepspeed/train.py`` as tests/test_examples.py launches it (torchrun --standalone,
+  2 steps, ``--export``; it ends with ``barrier()`` and ``destroy_process_group()``); stock: its config without
+  the key, no export (the export needs l3plugin's optimizer).
 Counts the ranks' exit codes per shape and arm (a run fails when a rank's code is not 0; -6 is SIGABRT,
-"terminate called without an active exception"), and prints the load average, since aborts are more
-frequent under load. Rounds alternate the arms' order (harness.round_order).
+"terminate called without an active exception"; for ``example`` the launcher's code, 1 when a rank failed, with
+the ranks' codes from its report), and prints the load average, since aborts are more frequent under load.
+Rounds alternate the arms' order (harness.round_order); ``--stock-rounds`` runs the control in fewer rounds,
+spread evenly. ``--hog 0,19`` runs one busy loop per listed nice level beside the runs (issue 56: the aborts
+came under load; the suite runs its background jobs at nice 19).
 
-    python bench/clean_exits.py --rounds 20 --shapes train,save,load
+    python bench/clean_exits.py --rounds 100 --stock-rounds 30 --shapes example,train,save,load --hog 0,19
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +40,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import round_order  # noqa: E402
 
 ARMS = ("key", "stock")
-SHAPES = ("train", "save", "load", "comm")
+SHAPES = ("train", "save", "load", "comm", "example")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "deepspeed")
 
 
 # ---- one rank ----------------------------------------------------------------------------------------------
@@ -108,6 +119,57 @@ def run_once(shape: str, arm: str, folder: str, timeout: float) -> list:
     return codes
 
 
+def run_example(arm: str, folder: str, timeout: float) -> list:
+    """examples/deepspeed/train.py under torchrun as tests/test_examples.py runs it: [the launcher's exit code]
+    followed by the failed ranks' codes from its report ("timeout" when killed after ``timeout`` s)."""
+    os.makedirs(folder, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           os.path.join(EXAMPLE, "train.py"), "--steps", "2"]
+    if arm == "key":
+        cmd += ["--export", os.path.join(folder, "fp32.pt")]
+    else:
+        with open(os.path.join(EXAMPLE, "ds_config.json")) as f:
+            config = json.load(f)
+        config.pop("l3plugin")
+        stock = os.path.join(folder, "ds_config_stock.json")
+        with open(stock, "w") as f:
+            json.dump(config, f)
+        cmd += ["--config", stock]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # the session holds the launcher and its ranks: one kill
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return ["timeout"]
+    if proc.returncode == 0:
+        return [0]
+    ranks = [int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", err)]
+    print(f"  example/{arm}: exit {proc.returncode}, ranks {ranks}: "
+          f"{[line for line in err.splitlines() if 'terminate' in line or 'Error' in line][:2]}", file=sys.stderr)
+    return [proc.returncode, *ranks]
+
+
+def start_hogs(nice_levels) -> list:
+    """One busy loop per nice level; each dies with this process (PR_SET_PDEATHSIG) or at the end of main."""
+    def child(level):
+        def setup():
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no hog outlives the bench
+            os.nice(level)
+        return setup
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=child(level))
+            for level in nice_levels]
+
+
+def stock_round(index: int, rounds: int, stock_rounds: int) -> bool:
+    """Whether round ``index`` runs the stock arm: ``stock_rounds`` of ``rounds``, spread evenly."""
+    return (index + 1) * stock_rounds // rounds != index * stock_rounds // rounds
+
+
 def damaged_checkpoint(arm: str, root: str, timeout: float) -> str:
     """A checkpoint saved by ``arm``, rank 1's optimizer partition then cut in half."""
     folder = os.path.join(root, f"damaged-{arm}")
@@ -123,38 +185,65 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=20, help="runs of each shape and arm (default 20)")
     parser.add_argument("--shapes", default="train,save,load", help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run before its ranks are killed")
+    parser.add_argument("--stock-rounds", type=int, default=None, help="rounds that also run stock (default all)")
+    parser.add_argument("--hog", default="", help="nice levels of busy loops run beside, e.g. 0,19 (default none)")
     args = parser.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     bad = [s for s in shapes if s not in SHAPES]
-    if bad or not shapes or args.rounds < 1 or not args.timeout > 0:
+    stock_rounds = args.rounds if args.stock_rounds is None else args.stock_rounds
+    try:
+        hogs = [int(level) for level in args.hog.split(",") if level.strip()]
+    except ValueError:
+        hogs = None
+    if bad or not shapes or args.rounds < 1 or not args.timeout > 0 or not 0 <= stock_rounds <= args.rounds \
+            or hogs is None or any(not 0 <= level <= 19 for level in hogs):
         parser.error(f"--shapes {args.shapes!r} (known: {', '.join(SHAPES)}), --rounds {args.rounds} (>= 1), "
-                     f"--timeout {args.timeout} (> 0)")
+                     f"--timeout {args.timeout} (> 0), --stock-rounds {args.stock_rounds} (0 to --rounds), "
+                     f"--hog {args.hog!r} (nice levels 0-19, comma-separated)")
     counts = collections.defaultdict(collections.Counter)
     load_before = os.getloadavg()
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="clean-exits-") as root:
-        damaged = {arm: damaged_checkpoint(arm, root, args.timeout) for arm in ARMS} if "load" in shapes else {}
-        for index in range(args.rounds):
-            for shape in shapes:
-                for arm in round_order(ARMS, index):
-                    folder = damaged.get(arm) if shape == "load" else os.path.join(root, f"{shape}-{arm}")
-                    codes = run_once(shape, arm, folder, args.timeout)
-                    counts[(shape, arm)]["ok" if all(c == 0 for c in codes) else "failed"] += 1
-                    for code in codes:
-                        if code != 0:
-                            counts[(shape, arm)][f"rank exit {code}"] += 1
-            so_far = "; ".join(f"{shape}/{arm} {counts[(shape, arm)]['ok']}/{index + 1}" for shape in shapes for arm in ARMS)
-            print(f"round {index + 1}/{args.rounds}: load average {os.getloadavg()[0]:.1f}; exit 0 so far: {so_far}",
-                  file=sys.stderr, flush=True)  # a run cut short still says what it counted
-    print(f"{'shape':<7} {'arm':<6} {'runs':>5} {'exit 0':>7}  failures")
+    hog_procs = start_hogs(hogs)
+    try:
+        with tempfile.TemporaryDirectory(prefix="clean-exits-") as root:
+            damaged = {arm: damaged_checkpoint(arm, root, args.timeout)
+                       for arm in ARMS if arm == "key" or stock_rounds} if "load" in shapes else {}
+            for index in range(args.rounds):
+                arms = [arm for arm in round_order(ARMS, index)
+                        if arm == "key" or stock_round(index, args.rounds, stock_rounds)]
+                for shape in shapes:
+                    for arm in arms:
+                        t0 = time.monotonic()
+                        folder = damaged.get(arm) if shape == "load" else os.path.join(root, f"{shape}-{arm}")
+                        codes = (run_example(arm, folder, args.timeout) if shape == "example"
+                                 else run_once(shape, arm, folder, args.timeout))
+                        counts[(shape, arm)]["ok" if all(c == 0 for c in codes) else "failed"] += 1
+                        counts[(shape, arm)]["seconds"] += time.monotonic() - t0
+                        for code in codes[1:] if shape == "example" else codes:
+                            if code != 0:
+                                counts[(shape, arm)][f"rank exit {code}"] += 1
+                so_far = "; ".join(f"{shape}/{arm} {counts[(shape, arm)]['ok']}/{_runs(counts[(shape, arm)])}"
+                                   for shape in shapes for arm in ARMS)
+                print(f"round {index + 1}/{args.rounds}: load average {os.getloadavg()[0]:.1f}; exit 0 so far: "
+                      f"{so_far}", file=sys.stderr, flush=True)  # a run cut short still says what it counted
+    finally:
+        for hog in hog_procs:
+            hog.kill()
+            hog.wait(timeout=10)
+    print(f"{'shape':<7} {'arm':<6} {'runs':>5} {'exit 0':>7} {'s/run':>6}  failures")
     for shape in shapes:
         for arm in ARMS:
             c = counts[(shape, arm)]
             detail = ", ".join(f"{k}: {v}" for k, v in sorted(c.items()) if k.startswith("rank")) or "-"
-            print(f"{shape:<7} {arm:<6} {c['ok'] + c['failed']:>5} {c['ok']:>7}  {detail}")
+            per_run = f"{c['seconds'] / _runs(c):.1f}" if _runs(c) else "-"
+            print(f"{shape:<7} {arm:<6} {_runs(c):>5} {c['ok']:>7} {per_run:>6}  {detail}")
     print(f"load average (1 min) {load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
-          f"{time.monotonic() - start:.0f} s; {os.cpu_count()} CPUs")
+          f"{time.monotonic() - start:.0f} s; {os.cpu_count()} CPUs; hogs at nice {hogs or 'none'}")
     return {f"{shape}/{arm}": dict(counts[(shape, arm)]) for shape in shapes for arm in ARMS}
+
+
+def _runs(counter) -> int:
+    return counter["ok"] + counter["failed"]
 
 
 if __name__ == "__main__":
