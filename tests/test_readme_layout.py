@@ -1,4 +1,5 @@
-"""README.md's Layout block names every module of l3plugin/ and nothing that is not there; the docs it
+"""docs/layout.md's Layout block names every module of l3plugin/ and nothing that is not there; README.md's
+Layout block names every folder and top-level module and sends the reader to docs/layout.md; the docs it
 links exist."""
 
 import re
@@ -8,11 +9,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "l3plugin"
 
 
-def layout_entries() -> dict[str, str]:
-    """{entry as written ("zero/", "comm.py"): its text (with continuation lines)} of the Layout block."""
-    text = (ROOT / "README.md").read_text()
-    block = re.search(r"^## Layout\n.*?^```\n(.*?)^```", text, re.S | re.M)
-    assert block, "README.md has no Layout code block under '## Layout'"
+LAYOUT_PAGE = ROOT / "docs" / "layout.md"
+
+
+def layout_entries(page: Path = LAYOUT_PAGE) -> dict[str, str]:
+    """{entry as written ("zero/", "comm.py"): its text (with continuation lines)} of the Layout block: the
+    first code block under '# Layout' / '## Layout' of ``page`` (docs/layout.md: every module; README.md: one
+    line per folder)."""
+    text = page.read_text()
+    block = re.search(r"^##? Layout.*?^```\n(.*?)^```", text, re.S | re.M)
+    assert block, f"{page.name} has no Layout code block under a 'Layout' heading"
     entries, current = {}, None
     for line in block.group(1).splitlines():
         if line.startswith("l3plugin/") or not line.strip():
@@ -46,17 +52,27 @@ def modules() -> dict[str, list[str]]:
 def test_layout_names_every_module_and_only_existing_ones():
     entries, tree = layout_entries(), modules()
     missing = sorted(set(tree) - set(entries))
-    assert not missing, f"README.md Layout does not name {missing}: add a line for each"
+    assert not missing, f"docs/layout.md Layout does not name {missing}: add a line for each"
     stale = sorted(name for name in set(entries) - set(tree) if not (ROOT / name).exists())
-    assert not stale, f"README.md Layout names {stale}, which do not exist under l3plugin/"
+    assert not stale, f"docs/layout.md Layout names {stale}, which do not exist under l3plugin/"
     unnamed = {entry: [m for m in files if m != "__init__.py" and m not in entries[entry]]
                for entry, files in tree.items()}
     unnamed = {entry: files for entry, files in unnamed.items() if files}
-    assert not unnamed, f"README.md Layout does not name these modules in their folder's entry: {unnamed}"
+    assert not unnamed, f"docs/layout.md Layout does not name these modules in their folder's entry: {unnamed}"
     gone = {entry: [m for m in re.findall(r"\b(\w+\.py)\b", entries[entry]) if m not in files]
             for entry, files in tree.items() if entry.endswith("/")}
     gone = {entry: names for entry, names in gone.items() if names}
-    assert not gone, f"README.md Layout names modules its folders do not have: {gone}"
+    assert not gone, f"docs/layout.md Layout names modules its folders do not have: {gone}"
+
+
+def test_readme_layout_names_every_folder_and_sends_the_reader_to_every_module():
+    entries, tree = layout_entries(ROOT / "README.md"), modules()
+    missing = sorted(set(tree) - set(entries))
+    assert not missing, f"README.md Layout does not name {missing}: add a line for each (modules: docs/layout.md)"
+    stale = sorted(name for name in set(entries) - set(tree) if not (ROOT / name).exists())
+    assert not stale, f"README.md Layout names {stale}, which do not exist under l3plugin/"
+    section = (ROOT / "README.md").read_text().split("## Layout", 1)[1]
+    assert "](docs/layout.md)" in section, "README.md's Layout must link docs/layout.md, where every module is named"
 
 
 def test_readme_links_point_at_existing_files():
