@@ -122,7 +122,7 @@ def test_a_changed_figure_is_caught():
 
 # --- versions ------------------------------------------------------------------------------------------------
 
-VERSION = re.compile(r"\b\d+\.\d+\.\d+\b|\b[0-9a-f]{7}\b")
+VERSION = re.compile(r"(?<![\d.])\d+\.\d+\.\d+(?![\d.])|\b[0-9a-f]{7}\b")  # also core_v0.19.0's
 
 
 def test_framework_table_versions_are_the_verified_ones():
@@ -274,3 +274,16 @@ def test_gpu_figures_come_from_a_saved_run():
     assert "H200" in json.dumps(record["environment"]) and (ROOT / "bench" / "gpu_check.py").exists()
     others = [row[0] for row in table("| what | l3plugin | anchor, same run |") if "H200" not in row[3]]
     assert all(not re.search(r"GPU|H100|H200", row) for row in others), f"GPU figures not marked: {others}"
+
+
+@pytest.mark.parametrize("page, header", [("megatron.md", "| Megatron-Core | how | result |"),
+                                          ("deepspeed.md", "| DeepSpeed | transformers / accelerate | result |")])
+def test_framework_pages_versions_and_counts_are_the_verified_ones(page, header):
+    """The version tables of the per-framework pages: every version and test count is one docs/verified.md gives."""
+    rows = tables((ROOT / "docs" / page).read_text()).get(header)
+    assert rows, f"docs/{page} has no table {header!r}"
+    verified = (ROOT / "docs" / "verified.md").read_text()
+    said = [token for row in rows for cell in row for token in VERSION.findall(cell) + re.findall(
+        r"\b(\d+) (?:passed|failed|skipped)", cell)]
+    wrong = [token for token in said if not occurs(token, verified)]
+    assert said and not wrong, f"docs/{page}: versions or counts docs/verified.md does not give: {wrong}"
