@@ -202,6 +202,11 @@ DOC_FIGURES = (
      "`l3plugin simulate --pp P --vpp 2 --microbatches M --group-size K --json` (ideal costs, printed by hand)"),
     ("docs/verified.md", "| case | m | vpp | max abs diff | bit-identical | notes |", (),
      "printed by compat/verl_engine.py (make compat-verl), copied by hand"),
+    ("docs/te-on-gpu.md", "| call | carries | MiB sent | command", (),
+     "the call plan printed by bench/te_carry.py prepare / plan (sizes of one download), copied by hand"),
+    ("docs/te-on-gpu.md", "| what | figure | measured or estimate |", (),
+     "timings of bench/te_carry.py prepare, a local store/join round trip and single g++ compiles, by hand; "
+     "estimates marked"),
 )
 
 
