@@ -783,7 +783,8 @@ def te_block(config, device, delay):
 
     config = copy.copy(config)
     config.delay_wgrad_compute = delay
-    return TransformerBlock(config, get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm"),
+    # The TE spec fuses the norm into TELayerNormColumnParallelLinear, which reads config.normalization.
+    return TransformerBlock(config, get_gpt_layer_with_transformer_engine_spec(),
                             post_layer_norm=False).to(device, torch.bfloat16)
 
 
@@ -792,8 +793,9 @@ def te_split_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, tokens=
     skip = te_skip_reason()
     if skip is not None:
         return {"skipped": skip}
-    import transformer_engine.pytorch as te
+    import transformer_engine
     from megatron.core.transformer import TransformerConfig
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
     megatron_world_one(device)
     config = TransformerConfig(
@@ -806,7 +808,7 @@ def te_split_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, tokens=
     delayed_block = te_block(config, device, delay=True)
     delayed_block.load_state_dict(fused_block.state_dict())
     te_linears = [m for m in delayed_block.modules()
-                  if isinstance(m, te.module.base.TransformerEngineBaseModule) and hasattr(m, "backward_dw")]
+                  if isinstance(m, TransformerEngineBaseModule) and hasattr(m, "backward_dw")]
     gemm_weights = {id(p) for m in te_linears for n, p in m.named_parameters(recurse=False) if n.startswith("weight")}
     x = torch.randn(tokens, 1, hidden, device=device, dtype=torch.bfloat16)
     grad_out = torch.randn(tokens, 1, hidden, device=device, dtype=torch.bfloat16)
@@ -838,8 +840,8 @@ def te_split_check(device, hidden=4096, heads=32, kv_heads=8, ffn=14336, tokens=
                                        for p in delayed_params]
 
     out = {"hidden": hidden, "heads": [heads, kv_heads], "ffn": ffn, "tokens": tokens, "layers": layers,
-           "te_linears": len(te_linears), "gemm_weights": len(gemm_weights), "te": te.__version__ if hasattr(
-               te, "__version__") else "imported"}
+           "te_linears": len(te_linears), "gemm_weights": len(gemm_weights),
+           "te": getattr(transformer_engine, "__version__", "imported")}
     deterministic = torch.are_deterministic_algorithms_enabled()
     for key, det in (("default", False), ("deterministic_algorithms", True)):
         torch.use_deterministic_algorithms(det)

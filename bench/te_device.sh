@@ -106,6 +106,9 @@ run() {  # run a command under what the budget has left (dry run: print it)
 #                                  here, and ep.cpp needs torch's symmetric-memory headers
 #   MAX_JOBS                       torch.utils.cpp_extension's ninja parallelism (NVTE_BUILD_MAX_JOBS / MAX_JOBS of
 #                                  build_tools/utils.py:54-57 feed the CMake builds, which this extension has none of)
+#   CUDA_HOME                      build_tools/utils.py nvcc_path / cuda_home_path: else the toolkit's include
+#                                  is nvcc's grandparent's, /usr/local/include for a /usr/local/bin/nvcc wrapper
+#                                  (seen here: the first TUs then missed cuda_runtime_api.h)
 #   CPLUS_INCLUDE_PATH             cudnn.h, nccl.h, cublasLt.h, nvrtc.h, cusparse.h (csrc/common.h,
 #                                  csrc/extensions.h, torch's ATen/cuda headers) from the nvidia-* wheels, after the
 #                                  toolkit's include (build_tools/utils.py get_cuda_include_dirs uses the toolkit's
@@ -115,6 +118,12 @@ build_script() {
 set -o pipefail
 cd "$BUILD/src/$1" || exit 1
 export NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_NO_LOCAL_VERSION=1 NVTE_CUDA_ARCHS=90 NVTE_WITH_NCCL_EP=0 MAX_JOBS=$JOBS
+# CUDA_HOME: the toolkit whose include holds cuda_runtime_api.h (utils.py takes nvcc's parent's parent, which is
+# /usr/local for a wrapper script at /usr/local/bin/nvcc, as on the machine this was written on)
+for c in "\${CUDA_HOME:-}" /usr/local/cuda "\$(dirname "\$(dirname "\$(readlink -f "\$(command -v nvcc)")")")"; do
+  if [ -n "\$c" ] && [ -f "\$c/include/cuda_runtime_api.h" ]; then export CUDA_HOME="\$c"; break; fi
+done
+echo "CUDA_HOME=\${CUDA_HOME:-unset} nvcc=\$(command -v nvcc) \$(nvcc --version 2>/dev/null | tail -n 1)"
 export CPLUS_INCLUDE_PATH="\$($PY -c 'import glob, nvidia; print(":".join(sorted({d for r in nvidia.__path__ for d in glob.glob(r + "/*/include")})))')\${CPLUS_INCLUDE_PATH:+:\$CPLUS_INCLUDE_PATH}"
 echo "CPLUS_INCLUDE_PATH=\$CPLUS_INCLUDE_PATH"
 began=\$(date +%s)
