@@ -146,7 +146,7 @@ def run_example(arm: str, folder: str, timeout: float) -> list:
         return ["timeout"]
     if proc.returncode == 0:
         return [0]
-    ranks = [int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", err)]
+    ranks = [int(code) for code in re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", err, re.M)]  # the report's lines
     print(f"  example/{arm}: exit {proc.returncode}, ranks {ranks}: "
           f"{[line for line in err.splitlines() if 'terminate' in line or 'Error' in line][:2]}", file=sys.stderr)
     return [proc.returncode, *ranks]
