@@ -637,7 +637,7 @@ def te_attention_check(device, tokens=8192, batch=2) -> dict:
     return out
 
 
-def te_cp_check(device, tokens=8192, sizes=(2, 4), timeout=300.0) -> dict:
+def te_cp_check(device, tokens=8192, sizes=(2, 4), timeout=60.0) -> dict:
     """Section 7 (module docstring): the l3plugin route at cp 2 and 4, ranks as threads on one device. Without
     TE it is skipped; on CPU the same harness then runs l3plugin's local attention (``local_attention``), so
     the thread harness itself is exercised where TE cannot be."""

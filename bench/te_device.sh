@@ -10,7 +10,7 @@
 # stays warm). The call that carries the sdist starts the transformer_engine_torch build in the background (setsid:
 # it outlives the call and runs while the next calls carry the parts). The call that completes the parts joins
 # them (sha256 of the whole wheel), installs the wheels into ROOT/te_site, waits for the build, installs it,
-# imports TE, then runs bench/gpu_check.py's TE sections and tests/megatron/test_te_backend.py. Each stage prints
+# imports TE, then runs tests/megatron/test_te_backend.py and bench/gpu_check.py's TE sections. Each stage prints
 # its elapsed time; before each stage the remaining budget is checked, and a stage runs under `timeout` of what is
 # left: when the budget runs out the script says what it did and what it skipped, and exits 0.
 # Results under $OUT (the device tool brings them back): te_device.log, gpu_check_te.json, te_build.log (tail).
@@ -40,7 +40,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "--budget must be whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac
-STAGES="store build_start join install build_wait import gpu_check tests"
+STAGES="store build_start join install build_wait import tests gpu_check"
 if [ -n "$STOP_AFTER" ] && ! [[ " $STAGES " == *" $STOP_AFTER "* ]]; then
   echo "--stop-after: one of: $STAGES" >&2; exit 2
 fi
@@ -88,8 +88,12 @@ staged() {  # a stage ended: its time, and stop here if --stop-after names it
   fi
 }
 run() {  # run a command under what the budget has left (dry run: print it)
+  run_for "$BUDGET" "$@"
+}
+run_for() {  # run_for CAP command...: under CAP seconds or what the budget has left, the less
+  local cap="$1"; shift
   if [ "$DRY" = 1 ]; then echo "  would run: $*" | tee -a "$LOG"; return 0; fi
-  local t; t=$(left); [ "$t" -gt 1 ] || t=1
+  local t; t=$(left); [ "$t" -le "$cap" ] || t=$cap; [ "$t" -gt 1 ] || t=1
   timeout --kill-after=10 "$t" "$@"
 }
 
@@ -172,7 +176,7 @@ if [ "$CHECKS_ONLY" = 0 ]; then
     rc=${PIPESTATUS[0]}
     if [ "$rc" = 3 ]; then
       say "parts still to come (above); this call's work is done"
-      DONE+=("join(waiting)"); SKIPPED+=("install build_wait import gpu_check tests: later call"); finish 0
+      DONE+=("join(waiting)"); SKIPPED+=("install build_wait import tests gpu_check: later call"); finish 0
     fi
     [ "$rc" = 0 ] || { say "join failed rc=$rc"; finish 1; }
   fi
@@ -182,17 +186,21 @@ if [ "$CHECKS_ONLY" = 0 ]; then
   run "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
       $(ls "$WHEELS"/*.whl 2>/dev/null || echo "$WHEELS/*.whl") 2>&1 | tail -n 5 | tee -a "$LOG"
   staged install
+fi
 
+if [ "$CHECKS_ONLY" = 0 ] || [ ! -f "$BUILD/installed" ]; then  # --checks-only: a build that finished since
   stage build_wait 10
   if [ "$DRY" = 0 ]; then
+    [ -f "$BUILD/started" ] || { say "no build was started on this machine (fresh machine? send the calls again)"; finish 1; }
     while [ ! -f "$BUILD/rc" ] && [ "$(left)" -gt 60 ]; do sleep 5; done
     tail -n 3 "$BUILD/build.log" 2>/dev/null | tee -a "$LOG"
     if [ ! -f "$BUILD/rc" ]; then
       say "build still running with $(left) s left: stopping (the machine stays warm 30 s: call again with --checks-only)"
-      SKIPPED+=("build_wait import gpu_check tests"); finish 0
+      SKIPPED+=("build_wait import tests gpu_check"); finish 0
     fi
     [ "$(cat "$BUILD/rc")" = 0 ] || { say "build failed rc=$(cat "$BUILD/rc"): see te_build.log"; finish 1; }
-    run "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$BUILD"/dist/*.whl 2>&1 | tail -n 5 | tee -a "$LOG"
+    run "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$BUILD"/dist/*.whl 2>&1 | tail -n 5 | tee -a "$LOG" \
+      && touch "$BUILD/installed"
   else
     echo "  would wait for $BUILD/rc, then pip install --target $SITE $BUILD/dist/*.whl" | tee -a "$LOG"
   fi
@@ -212,12 +220,12 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'TE', transformer_
 " 2>&1 | tee -a "$LOG" || { say "TE does not import"; finish 1; }
 staged import
 
+stage tests 30
+run_for 120 "$PY" -m pytest -q -p no:cacheprovider "$REPO/tests/megatron/test_te_backend.py" 2>&1 | tail -n 15 | tee -a "$LOG"
+staged tests
+
 stage gpu_check 60
 run "$PY" "$REPO/bench/gpu_check.py" --sections te_attention te_cp te_split guard_cost \
     --out "$OUT_DIR/gpu_check_te.json" 2>&1 | tee -a "$LOG"
 staged gpu_check
-
-stage tests 30
-run "$PY" -m pytest -q -p no:cacheprovider "$REPO/tests/megatron/test_te_backend.py" 2>&1 | tail -n 15 | tee -a "$LOG"
-staged tests
 finish 0

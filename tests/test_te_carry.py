@@ -104,17 +104,21 @@ def test_device_script_stores_joins_and_stops_within_its_budget(tmp_path):
         got = device_sh(out / c["dir"], "--root", root, "--no-build", "--stop-after", "join", "--budget", "60",
                         env=env)
         assert got.returncode == 0, got.stdout + got.stderr
-    assert "joined" in got.stdout and "not done: install build_wait import gpu_check tests" in got.stdout
+    assert "joined" in got.stdout and "not done: install build_wait import tests gpu_check" in got.stdout
     assert (root / "te_wheels" / big.name).read_bytes() == big.read_bytes()
     assert "parts still to come" in (tmp_path / "out" / "te_device.log").read_text()
     # No budget left: a clean stop that names what it skipped.
     got = device_sh(out / "call1", "--root", root, "--budget", "0", env=env)
     assert got.returncode == 0 and "stopping before it" in got.stdout
-    assert "not done: store build_start join install build_wait import gpu_check tests" in got.stdout
+    assert "not done: store build_start join install build_wait import tests gpu_check" in got.stdout
     # A dry run prints every stage's command, the build's environment among them, and runs none.
     got = device_sh(out / "call1", "--root", tmp_path / "dry", "--dry-run", "--budget", "600", env=env)
     assert got.returncode == 0 and "NVTE_CUDA_ARCHS=90" in got.stdout and "gpu_check.py --sections te_attention" in got.stdout
     assert not (tmp_path / "dry" / "te_parts").exists()
+    # --checks-only: no call folder; the build's wheel installed if not yet, then the checks.
+    got = device_sh("--checks-only", "--root", tmp_path / "dry", "--dry-run", "--budget", "600", env=env)
+    assert got.returncode == 0 and "store" not in got.stdout.split("done:")[-1].split(";")[0]
+    assert "test_te_backend.py" in got.stdout and "would wait for" in got.stdout
 
 
 def test_te_split_section_records_that_te_is_not_importable():
