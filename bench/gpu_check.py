@@ -676,8 +676,10 @@ def cp_on_threads(device, cls, kwargs, config, inp, whole, cp, timeout) -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     def rank_call(rank, group, q, k, v):
-        layer = cls(config, 1, inp.mask_type(), "self", pg_collection=ProcessGroupCollection(
-            cp=group, tp=group, pp=group, dp=group, dp_cp=group), **kwargs).to(device)
+        # tp None: TE's DotProductAttention takes its TP size from the tp group when one is given (this group's
+        # size would split the heads); None gives config.tensor_model_parallel_size, 1
+        layer = cls(config, 1, inp.mask_type(), "self", pg_collection=ProcessGroupCollection(cp=group, tp=None),
+                    **kwargs).to(device)
         return layer(q, k, v, None, attn_mask_type=inp.mask_type(), packed_seq_params=None)
 
     return ranks_as_threads(device, rank_call, inp, whole, cp, timeout)
