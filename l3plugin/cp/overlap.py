@@ -9,7 +9,8 @@ parts still travel. With the paper's layout at cp=2, rank 0's first chunk needs 
 
 In the backward, ranges are differentiated last first. The dK/dV a range adds reach only positions
 before its end, so once no range left reaches the other ranks' tokens of a part, that part's
-reduce-scatter starts and travels while the earlier ranges are differentiated. This rank's gradient for
+reduce-scatter can start and travel while the earlier ranges are differentiated; every rank starts the
+parts in the same order (the last first), as collectives matched by issue order (NCCL) need. This rank's gradient for
 its own tokens is not sent: it is added after the reduce-scatter (which sums the others' with a zero for
 this rank's own slice).
 
@@ -128,14 +129,19 @@ class OverlappedAttention(torch.autograd.Function):
         flights = {}
 
         def start_parts(reach):  # parts no remaining range adds to (outside this rank's own tokens)
-            for p, positions in enumerate(plan.positions):
-                if p not in flights and plan.first_other[p] >= reach:
-                    # [cp, 2, n, h, d]: every rank's tokens of this part, rank-major
-                    send = dfull[:, positions.to(dfull.device)].transpose(0, 1).contiguous()
-                    send[me] = 0  # this rank's own gradient is added after, not sent
-                    flights[p] = comm.start_reduce_scatter_sum(
-                        send.view(-1), ctx.group, send.dtype, what=f"CP dK/dV part {p} {tuple(send.shape[1:])}",
-                        tag=p)
+            # Every rank starts the parts in one order, the last first, each once it is ready here and every later
+            # part has started: NCCL pairs the n-th reduce-scatter of each rank, and the parts have one size, so
+            # ranks starting them in the order they became ready (it differs by rank) summed different parts.
+            for p in reversed(range(len(plan.positions))):
+                if p in flights:
+                    continue
+                if plan.first_other[p] < reach:
+                    break
+                # [cp, 2, n, h, d]: every rank's tokens of this part, rank-major
+                send = dfull[:, plan.positions[p].to(dfull.device)].transpose(0, 1).contiguous()
+                send[me] = 0  # this rank's own gradient is added after, not sent
+                flights[p] = comm.start_reduce_scatter_sum(
+                    send.view(-1), ctx.group, send.dtype, what=f"CP dK/dV part {p} {tuple(send.shape[1:])}", tag=p)
 
         start_parts(max(plan.kv_lens))
         for i in reversed(range(len(ctx.ranges))):
