@@ -10,10 +10,19 @@ Each run starts 2 ranks on gloo (torchrun's environment variables, no launcher) 
 - ``comm``: no DeepSpeed; one l3plugin all-gather waited (``comm``) or a torch one, then the end;
 - ``example``: ``examples/deepspeed/train.py`` as tests/test_examples.py launches it (torchrun --standalone,
   2 steps, ``--export``; it ends with ``barrier()`` and ``destroy_process_group()``); stock: its config without
-  the key, no export (the export needs l3plugin's optimizer).
+  the key, no export (the export needs l3plugin's optimizer);
+- ``megatron``: a Megatron-Core script at pp 1, dp 2 (tests/toy_pipeline.py's 4-layer Linear+tanh model, 3 steps
+  of 3 micro-batches), then the end, no ``destroy_process_group``: with the key ``l3plugin.megatron.install
+  ("flexible")``, l3plugin's ZeRO-2 (``megatron_zero`` + ``attach_to_schedule``, its parameter all-gathers
+  left for the next forward) and the flexible schedule (called directly: the selector answers it at pp > 1
+  only); stock: Megatron's own selector (``forward_backward_no_pipelining``, on CPU through
+  tests/megatron_cpu_shim.py), gradients all-reduced by torch, SGD;
+- ``hf``: ``examples/huggingface/train_trainer.py`` (HF Trainer, DeepSpeed ZeRO-2, CP 2 from the key) as
+  tests/hf/test_hf_examples.py launches it (torchrun --standalone, 2 steps, 12 documents a row; it ends with
+  ``destroy_process_group()``); stock: its config without the key.
 Counts the ranks' exit codes per shape and arm (a run fails when a rank's code is not 0; -6 is SIGABRT,
-"terminate called without an active exception"; for ``example`` the launcher's code, 1 when a rank failed, with
-the ranks' codes from its report), and prints the load average, since aborts are more frequent under load.
+"terminate called without an active exception"; for ``example`` and ``hf`` the launcher's code, 1 when a rank
+failed, with the ranks' codes from its report), and prints the load average, since aborts are more frequent under load.
 Rounds alternate the arms' order (harness.round_order); ``--stock-rounds`` runs the control in fewer rounds,
 spread evenly. ``--hog 0,19`` runs one busy loop per listed nice level beside the runs (issue 56: the aborts
 came under load; the suite runs its background jobs at nice 19).
@@ -40,9 +49,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import round_order  # noqa: E402
 
 ARMS = ("key", "stock")
-SHAPES = ("train", "save", "load", "comm", "example")
+SHAPES = ("train", "save", "load", "comm", "example", "megatron", "hf")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(ROOT, "examples", "deepspeed")
+EXAMPLES = {"example": ("deepspeed", "train.py"), "hf": ("huggingface", "train_trainer.py")}  # (folder, script)
 
 
 # ---- one rank ----------------------------------------------------------------------------------------------
@@ -63,6 +72,8 @@ def rank_main(shape: str, arm: str, folder: str) -> None:
         else:
             dist.all_gather_into_tensor(torch.empty(2000), shard)
         return
+    if shape == "megatron":
+        return megatron_main(arm)
     import deepspeed
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # a ~120 s JIT compile, inference only
@@ -87,6 +98,56 @@ def rank_main(shape: str, arm: str, folder: str) -> None:
             engine.load_checkpoint(folder, tag="t")
         except Exception as exc:  # noqa: BLE001 - the shape: a caught checkpoint error, then the end
             print(f"rank {dist.get_rank()}: caught {type(exc).__name__}", file=sys.stderr)
+
+
+def megatron_main(arm: str) -> None:
+    """The ``megatron`` shape on this rank (see the module docstring); ends without destroy_process_group."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))  # toy_pipeline.py (and megatron_cpu_shim.py for stock)
+    import toy_pipeline as toy
+    from megatron.core.transformer import TransformerConfig
+
+    dist.init_process_group("gloo")
+    hidden, layers, m, steps = 32, 4, 3, 3
+    config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=1,
+                               pipeline_dtype=torch.float32, microbatch_group_size_per_vp_stage=1)
+    batches = toy.make_microbatches(m, 4, 2, hidden)
+    if arm == "key":
+        import l3plugin.megatron
+        from l3plugin.megatron import forward_backward_pipelining_flexible
+        from l3plugin.megatron.zero import attach_to_schedule, megatron_zero
+        from l3plugin.mesh.groups import init_mesh
+
+        l3plugin.megatron.install("flexible")
+        init_mesh(dp=dist.get_world_size())
+        chunks = toy.build_chunks(config, num_layers=layers, hidden=hidden, pp_rank=0, pp_size=1)
+        zero = megatron_zero(chunks, torch.optim.SGD([q for c in chunks for q in c.parameters()], lr=0.1), stage=2)
+        attach_to_schedule(config, zero)
+        for _ in range(steps):
+            forward_backward_pipelining_flexible(forward_step_func=toy.forward_step, data_iterator=[iter(batches)],
+                                                 model=chunks, num_microbatches=m, seq_length=4, micro_batch_size=2)
+            zero.step()
+        return
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_cpu_shim import stock_schedules_on_cpu
+
+    ps.initialize_model_parallel(create_gloo_process_groups=False)
+    chunk = toy.ToyChunk(config, range(layers), hidden, is_first=True, is_last=True)
+    optimizer = torch.optim.SGD(chunk.parameters(), lr=0.1)
+    group = ps.get_data_parallel_group()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        with stock_schedules_on_cpu():
+            get_forward_backward_func()(forward_step_func=toy.forward_step, data_iterator=iter(batches),
+                                        model=[chunk], num_microbatches=m, seq_length=4, micro_batch_size=2)
+        for p in chunk.parameters():
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= dist.get_world_size(group)
+        optimizer.step()
 
 
 # ---- the runs ----------------------------------------------------------------------------------------------
@@ -119,16 +180,21 @@ def run_once(shape: str, arm: str, folder: str, timeout: float) -> list:
     return codes
 
 
-def run_example(arm: str, folder: str, timeout: float) -> list:
-    """examples/deepspeed/train.py under torchrun as tests/test_examples.py runs it: [the launcher's exit code]
-    followed by the failed ranks' codes from its report ("timeout" when killed after ``timeout`` s)."""
+def run_example(shape: str, arm: str, folder: str, timeout: float) -> list:
+    """The example of ``shape`` (EXAMPLES) under torchrun as the tests run it (tests/test_examples.py,
+    tests/hf/test_hf_examples.py): [the launcher's exit code] followed by the failed ranks' codes from its report
+    ("timeout" when killed after ``timeout`` s)."""
     os.makedirs(folder, exist_ok=True)
+    example = os.path.join(ROOT, "examples", EXAMPLES[shape][0])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(EXAMPLE, "train.py"), "--steps", "2"]
+           os.path.join(example, EXAMPLES[shape][1]), "--steps", "2"]
+    if shape == "hf":
+        cmd += ["--docs-per-row", "12", "--output-dir", folder]
     if arm == "key":
-        cmd += ["--export", os.path.join(folder, "fp32.pt")]
+        if shape == "example":
+            cmd += ["--export", os.path.join(folder, "fp32.pt")]
     else:
-        with open(os.path.join(EXAMPLE, "ds_config.json")) as f:
+        with open(os.path.join(example, "ds_config.json")) as f:
             config = json.load(f)
         config.pop("l3plugin")
         stock = os.path.join(folder, "ds_config_stock.json")
@@ -147,7 +213,7 @@ def run_example(arm: str, folder: str, timeout: float) -> list:
     if proc.returncode == 0:
         return [0]
     ranks = [int(code) for code in re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", err, re.M)]  # the report's lines
-    print(f"  example/{arm}: exit {proc.returncode}, ranks {ranks}: "
+    print(f"  {shape}/{arm}: exit {proc.returncode}, ranks {ranks}: "
           f"{[line for line in err.splitlines() if 'terminate' in line or 'Error' in line][:2]}", file=sys.stderr)
     return [proc.returncode, *ranks]
 
@@ -215,11 +281,11 @@ def main(argv=None) -> dict:
                     for arm in arms:
                         t0 = time.monotonic()
                         folder = damaged.get(arm) if shape == "load" else os.path.join(root, f"{shape}-{arm}")
-                        codes = (run_example(arm, folder, args.timeout) if shape == "example"
+                        codes = (run_example(shape, arm, folder, args.timeout) if shape in EXAMPLES
                                  else run_once(shape, arm, folder, args.timeout))
                         counts[(shape, arm)]["ok" if all(c == 0 for c in codes) else "failed"] += 1
                         counts[(shape, arm)]["seconds"] += time.monotonic() - t0
-                        for code in codes[1:] if shape == "example" else codes:
+                        for code in codes[1:] if shape in EXAMPLES else codes:
                             if code != 0:
                                 counts[(shape, arm)][f"rank exit {code}"] += 1
                 so_far = "; ".join(f"{shape}/{arm} {counts[(shape, arm)]['ok']}/{_runs(counts[(shape, arm)])}"
