@@ -77,8 +77,8 @@ def pytest_sessionfinish(session, exitstatus):
 # Set by pytest for each phase of a test, or by a framework when it is first imported, for the process's life (the
 # test that happens to import it first is not to blame).
 SET_OUTSIDE_TESTS = {"PYTEST_CURRENT_TEST": "pytest",
-                "PYTORCH_NVML_BASED_CUDA_CHECK": "deepspeed/__init__.py (os.environ.setdefault at import)",
-                "TORCHINDUCTOR_CACHE_DIR": "torch/_inductor/runtime/cache_dir_utils.py (at the first compile)"}
+                     "PYTORCH_NVML_BASED_CUDA_CHECK": "deepspeed/__init__.py (os.environ.setdefault at import)",
+                     "TORCHINDUCTOR_CACHE_DIR": "torch/_inductor/runtime/cache_dir_utils.py (at the first compile)"}
 
 
 @pytest.fixture(autouse=True)
@@ -86,19 +86,12 @@ def leaves_no_state():
     """A test leaves the suite's process as it found it: its environment (a pool started later copies it into its
     workers; a wait bound left set slowed every later failure) and torch's function-mode stack (a mode left there
     runs in every later torch call). One that does not fails, naming what it left; it is restored for the next.
-    (The workers restore both after every call: l3plugin/ranks/worker.py.)"""
+    (The workers restore both after every call, with the same function: l3plugin/ranks/worker.py.)"""
+    from l3plugin.ranks.worker import restore
+
     environment, modes = dict(os.environ), torch._C._len_torch_function_stack()
     yield
-    changed = sorted(k for k in set(environment) | set(os.environ)
-                     if environment.get(k) != os.environ.get(k) and k not in SET_OUTSIDE_TESTS)
-    left = torch._C._len_torch_function_stack() - modes
-    for name in changed:
-        if name in environment:
-            os.environ[name] = environment[name]
-        else:
-            del os.environ[name]
-    for _ in range(max(left, 0)):
-        torch._C._pop_torch_function_stack()
+    changed, left = restore(environment, modes, keep=SET_OUTSIDE_TESTS)
     if changed or left:
         pytest.fail(f"the test changed {changed} in the environment and left {left} torch-function mode(s) on the "
                     "stack (restored now)")

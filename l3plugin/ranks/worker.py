@@ -213,7 +213,7 @@ def _run_task(rank, msg, keep_state):
         except Exception as exc:  # a stale mesh would poison the next call: fail this one instead
             out = (task_id, rank, False, f"cleanup after the call failed: {type(exc).__name__}: {exc}\n"
                                          f"{traceback.format_exc()}")
-        _restore(environment, modes)
+        restore(environment, modes)
     return (*out, _groups_left())
 
 
@@ -223,15 +223,23 @@ def _torch_function_modes() -> int:
     return torch._C._len_torch_function_stack()
 
 
-def _restore(environment: dict, modes: int) -> None:
-    """The environment and the torch-function mode stack as they were before the call: what a call sets
+def restore(environment: dict, modes: int, keep=()) -> tuple[list[str], int]:
+    """The environment and the torch-function mode stack as they were before a call or a test: what one sets
     (transformers' TrainingArguments exports ACCELERATE_*, a test its wait bound) or leaves on the stack (a mode
-    not exited, a parameter-gather guard of a kept optimizer) would change every later call in this worker, and
-    the order of tests would matter."""
+    not exited, a parameter-gather guard of a kept optimizer) would change every later one in this process, and
+    their order would matter. ``keep``: variables left as they are now. Returns (the variables put back, the modes
+    popped); tests/conftest.py fails a test that needed either."""
     import torch
 
-    if dict(os.environ) != environment:
-        os.environ.clear()
-        os.environ.update(environment)
+    changed = sorted(name for name in set(environment) | set(os.environ)
+                     if environment.get(name) != os.environ.get(name) and name not in keep)
+    for name in changed:
+        if name in environment:
+            os.environ[name] = environment[name]
+        else:
+            del os.environ[name]
+    popped = 0
     while torch._C._len_torch_function_stack() > modes:
         torch._C._pop_torch_function_stack()
+        popped += 1
+    return changed, popped
